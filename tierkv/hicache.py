@@ -1,0 +1,465 @@
+"""The hierarchical cache: ties the radix tree, the L1/L2 pools and the transfer controller.
+
+Thread contract: every public method runs on the scheduler thread. Background threads (copies, storage
+I/O) never touch the tree; their results arrive through ack queues drained by :meth:`step`.
+
+Tier invariants (checked by :meth:`check_integrity`): nodes holding device slots form a subtree at the
+root, and so do nodes holding host slots; every node holds one or both. A node's slots in each tier are
+owned by it alone, and every allocated slot is owned by a node, an in-flight operation or a caller.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from tierkv.config import CacheConfig
+from tierkv.eviction import eviction_order, get_policy
+from tierkv.pools.kv import DeviceKVPool, HostKVPool, host_pool_tokens
+from tierkv.radix import RadixKey, RadixTree, TreeNode
+from tierkv.tp import TPGroup
+from tierkv.transfer import CopyHandle, TransferController, resolve_host_layout
+
+log = logging.getLogger(__name__)
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+@dataclass
+class MatchResult:
+    """What a prefix lookup found: the L1 part (usable now) and the L2 part behind it."""
+
+    device_indices: torch.Tensor
+    last_device_node: TreeNode
+    last_host_node: TreeNode
+    host_hit_length: int
+
+
+@dataclass
+class CacheStats:
+    device_hit_tokens: int = 0
+    host_hit_tokens: int = 0
+    storage_hit_tokens: int = 0
+    evicted_device_tokens: int = 0
+    evicted_host_tokens: int = 0
+    written_tokens: int = 0
+    loaded_tokens: int = 0
+    write_skipped_tokens: int = 0
+    failed_copies: int = 0
+
+
+@dataclass
+class PendingWrite:
+    """An L1 -> L2 backup in flight: ``node``'s path is locked (L1) and protected (L2) until it completes."""
+
+    node: TreeNode
+    host_slots: torch.Tensor
+    num_tokens: int
+
+
+@dataclass
+class PendingLoad:
+    """An L2 -> L1 load in flight: ``node``'s path is locked and protected until it completes."""
+
+    node: TreeNode
+    device_slots: torch.Tensor
+    handle: CopyHandle
+
+    def wait(self) -> bool:
+        """Block until the KV is in L1; False if the copy failed (its slots hold no valid KV)."""
+        self.handle.wait()
+        return self.handle.error is None
+
+
+@dataclass
+class LoadResult:
+    """Outcome of :meth:`HiRadixCache.init_load_back`: the device indices of the whole usable prefix."""
+
+    device_indices: torch.Tensor
+    last_node: TreeNode
+    pending: PendingLoad | None = None
+    loaded_tokens: int = 0
+
+
+class HiRadixCache:
+    """Prefix cache over L1 (device) and L2 (host) tiers; see the module docstring for contracts."""
+
+    def __init__(self, device_pool: DeviceKVPool, config: CacheConfig | None = None,
+                 host_pool: HostKVPool | None = None, tp: TPGroup | None = None) -> None:
+        self.config = config or CacheConfig()
+        if device_pool.page_size != self.config.page_size:
+            raise ValueError(f"device pool page_size {device_pool.page_size} != config page_size "
+                             f"{self.config.page_size}")
+        self.device_pool = device_pool
+        self.tree = RadixTree(self.config.page_size, bigram=self.config.bigram)
+        self.priority = get_policy(self.config.eviction_policy)
+        self.tp = tp or TPGroup.single()
+        self.stats = CacheStats()
+        self.host_pool = host_pool
+        self.transfer: TransferController | None = None
+        if self.config.enable_host:
+            self.host_pool = host_pool or self._make_host_pool()
+            self.transfer = TransferController(device_pool, self.host_pool, self.config.io_backend)
+        self.storage = None  # set by an L3 tier: see tierkv.storage
+
+    def _make_host_pool(self) -> HostKVPool:
+        cfg, spec = self.config, self.device_pool.spec
+        layout = resolve_host_layout(cfg.host_layout, cfg.io_backend)
+        tokens = host_pool_tokens(self.device_pool.num_slots, spec.bytes_per_token, cfg.page_size,
+                                  cfg.hicache_ratio, cfg.hicache_size_gb)
+        return HostKVPool(spec, tokens, cfg.page_size, layout)
+
+    # ---- lookup ---------------------------------------------------------------------------------
+    def match_prefix(self, key: RadixKey) -> MatchResult:
+        """Longest cached prefix of ``key`` in L1 and L2. Lock contract: takes no lock (caller locks)."""
+        path = self.tree.match(key)
+        device_values, last_device = [], self.tree.root
+        for node in path.nodes:
+            if node.device_value is None:
+                break
+            device_values.append(node.device_value)
+            last_device = node
+        device_hit = sum(len(v) for v in device_values)
+        host_hit = path.num_tokens - device_hit
+        self.stats.device_hit_tokens += device_hit
+        self.stats.host_hit_tokens += host_hit
+        indices = torch.cat(device_values) if device_values else _EMPTY
+        return MatchResult(indices, last_device, path.last_node or self.tree.root, host_hit)
+
+    def inc_lock_ref(self, node: TreeNode) -> None:
+        """Lock contract: locks ``node``'s path in L1 (never evicted) until :meth:`dec_lock_ref`."""
+        self.tree.inc_lock_ref(node)
+
+    def dec_lock_ref(self, node: TreeNode) -> None:
+        """Lock contract: releases one lock taken by :meth:`inc_lock_ref` on ``node``."""
+        self.tree.dec_lock_ref(node)
+
+    # ---- insert and write policies -----------------------------------------------------------
+    def insert(self, key: RadixKey, device_slots: torch.Tensor, priority: int = 0) -> int:
+        """Cache ``key`` whose KV sits in ``device_slots``; returns how many of them the tree now owns.
+
+        Slots duplicating KV the tree already holds are freed; slots past the returned count (a partial
+        last page) stay the caller's. Lock contract: takes no lock; may lock nodes for a write-through.
+        """
+        result = self.tree.insert(key, device_slots, priority)
+        for node, start, end in result.shared:
+            mine = device_slots[start:end]
+            duplicate = mine[mine != node.device_value]
+            if len(duplicate):
+                self.device_pool.free(duplicate)
+        for node in result.path:
+            node.hit_count += 1
+        threshold = self.config.write_threshold
+        if self.transfer is not None and threshold is not None:
+            hot = [n for n in result.path if n.host_value is None and n.hit_count >= threshold]
+            if hot:
+                self.write_backup(hot[-1])
+        return result.prefix_len + (len(result.new_node) if result.new_node else 0)
+
+    def write_backup(self, node: TreeNode) -> bool:
+        """Back ``node`` (and any ancestor not yet in L2) up to L2 asynchronously.
+
+        Lock contract: locks the path in L1 and protects it in L2 until the write is acknowledged.
+        Returns False when L2 has no room even after evicting from it (the node stays L1-only).
+        """
+        path = []
+        walk = node
+        while walk is not self.tree.root and walk.host_value is None:
+            path.append(walk)
+            walk = walk.parent
+        path.reverse()
+        if not path:
+            return True
+        num_tokens = sum(len(n) for n in path)
+        host_slots = self._alloc_host(num_tokens)
+        if host_slots is None:
+            self.stats.write_skipped_tokens += num_tokens
+            return False
+        device_slots = torch.cat([n.device_value for n in path])
+        self._assign_host_values(path, host_slots)
+        self.tree.inc_lock_ref(node)
+        self.tree.inc_host_ref(node)
+        self.transfer.write(device_slots, host_slots, PendingWrite(node, host_slots, num_tokens))
+        return True
+
+    @staticmethod
+    def _assign_host_values(path: list[TreeNode], host_slots: torch.Tensor) -> None:
+        offset = 0
+        for n in path:
+            n.host_value = host_slots[offset:offset + len(n)]
+            offset += len(n)
+
+    # ---- completion of asynchronous work -------------------------------------------------------
+    def local_progress(self) -> list[int]:
+        """Counts of completed operations at the head of each ack queue, in a fixed order."""
+        if self.transfer is None:
+            return [0, 0]
+        counts = [self.transfer.num_done(self.transfer.writes), self.transfer.num_done(self.transfer.loads)]
+        if self.storage is not None:
+            counts += self.storage.local_progress()
+        return counts
+
+    def apply_progress(self, counts: list[int]) -> None:
+        """Retire the agreed number of completed operations. Lock contract: releases their locks."""
+        if self.transfer is None:
+            return
+        for handle, pending in self.transfer.pop_done(self.transfer.writes, counts[0]):
+            self._finish_write(pending, handle)
+        for handle, pending in self.transfer.pop_done(self.transfer.loads, counts[1]):
+            self._finish_load(pending, handle)
+        if self.storage is not None:
+            self.storage.apply_progress(counts[2:])
+
+    def step(self) -> None:
+        """Once per scheduler step: agree on progress across TP ranks (one collective) and apply it."""
+        self.apply_progress(self.tp.all_reduce_min(self.local_progress()))
+
+    def writing_check(self) -> None:
+        """Retire finished writes only (a step without loads or storage). Lock contract: as apply_progress."""
+        counts = self.local_progress()
+        self.apply_progress(self.tp.all_reduce_min([counts[0], 0] + [0] * (len(counts) - 2)))
+
+    def loading_check(self) -> None:
+        """Retire finished loads only. Lock contract: as apply_progress."""
+        counts = self.local_progress()
+        self.apply_progress(self.tp.all_reduce_min([0, counts[1]] + [0] * (len(counts) - 2)))
+
+    def _finish_write(self, pending: PendingWrite, handle: CopyHandle) -> None:
+        self.tree.dec_lock_ref(pending.node)
+        self.tree.dec_host_ref(pending.node)
+        if handle.error is not None:
+            self.stats.failed_copies += 1
+            self._drop_host_slots(pending.node, pending.host_slots)
+            return
+        self.stats.written_tokens += pending.num_tokens
+        if self.storage is not None:
+            self.storage.backup(pending.node)
+
+    def _drop_host_slots(self, node: TreeNode, host_slots: torch.Tensor) -> None:
+        """Forget host values that point into ``host_slots`` (a failed write) on ``node``'s path."""
+        for n in reversed(self.tree.path_to_root(node)):
+            if n.host_value is not None and torch.isin(n.host_value, host_slots).all():
+                n.host_value = None
+                if n.device_value is None:
+                    raise AssertionError(f"node {n.id} lost both tiers after a failed write")
+        self.host_pool.free(host_slots)
+
+    def _finish_load(self, pending: PendingLoad, handle: CopyHandle) -> None:
+        self.tree.dec_lock_ref(pending.node)
+        self.tree.dec_host_ref(pending.node)
+        if handle.error is not None:
+            self.stats.failed_copies += 1
+            self._drop_loaded(pending)
+
+    def _drop_loaded(self, pending: PendingLoad) -> None:
+        """A failed load left garbage in its device slots: evict them again (unlocked nodes only)."""
+        for n in reversed(self.tree.path_to_root(pending.node)):
+            if n.device_value is not None and n.lock_ref == 0 and torch.isin(n.device_value,
+                                                                             pending.device_slots).all():
+                self.device_pool.free(self.tree.clear_device_value(n))
+
+    def flush(self) -> None:
+        """Wait for every copy in flight and retire it. Lock contract: releases their locks."""
+        if self.transfer is not None:
+            self.transfer.synchronize()
+        if self.storage is not None:
+            self.storage.flush()
+        self.step()
+
+    # ---- load back ---------------------------------------------------------------------------
+    def init_load_back(self, last_node: TreeNode, mem_quota: int | None = None) -> LoadResult:
+        """Load the host-only part of ``last_node``'s path into L1 in one batch, or none of it.
+
+        Skipped when under ``load_back_threshold`` tokens, over ``mem_quota`` or when L1 has no room
+        even after eviction. Lock contract: loaded nodes stay locked until the load is acknowledged;
+        the caller must :meth:`PendingLoad.wait` before reading the KV.
+        """
+        path = self.tree.path_to_root(last_node)
+        host_only = [n for n in path if n.device_value is None]
+        device_part = path[: len(path) - len(host_only)]
+        last_device = device_part[-1] if device_part else self.tree.root
+        num_tokens = sum(len(n) for n in host_only)
+        if num_tokens == 0 or self.transfer is None:
+            return LoadResult(self._path_indices(device_part), last_device)
+        too_small = num_tokens < self.config.load_back_threshold
+        if too_small or (mem_quota is not None and num_tokens > mem_quota):
+            return LoadResult(self._path_indices(device_part), last_device)
+        self.tree.inc_lock_ref(last_device)  # eviction for room must not take the prefix we extend
+        device_slots = self._alloc_device(num_tokens)
+        self.tree.dec_lock_ref(last_device)
+        if device_slots is None:
+            return LoadResult(self._path_indices(device_part), last_device)
+        host_slots = torch.cat([n.host_value for n in host_only])
+        offset = 0
+        for n in host_only:
+            self.tree.set_device_value(n, device_slots[offset:offset + len(n)])
+            offset += len(n)
+        self.tree.inc_lock_ref(last_node)
+        self.tree.inc_host_ref(last_node)
+        pending = PendingLoad(last_node, device_slots, handle=None)  # type: ignore[arg-type]
+        pending.handle = self.transfer.load(host_slots, device_slots, pending)
+        self.stats.loaded_tokens += num_tokens
+        return LoadResult(self._path_indices(path), last_node, pending, num_tokens)
+
+    @staticmethod
+    def _path_indices(nodes: list[TreeNode]) -> torch.Tensor:
+        return torch.cat([n.device_value for n in nodes]) if nodes else _EMPTY
+
+    # ---- eviction ----------------------------------------------------------------------------
+    def evict(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` L1 slots if that many are evictable; returns the number freed.
+
+        Backed-up nodes drop their device slots and stay host-only; others are deleted, or under
+        write_back copied to L2 first (waiting for the copy). Lock contract: skips locked nodes.
+        """
+        freed, write_back = 0, []
+        order = eviction_order(self.tree.device_leaves(), self.priority, self._next_device_candidate)
+        for node in order:
+            if freed >= num_tokens:
+                break
+            freed += len(node)
+            if node.host_value is not None:
+                self.device_pool.free(self.tree.clear_device_value(node))
+            elif self.config.write_policy == "write_back" and self._reserve_write_back(node):
+                write_back.append(node)
+            else:
+                self.device_pool.free(self.tree.clear_device_value(node))
+                self.tree.remove_leaf(node)
+        self._finish_write_back(write_back)
+        self.stats.evicted_device_tokens += freed
+        return freed
+
+    def _next_device_candidate(self, node: TreeNode) -> TreeNode | None:
+        parent = node.parent
+        return parent if parent is not None and self.tree.is_device_leaf(parent) else None
+
+    def _reserve_write_back(self, node: TreeNode) -> bool:
+        """Give an evicted write_back node host slots and protect it until its copy is done."""
+        host_slots = self._alloc_host(len(node))
+        if host_slots is None:
+            self.stats.write_skipped_tokens += len(node)
+            return False
+        node.host_value = host_slots
+        self.tree.inc_host_ref(node)
+        return True
+
+    def _finish_write_back(self, nodes: list[TreeNode]) -> None:
+        if not nodes:
+            return
+        device_slots = torch.cat([n.device_value for n in nodes])
+        error = self.transfer.write_now(device_slots, torch.cat([n.host_value for n in nodes]))
+        for n in nodes:
+            self.tree.dec_host_ref(n)
+            self.device_pool.free(self.tree.clear_device_value(n))
+        if error is not None:
+            self.stats.failed_copies += 1
+            for n in nodes:
+                self.host_pool.free(n.host_value)
+                n.host_value = None
+                self.tree.remove_leaf(n)
+            return
+        self.stats.written_tokens += len(device_slots)
+        if self.storage is not None:
+            for n in nodes:
+                self.storage.backup(n)
+
+    def evict_host(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` L2 slots if possible; returns the number freed.
+
+        Host-only leaves are deleted; L1-resident leaves just drop their backup. Lock contract: skips
+        nodes with host_ref (in-flight writes, loads, backups) and locked host-only nodes.
+        """
+        freed = 0
+        order = eviction_order(self.tree.host_leaves(), self.priority, self._next_host_candidate)
+        for node in order:
+            if freed >= num_tokens:
+                break
+            freed += len(node)
+            self.host_pool.free(node.host_value)
+            node.host_value = None
+            if node.device_value is None:
+                self.tree.remove_leaf(node)
+        self.stats.evicted_host_tokens += freed
+        return freed
+
+    def _next_host_candidate(self, node: TreeNode) -> TreeNode | None:
+        parent = node.parent
+        return parent if parent is not None and self.tree.is_host_leaf(parent) else None
+
+    def _alloc_device(self, num_tokens: int) -> torch.Tensor | None:
+        slots = self.device_pool.alloc(num_tokens)
+        if slots is None:
+            self.evict(num_tokens - self.device_pool.num_free_slots)
+            slots = self.device_pool.alloc(num_tokens)
+        return slots
+
+    def _alloc_host(self, num_tokens: int) -> torch.Tensor | None:
+        slots = self.host_pool.alloc(num_tokens)
+        if slots is None:
+            self.evict_host(num_tokens - self.host_pool.num_free_slots)
+            slots = self.host_pool.alloc(num_tokens)
+        return slots
+
+    def alloc_device(self, num_tokens: int) -> torch.Tensor | None:
+        """Slots for a request's new tokens, evicting from L1 if needed. Lock contract: takes no lock."""
+        return self._alloc_device(num_tokens)
+
+    # ---- maintenance -------------------------------------------------------------------------
+    @property
+    def evictable_size(self) -> int:
+        return self.tree.evictable_size
+
+    @property
+    def protected_size(self) -> int:
+        return self.tree.protected_size
+
+    def reset(self) -> None:
+        """Drop every cached token in all tiers. Lock contract: no request may hold a lock."""
+        self.flush()
+        self.tree.reset()
+        self.device_pool.allocator.reset()
+        if self.host_pool is not None:
+            self.host_pool.allocator.reset()
+        if self.storage is not None:
+            self.storage.reset()
+        self.stats = CacheStats()
+
+    def close(self) -> None:
+        """Finish in-flight work and stop background threads."""
+        self.flush()
+        if self.storage is not None:
+            self.storage.close()
+        if self.transfer is not None:
+            self.transfer.shutdown()
+
+    def check_integrity(self, caller_device_slots: torch.Tensor | None = None,
+                        caller_host_slots: torch.Tensor | None = None) -> None:
+        """Check the tree and that every allocated slot has exactly one owner (tree, in-flight, caller)."""
+        self.tree.check_integrity()
+        device_owned = [n.device_value for n in self.tree.nodes() if n.device_value is not None]
+        if caller_device_slots is not None:
+            device_owned.append(caller_device_slots)
+        _check_ownership("device", self.device_pool, device_owned)
+        if self.host_pool is not None:
+            host_owned = [n.host_value for n in self.tree.nodes() if n.host_value is not None]
+            if self.storage is not None:
+                host_owned += self.storage.owned_host_slots()
+            if caller_host_slots is not None:
+                host_owned.append(caller_host_slots)
+            _check_ownership("host", self.host_pool, host_owned)
+
+
+def _check_ownership(tier: str, pool: DeviceKVPool | HostKVPool, owned: list[torch.Tensor]) -> None:
+    slots = torch.cat(owned) if owned else _EMPTY
+    counts = torch.bincount(slots, minlength=pool.num_slots) if len(slots) else torch.zeros(
+        pool.num_slots, dtype=torch.int64)
+    if (counts > 1).any():
+        raise AssertionError(f"{tier} slots owned twice: {torch.nonzero(counts > 1).flatten()[:8].tolist()}")
+    allocated = pool.allocator.owned_mask().repeat_interleave(pool.page_size)
+    owned_mask = counts > 0
+    if not torch.equal(allocated, owned_mask):
+        leaked = torch.nonzero(allocated & ~owned_mask).flatten()[:8].tolist()
+        stray = torch.nonzero(owned_mask & ~allocated).flatten()[:8].tolist()
+        raise AssertionError(f"{tier} pool: leaked slots {leaked}, owned but free {stray}")

@@ -1,0 +1,93 @@
+"""Page-granular slot allocator: a free list of pages, handing out token slot indices."""
+
+from __future__ import annotations
+
+import torch
+
+
+class SlotAllocator:
+    """Owns ``num_pages`` pages of ``page_size`` slots. Slots are int64 CPU tensors.
+
+    Freed pages are parked and merged (sorted) into the free list only when it runs short, so
+    allocations stay mostly contiguous, which lets copies run as few large blocks.
+    """
+
+    def __init__(self, num_slots: int, page_size: int) -> None:
+        if not isinstance(page_size, int) or page_size < 1:
+            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+        if not isinstance(num_slots, int) or num_slots < page_size:
+            raise ValueError(f"num_slots must be an int >= page_size ({page_size}), got {num_slots!r}")
+        self.page_size = page_size
+        self.num_pages = num_slots // page_size
+        self.num_slots = self.num_pages * page_size
+        self._page_offsets = torch.arange(page_size, dtype=torch.int64)
+        self.reset()
+
+    def reset(self) -> None:
+        self._free_pages = torch.arange(self.num_pages, dtype=torch.int64)
+        self._released: list[torch.Tensor] = []
+        self._num_released = 0
+        self._is_free = torch.ones(self.num_pages, dtype=torch.bool)
+
+    @property
+    def num_free_slots(self) -> int:
+        return (len(self._free_pages) + self._num_released) * self.page_size
+
+    @property
+    def num_used_slots(self) -> int:
+        return self.num_slots - self.num_free_slots
+
+    def alloc(self, num_tokens: int) -> torch.Tensor | None:
+        """Slots for ``num_tokens`` (a multiple of page_size), or None when not enough are free."""
+        if num_tokens % self.page_size:
+            raise ValueError(f"num_tokens {num_tokens} is not a multiple of page_size {self.page_size}")
+        num_pages = num_tokens // self.page_size
+        if num_pages > len(self._free_pages):
+            self._merge_released()
+            if num_pages > len(self._free_pages):
+                return None
+        pages, self._free_pages = self._free_pages[:num_pages], self._free_pages[num_pages:]
+        self._is_free[pages] = False
+        return self.pages_to_slots(pages)
+
+    def free(self, slots: torch.Tensor) -> None:
+        """Return whole pages of slots; freeing a slot that is already free is an error."""
+        if slots.numel() == 0:
+            return
+        pages = self.slots_to_pages(slots)
+        if self._is_free[pages].any() or len(torch.unique(pages)) != len(pages):
+            raise ValueError(f"double free of pages {pages[self._is_free[pages]].tolist()[:8]}")
+        self._is_free[pages] = True
+        self._released.append(pages)
+        self._num_released += len(pages)
+
+    def pages_to_slots(self, pages: torch.Tensor) -> torch.Tensor:
+        if self.page_size == 1:
+            return pages.clone()
+        return (pages[:, None] * self.page_size + self._page_offsets).reshape(-1)
+
+    def slots_to_pages(self, slots: torch.Tensor) -> torch.Tensor:
+        """Page ids of whole-page slot runs; a partial or misaligned page is an error."""
+        slots = slots.to(torch.int64).reshape(-1)
+        if len(slots) % self.page_size:
+            raise ValueError(f"{len(slots)} slots are not whole pages of {self.page_size}")
+        if self.page_size == 1:
+            pages = slots
+        else:
+            grid = slots.view(-1, self.page_size)
+            pages = grid[:, 0] // self.page_size
+            if not torch.equal(grid, pages[:, None] * self.page_size + self._page_offsets):
+                raise ValueError("slots are not whole aligned pages")
+        if len(pages) and (pages.min() < 0 or pages.max() >= self.num_pages):
+            raise ValueError(f"slot out of range [0, {self.num_slots})")
+        return pages
+
+    def owned_mask(self) -> torch.Tensor:
+        """Per page: True when allocated. For integrity checks."""
+        return ~self._is_free
+
+    def _merge_released(self) -> None:
+        if self._released:
+            merged = torch.cat([self._free_pages, *self._released])
+            self._free_pages = torch.sort(merged).values
+            self._released, self._num_released = [], 0

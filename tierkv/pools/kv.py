@@ -1,0 +1,187 @@
+"""KV pools: one tensor per tier indexed by token slot, with a page-granular allocator.
+
+Every pool exposes its buffer through a *paged view*: a tensor with one dimension indexing pages and a
+permutation that turns a selection of pages into the canonical ``[num_kv, layers, pages, page_size,
+heads, dim]`` order. Transfers only ever talk in that canonical order, so any two layouts copy into
+each other without knowing each other's shapes.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tierkv.pools.allocator import SlotAllocator
+from tierkv.pools.spec import KVSpec
+
+log = logging.getLogger(__name__)
+
+HOST_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+
+
+def _inverse(perm: tuple[int, ...]) -> tuple[int, ...]:
+    inv = [0] * len(perm)
+    for i, p in enumerate(perm):
+        inv[p] = i
+    return tuple(inv)
+
+
+class PagedKVBuffer:
+    """A KV buffer plus its allocator. Subclasses fix the layout by setting ``paged``/``page_dim``/``perm``."""
+
+    layout = "layer_first"
+
+    def __init__(self, spec: KVSpec, num_tokens: int, page_size: int, device: torch.device | str,
+                 pin_memory: bool = False) -> None:
+        if not isinstance(num_tokens, int) or num_tokens < page_size:
+            raise ValueError(f"pool size {num_tokens!r} tokens is smaller than one page of {page_size}")
+        self.spec = spec
+        self.page_size = page_size
+        self.allocator = SlotAllocator(num_tokens, page_size)
+        self.num_slots = self.allocator.num_slots
+        self.num_pages = self.allocator.num_pages
+        self.device = torch.device(device)
+        self.buffer = torch.empty(self._shape(), dtype=spec.dtype, device=self.device, pin_memory=pin_memory)
+        self.buffer.zero_()  # touch every page now: first writes to fresh memory are far slower
+        self.paged, self.page_dim, self.perm = self._paged_view()
+        self.inverse_perm = _inverse(self.perm)
+
+    # layer_first by default: [num_kv, layers, slots, heads, dim]
+    def _shape(self) -> tuple[int, ...]:
+        s = self.spec
+        return (s.num_kv, s.num_layers, self.num_slots, s.heads, s.dim)
+
+    def _paged_view(self) -> tuple[torch.Tensor, int, tuple[int, ...]]:
+        return self.buffer.unflatten(2, (self.num_pages, self.page_size)), 2, (0, 1, 2, 3, 4, 5)
+
+    @property
+    def size_bytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+    @property
+    def page_nbytes(self) -> int:
+        return self.page_size * self.spec.bytes_per_token
+
+    def alloc(self, num_tokens: int) -> torch.Tensor | None:
+        return self.allocator.alloc(num_tokens)
+
+    def free(self, slots: torch.Tensor) -> None:
+        self.allocator.free(slots)
+
+    @property
+    def num_free_slots(self) -> int:
+        return self.allocator.num_free_slots
+
+    def gather_pages(self, pages: torch.Tensor) -> torch.Tensor:
+        """Copy of the selected pages in canonical order (a permuted view of a fresh tensor)."""
+        return self.paged.index_select(self.page_dim, pages.to(self.device)).permute(self.perm)
+
+    def scatter_pages(self, pages: torch.Tensor, canonical: torch.Tensor) -> None:
+        """Write canonical-order data into the selected pages."""
+        src = canonical.permute(self.inverse_perm)
+        self.paged.index_copy_(self.page_dim, pages.to(self.device), src)
+
+    def page_range(self, first_page: int, num_pages: int) -> torch.Tensor:
+        """A canonical-order view of ``num_pages`` consecutive pages (no copy)."""
+        return self.paged.narrow(self.page_dim, first_page, num_pages).permute(self.perm)
+
+    def read_tokens(self, slots: torch.Tensor) -> torch.Tensor:
+        """KV of the given slots as ``[num_kv, layers, n, heads, dim]`` (a copy). For tests and tools."""
+        pages = self.allocator.slots_to_pages(slots) if len(slots) % self.page_size == 0 else None
+        if pages is not None:
+            return self.gather_pages(pages).flatten(2, 3).contiguous()
+        raise ValueError("read_tokens needs whole pages")
+
+    def write_tokens(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
+        """Write ``[num_kv, layers, n, heads, dim]`` into whole pages of slots. For tests and tools."""
+        pages = self.allocator.slots_to_pages(slots)
+        self.scatter_pages(pages, kv.unflatten(2, (len(pages), self.page_size)))
+
+
+class DeviceKVPool(PagedKVBuffer):
+    """L1: the accelerator pool attention reads. Layer-first so each layer's K/V is one tensor."""
+
+    def k_buffer(self, layer: int) -> torch.Tensor:
+        return self.buffer[0, layer]
+
+    def v_buffer(self, layer: int) -> torch.Tensor:
+        if self.spec.attention != "mha":
+            raise ValueError("an MLA pool has one latent buffer per layer; use latent_buffer()")
+        return self.buffer[1, layer]
+
+    def latent_buffer(self, layer: int) -> torch.Tensor:
+        return self.buffer[0, layer]
+
+
+class HostKVPool(PagedKVBuffer):
+    """L2: host memory, pinned when CUDA exists, in one of three layouts (see module docstring)."""
+
+    def __init__(self, spec: KVSpec, num_tokens: int, page_size: int, layout: str = "layer_first",
+                 pin_memory: bool | None = None) -> None:
+        if layout not in HOST_LAYOUTS:
+            raise ValueError(f"host layout {layout!r} is not one of {HOST_LAYOUTS}")
+        self.layout = layout
+        if pin_memory is None:
+            pin_memory = torch.cuda.is_available()
+        super().__init__(spec, num_tokens, page_size, "cpu", pin_memory=pin_memory)
+
+    def _shape(self) -> tuple[int, ...]:
+        s = self.spec
+        if self.layout == "page_first":
+            return (self.num_slots, s.num_kv, s.num_layers, s.heads, s.dim)
+        if self.layout == "page_first_direct":
+            return (self.num_pages, s.num_kv, s.num_layers, self.page_size, s.heads, s.dim)
+        return super()._shape()
+
+    def _paged_view(self) -> tuple[torch.Tensor, int, tuple[int, ...]]:
+        if self.layout == "page_first":
+            return self.buffer.unflatten(0, (self.num_pages, self.page_size)), 0, (2, 3, 0, 1, 4, 5)
+        if self.layout == "page_first_direct":
+            return self.buffer, 0, (1, 2, 0, 3, 4, 5)
+        return super()._paged_view()
+
+    def page_bytes(self, page: int) -> torch.Tensor | None:
+        """A writable uint8 view of one page's bytes when the layout keeps a page contiguous, else None."""
+        if self.layout == "layer_first":
+            return None
+        return self.paged.select(0, page).reshape(-1).view(torch.uint8)
+
+    def read_page(self, page: int) -> torch.Tensor:
+        """One page as contiguous uint8 bytes (a view for page-first layouts, a copy for layer_first)."""
+        view = self.page_bytes(page)
+        if view is not None:
+            return view
+        return self.paged.select(self.page_dim, page).contiguous().reshape(-1).view(torch.uint8)
+
+    def write_page(self, page: int, data: torch.Tensor) -> None:
+        """Fill one page from uint8 bytes as produced by :meth:`read_page`."""
+        if data.numel() != self.page_nbytes:
+            raise ValueError(f"page data has {data.numel()} bytes, expected {self.page_nbytes}")
+        view = self.page_bytes(page)
+        if view is not None:
+            view.copy_(data)
+            return
+        target = self.paged.select(self.page_dim, page)
+        target.copy_(data.view(self.spec.dtype).view(target.shape))
+
+
+def host_pool_tokens(device_tokens: int, bytes_per_token: int, page_size: int,
+                     ratio: float = 2.0, size_gb: float | None = None) -> int:
+    """L2 size in tokens: ``size_gb`` when given (overrides ``ratio``), else ``ratio`` x the L1 size.
+
+    A host pool not larger than the device pool cannot hold anything L1 does not, so it is an error.
+    """
+    if size_gb is not None:
+        if not isinstance(size_gb, (int, float)) or size_gb <= 0:
+            raise ValueError(f"hicache_size must be a positive number of GB, got {size_gb!r}")
+        tokens = int(size_gb * 1e9) // bytes_per_token
+    else:
+        if not isinstance(ratio, (int, float)) or ratio <= 0:
+            raise ValueError(f"hicache_ratio must be a positive number, got {ratio!r}")
+        tokens = int(device_tokens * ratio)
+    tokens -= tokens % page_size
+    if tokens <= device_tokens:
+        raise ValueError(f"host pool of {tokens} tokens is not larger than the device pool of "
+                         f"{device_tokens} tokens (hicache_ratio={ratio!r}, hicache_size={size_gb!r})")
+    return tokens

@@ -1,0 +1,388 @@
+"""Radix tree over token-id keys: structure only.
+
+Values stored on nodes (device slots, host slots, page hashes) are opaque to the tree: it only needs
+``len()`` and slicing of them, so it never imports torch or knows about tiers.
+
+Invariants kept by the tree (checked by :meth:`RadixTree.check_integrity`):
+- every non-root node has a non-empty key whose length is a multiple of ``page_size``;
+- a node with a value has ``len(value) == len(key)``;
+- children are keyed by :func:`RadixTree.child_key` of their key;
+- ``evictable_size + protected_size`` equals the device tokens held by the tree, split by lock state.
+"""
+
+from __future__ import annotations
+
+import itertools
+from array import array
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Iterator, Sequence
+
+_node_ids = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class RadixKey:
+    """A request's token ids plus an optional namespace; different ``extra_key`` never share nodes."""
+
+    token_ids: Sequence[int]
+    extra_key: str | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+class TreeNode:
+    """One edge of the tree. ``last_access_time`` is a logical clock tick, identical across TP ranks."""
+
+    __slots__ = (
+        "id", "key", "extra_key", "parent", "children", "device_value", "host_value", "hash_values",
+        "lock_ref", "host_ref", "hit_count", "last_access_time", "creation_time", "priority",
+    )
+
+    def __init__(self, key: list, extra_key: str | None, parent: "TreeNode | None", tick: int) -> None:
+        self.id = next(_node_ids)
+        self.key = key
+        self.extra_key = extra_key
+        self.parent = parent
+        self.children: dict[Hashable, TreeNode] = {}
+        self.device_value: Any = None
+        self.host_value: Any = None
+        self.hash_values: list | None = None
+        self.lock_ref = 0
+        self.host_ref = 0
+        self.hit_count = 0
+        self.last_access_time = tick
+        self.creation_time = tick
+        self.priority = 0
+
+    @property
+    def evicted(self) -> bool:
+        return self.device_value is None
+
+    @property
+    def backed_up(self) -> bool:
+        return self.host_value is not None
+
+    def __len__(self) -> int:
+        return len(self.key)
+
+    def __repr__(self) -> str:
+        return (f"TreeNode(id={self.id}, len={len(self.key)}, device={self.device_value is not None}, "
+                f"host={self.host_value is not None}, lock={self.lock_ref}, host_ref={self.host_ref})")
+
+
+@dataclass
+class MatchPath:
+    """Nodes matched from the root (root excluded), deepest last, and the matched element count."""
+
+    nodes: list[TreeNode]
+    num_tokens: int
+
+    @property
+    def last_node(self) -> TreeNode | None:
+        return self.nodes[-1] if self.nodes else None
+
+
+@dataclass
+class InsertResult:
+    """Where an insert met the existing tree.
+
+    ``shared`` lists ``(node, start, end)`` for nodes that already held the device value of
+    ``value[start:end]``; ``revived`` those that had none and adopted it; ``new_node`` is the new leaf.
+    """
+
+    prefix_len: int
+    shared: list[tuple[TreeNode, int, int]] = field(default_factory=list)
+    revived: list[TreeNode] = field(default_factory=list)
+    new_node: TreeNode | None = None
+    path: list[TreeNode] = field(default_factory=list)
+
+
+def _common_prefix_len(a: list, b: list) -> int:
+    """Length of the common prefix; C-speed slice compares with a binary search on mismatch."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n - 1  # a[:lo] equal, a[:hi+1] not
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class RadixTree:
+    """Prefix tree over page-aligned token keys. Not thread-safe: callers serialise access."""
+
+    def __init__(self, page_size: int = 1, bigram: bool = False) -> None:
+        if not isinstance(page_size, int) or page_size < 1:
+            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+        self.page_size = page_size
+        self.bigram = bigram
+        self._tick = 0
+        self.root = TreeNode([], None, None, 0)
+        self.root.lock_ref = 1  # the root is never evicted
+        self.evictable_size = 0
+        self.protected_size = 0
+
+    # ---- keys ---------------------------------------------------------------------------------------
+    def elements(self, key: RadixKey) -> list:
+        """Key elements the tree stores: tokens, or token pairs in bigram mode, cut to whole pages."""
+        if not isinstance(key, RadixKey):
+            raise TypeError(f"key must be a RadixKey, got {type(key).__name__}")
+        try:
+            array("q", key.token_ids)  # C-speed check that every id is a 64-bit int
+        except (TypeError, OverflowError) as exc:
+            raise TypeError(f"token ids must be 64-bit ints: {exc}") from None
+        ids = list(key.token_ids)
+        elems: list = list(zip(ids, ids[1:])) if self.bigram else ids
+        cut = len(elems) - len(elems) % self.page_size
+        return elems[:cut]
+
+    def child_key(self, elems: list, extra_key: str | None) -> Hashable:
+        first = elems[0] if self.page_size == 1 else tuple(elems[: self.page_size])
+        return first if extra_key is None else (extra_key, first)
+
+    def _aligned(self, n: int) -> int:
+        return n - n % self.page_size
+
+    def _touch(self) -> int:
+        self._tick += 1
+        return self._tick
+
+    # ---- match / insert -----------------------------------------------------------------------------
+    def match(self, key: RadixKey, touch: bool = True) -> MatchPath:
+        """Walk the longest page-aligned prefix of ``key``, splitting a node at a partial match.
+
+        Lock contract: takes no lock; splitting preserves the lock and host_ref counts of the node split.
+        """
+        elems = self.elements(key)
+        tick = self._touch() if touch else None
+        node, pos, path = self.root, 0, []
+        while pos < len(elems):
+            child = node.children.get(self.child_key(elems[pos:], key.extra_key))
+            if child is None:
+                break
+            n = self._aligned(_common_prefix_len(child.key, elems[pos:]))
+            if n == 0:
+                break
+            if n < len(child.key):
+                child = self._split(child, n)
+            if tick is not None:
+                child.last_access_time = tick
+            path.append(child)
+            pos += n
+            if n < len(child.key):
+                break
+        return MatchPath(path, pos)
+
+    def insert(self, key: RadixKey, value: Any, priority: int = 0) -> InsertResult:
+        """Insert ``key`` with device ``value`` (len(value) >= len(elements)); see :class:`InsertResult`.
+
+        Lock contract: takes no lock; nodes revived or created are unlocked (counted evictable).
+        """
+        elems = self.elements(key)
+        value = value[: len(elems)]
+        tick = self._touch()
+        node, pos = self.root, 0
+        result = InsertResult(prefix_len=0)
+        while pos < len(elems):
+            child = node.children.get(self.child_key(elems[pos:], key.extra_key))
+            if child is None:
+                break
+            n = self._aligned(_common_prefix_len(child.key, elems[pos:]))
+            if n == 0:
+                break
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.last_access_time = tick
+            child.priority = max(child.priority, priority)
+            if child.device_value is None:
+                self.set_device_value(child, value[pos : pos + n])
+                result.revived.append(child)
+            else:
+                result.shared.append((child, pos, pos + n))
+            result.path.append(child)
+            node, pos = child, pos + n
+        result.prefix_len = pos
+        if pos < len(elems):
+            leaf = TreeNode(elems[pos:], key.extra_key, node, tick)
+            leaf.priority = priority
+            node.children[self.child_key(leaf.key, key.extra_key)] = leaf
+            self.set_device_value(leaf, value[pos:])
+            result.new_node = leaf
+            result.path.append(leaf)
+        return result
+
+    def _split(self, child: TreeNode, n: int) -> TreeNode:
+        """Split ``child`` so its first ``n`` elements become a new parent; returns that parent."""
+        top = TreeNode(child.key[:n], child.extra_key, child.parent, child.creation_time)
+        top.last_access_time = child.last_access_time
+        top.hit_count, top.priority = child.hit_count, child.priority
+        top.lock_ref, top.host_ref = child.lock_ref, child.host_ref
+        if child.device_value is not None:
+            top.device_value = child.device_value[:n]
+            child.device_value = child.device_value[n:]
+        if child.host_value is not None:
+            top.host_value = child.host_value[:n]
+            child.host_value = child.host_value[n:]
+        if child.hash_values is not None:
+            pages = n // self.page_size
+            top.hash_values, child.hash_values = child.hash_values[:pages], child.hash_values[pages:]
+        child.parent.children[self.child_key(child.key, child.extra_key)] = top
+        child.key = child.key[n:]
+        child.parent = top
+        top.children[self.child_key(child.key, child.extra_key)] = child
+        return top
+
+    # ---- values and accounting ----------------------------------------------------------------------
+    def set_device_value(self, node: TreeNode, value: Any) -> None:
+        """Attach device slots to ``node``. Lock contract: accounts by the node's current lock_ref."""
+        if node.device_value is not None:
+            raise ValueError(f"node {node.id} already has a device value")
+        if len(value) != len(node.key):
+            raise ValueError(f"value length {len(value)} != key length {len(node.key)}")
+        node.device_value = value
+        self._account(node, len(value))
+
+    def clear_device_value(self, node: TreeNode) -> Any:
+        """Detach and return the device slots. Lock contract: node must be unlocked."""
+        if node.lock_ref > 0:
+            raise RuntimeError(f"cannot drop the device value of locked node {node.id}")
+        value, node.device_value = node.device_value, None
+        if value is not None:
+            self._account(node, -len(value))
+        return value
+
+    def _account(self, node: TreeNode, delta: int) -> None:
+        if node.lock_ref > 0:
+            self.protected_size += delta
+        else:
+            self.evictable_size += delta
+
+    def inc_lock_ref(self, node: TreeNode) -> None:
+        """Lock contract: +1 lock_ref on ``node`` and every ancestor; device tokens become protected."""
+        while node is not self.root and node is not None:
+            if node.lock_ref == 0 and node.device_value is not None:
+                self.evictable_size -= len(node.device_value)
+                self.protected_size += len(node.device_value)
+            node.lock_ref += 1
+            node = node.parent
+
+    def dec_lock_ref(self, node: TreeNode) -> None:
+        """Lock contract: -1 lock_ref on ``node`` and every ancestor; raises if any is not locked."""
+        while node is not self.root and node is not None:
+            if node.lock_ref <= 0:
+                raise RuntimeError(f"dec_lock_ref on unlocked node {node.id}")
+            if node.lock_ref == 1 and node.device_value is not None:
+                self.protected_size -= len(node.device_value)
+                self.evictable_size += len(node.device_value)
+            node.lock_ref -= 1
+            node = node.parent
+
+    def inc_host_ref(self, node: TreeNode) -> None:
+        """Lock contract: +1 host_ref on ``node`` and every ancestor; their host slots stay in L2."""
+        while node is not self.root and node is not None:
+            node.host_ref += 1
+            node = node.parent
+
+    def dec_host_ref(self, node: TreeNode) -> None:
+        """Lock contract: -1 host_ref on ``node`` and every ancestor; raises if any is not protected."""
+        while node is not self.root and node is not None:
+            if node.host_ref <= 0:
+                raise RuntimeError(f"dec_host_ref on unprotected node {node.id}")
+            node.host_ref -= 1
+            node = node.parent
+
+    def remove_leaf(self, node: TreeNode) -> None:
+        """Unlink a childless node with no values left. Lock contract: node must be unlocked."""
+        if node.children or node.device_value is not None or node.host_value is not None:
+            raise RuntimeError(f"node {node.id} is not an empty leaf")
+        if node.lock_ref or node.host_ref:
+            raise RuntimeError(f"node {node.id} is locked")
+        del node.parent.children[self.child_key(node.key, node.extra_key)]
+
+    # ---- traversal ----------------------------------------------------------------------------------
+    def nodes(self) -> Iterator[TreeNode]:
+        """All nodes but the root, parents before children."""
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def device_leaves(self) -> list[TreeNode]:
+        """Unlocked nodes with device slots and no child holding device slots: the L1 eviction frontier."""
+        return [n for n in self.nodes() if self.is_device_leaf(n)]
+
+    def host_leaves(self) -> list[TreeNode]:
+        """Nodes with host slots, no host_ref, and no child holding host slots: the L2 eviction frontier."""
+        return [n for n in self.nodes() if self.is_host_leaf(n)]
+
+    def is_host_leaf(self, n: TreeNode) -> bool:
+        """True when L2 may drop ``n``'s host slots now (a locked host-only node is kept)."""
+        return (n is not self.root and n.host_value is not None and n.host_ref == 0
+                and (n.device_value is not None or n.lock_ref == 0)
+                and not any(c.host_value is not None for c in n.children.values()))
+
+    def is_device_leaf(self, n: TreeNode) -> bool:
+        """True when L1 may evict ``n`` now."""
+        return (n is not self.root and n.device_value is not None and n.lock_ref == 0
+                and not any(c.device_value is not None for c in n.children.values()))
+
+    def total_tokens(self, tier: Callable[[TreeNode], Any]) -> int:
+        return sum(len(v) for v in map(tier, self.nodes()) if v is not None)
+
+    def path_to_root(self, node: TreeNode) -> list[TreeNode]:
+        """Nodes from the root's child down to ``node``."""
+        path = []
+        while node is not None and node is not self.root:
+            path.append(node)
+            node = node.parent
+        return path[::-1]
+
+    def reset(self) -> None:
+        self.root.children.clear()
+        self.evictable_size = self.protected_size = 0
+
+    # ---- integrity ----------------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Raise AssertionError with the first broken invariant (structure, values, accounting, locks)."""
+        evictable = protected = 0
+        for node in self.nodes():
+            _check(len(node.key) > 0 and len(node.key) % self.page_size == 0, node, "key not page-aligned")
+            _check(node.parent.children.get(self.child_key(node.key, node.extra_key)) is node, node,
+                   "not registered under its child key")
+            _check(node.extra_key == node.parent.extra_key or node.parent is self.root, node,
+                   "extra_key differs from parent")
+            _check(node.device_value is not None or node.host_value is not None, node, "holds no value")
+            for name in ("device_value", "host_value"):
+                v = getattr(node, name)
+                _check(v is None or len(v) == len(node.key), node, f"{name} length != key length")
+            if node.hash_values is not None:
+                _check(len(node.hash_values) == len(node.key) // self.page_size, node, "hash count")
+            if node.device_value is not None and node.parent is not self.root:
+                _check(node.parent.device_value is not None, node, "device child of evicted parent")
+            if node.host_value is not None and node.parent is not self.root:
+                _check(node.parent.host_value is not None, node, "host child of a parent not in host")
+            _check(node.lock_ref >= sum(c.lock_ref for c in node.children.values()), node,
+                   "lock_ref below the sum of its children's")
+            _check(node.host_ref >= sum(c.host_ref for c in node.children.values()), node,
+                   "host_ref below the sum of its children's")
+            _check(node.lock_ref >= 0 and node.host_ref >= 0, node, "negative ref count")
+            if node.device_value is not None:
+                if node.lock_ref > 0:
+                    protected += len(node.device_value)
+                else:
+                    evictable += len(node.device_value)
+        _check(evictable == self.evictable_size, self.root,
+               f"evictable_size {self.evictable_size} != {evictable}")
+        _check(protected == self.protected_size, self.root,
+               f"protected_size {self.protected_size} != {protected}")
+
+
+def _check(ok: bool, node: TreeNode, what: str) -> None:
+    if not ok:
+        raise AssertionError(f"radix integrity: {what} at {node!r}")

@@ -1,0 +1,205 @@
+"""L1 <-> L2 copies, asynchronous: CUDA streams and events on a GPU, one worker thread on CPU.
+
+Completed copies are acknowledged through FIFO queues the cache polls without blocking. Completion is
+reported as "the leading N operations are done" so that tensor-parallel ranks can agree on one number.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from tierkv.pools.kv import DeviceKVPool, HostKVPool, PagedKVBuffer
+
+log = logging.getLogger(__name__)
+
+IO_BACKENDS = ("kernel", "direct")
+
+
+def resolve_host_layout(layout: str, io_backend: str) -> str:
+    """The seed's rule: the direct backend copies per page, so plain page_first becomes page_first_direct."""
+    if io_backend not in IO_BACKENDS:
+        raise ValueError(f"io_backend {io_backend!r} is not one of {IO_BACKENDS}")
+    if io_backend == "direct" and layout == "page_first":
+        log.warning("io_backend 'direct' with layout 'page_first': using 'page_first_direct' instead")
+        return "page_first_direct"
+    return layout
+
+
+def page_runs(src_pages: list[int], dst_pages: list[int]) -> list[tuple[int, int, int]]:
+    """Split a page mapping into (src_start, dst_start, count) runs contiguous on both sides."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src_pages, dst_pages):
+        if runs and s == runs[-1][0] + runs[-1][2] and d == runs[-1][1] + runs[-1][2]:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs
+
+
+def copy_pages(src: PagedKVBuffer, src_pages: torch.Tensor, dst: PagedKVBuffer, dst_pages: torch.Tensor,
+               io_backend: str) -> None:
+    """Copy whole pages between two pools of any layouts.
+
+    ``kernel`` copies runs of consecutive pages as single strided copies when there are few runs, and
+    otherwise gathers and scatters all pages in two vectorised ops; ``direct`` copies page by page.
+    """
+    non_blocking = src.device.type == "cuda" or dst.device.type == "cuda"
+    if io_backend == "direct":
+        for s, d in zip(src_pages.tolist(), dst_pages.tolist()):
+            dst.page_range(d, 1).copy_(src.page_range(s, 1), non_blocking=non_blocking)
+        return
+    runs = page_runs(src_pages.tolist(), dst_pages.tolist())
+    if len(runs) <= max(4, len(src_pages) // 8) or src.device != dst.device:
+        for s, d, n in runs:
+            dst.page_range(d, n).copy_(src.page_range(s, n), non_blocking=non_blocking)
+    else:
+        dst.scatter_pages(dst_pages, src.gather_pages(src_pages))
+
+
+@dataclass
+class CopyHandle:
+    """Completion of one batch copy. ``error`` is set when the copy failed (its KV must not be used)."""
+
+    cuda_event: Any = None
+    cpu_event: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+    def done(self) -> bool:
+        if self.cuda_event is not None:
+            return self.cuda_event.query()
+        return self.cpu_event.is_set()
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        if self.cuda_event is not None:
+            self.cuda_event.synchronize()
+            return True
+        return self.cpu_event.wait(timeout_s)
+
+
+@dataclass
+class _Queued:
+    handle: CopyHandle
+    payload: Any
+
+
+class TransferController:
+    """Runs write (L1->L2) and load (L2->L1) batches asynchronously and keeps their ack queues.
+
+    Thread contract: submit and poll from one thread (the scheduler's); only copies run elsewhere.
+    """
+
+    def __init__(self, device_pool: DeviceKVPool, host_pool: HostKVPool, io_backend: str = "kernel") -> None:
+        if io_backend not in IO_BACKENDS:
+            raise ValueError(f"io_backend {io_backend!r} is not one of {IO_BACKENDS}")
+        self.device_pool, self.host_pool, self.io_backend = device_pool, host_pool, io_backend
+        self.writes: deque[_Queued] = deque()
+        self.loads: deque[_Queued] = deque()
+        self.use_cuda = device_pool.device.type == "cuda"
+        if self.use_cuda:
+            self._write_stream = torch.cuda.Stream(device_pool.device)
+            self._load_stream = torch.cuda.Stream(device_pool.device)
+        else:
+            self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
+            self._worker = threading.Thread(target=self._run_jobs, name="tierkv-transfer", daemon=True)
+            self._worker.start()
+        self.delay_hook: Callable[[str], None] | None = None  # tests inject per-rank delays here
+
+    def write(self, device_slots: torch.Tensor, host_slots: torch.Tensor, payload: Any = None) -> CopyHandle:
+        """Queue an L1 -> L2 copy of whole pages; its ack carries ``payload``."""
+        handle = self._submit("write", self.device_pool, device_slots, self.host_pool, host_slots)
+        self.writes.append(_Queued(handle, payload))
+        return handle
+
+    def load(self, host_slots: torch.Tensor, device_slots: torch.Tensor, payload: Any = None) -> CopyHandle:
+        """Queue an L2 -> L1 copy of whole pages; its ack carries ``payload``."""
+        handle = self._submit("load", self.host_pool, host_slots, self.device_pool, device_slots)
+        self.loads.append(_Queued(handle, payload))
+        return handle
+
+    def write_now(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> BaseException | None:
+        """Copy L1 -> L2 and wait (write_back on eviction); returns the error if the copy failed."""
+        src_pages = self.device_pool.allocator.slots_to_pages(device_slots)
+        dst_pages = self.host_pool.allocator.slots_to_pages(host_slots)
+        try:
+            if self.use_cuda:
+                torch.cuda.current_stream(self.device_pool.device).synchronize()
+            copy_pages(self.device_pool, src_pages, self.host_pool, dst_pages, self.io_backend)
+            if self.use_cuda:
+                torch.cuda.current_stream(self.device_pool.device).synchronize()
+        except Exception as exc:  # a failed copy is reported, the caller keeps the KV out of L2
+            log.error("write-back copy failed: %s", exc)
+            return exc
+        return None
+
+    @staticmethod
+    def num_done(acks: deque[_Queued]) -> int:
+        """How many operations at the head of ``acks`` are complete (FIFO: stops at the first pending)."""
+        n = 0
+        for item in acks:
+            if not item.handle.done():
+                break
+            n += 1
+        return n
+
+    @staticmethod
+    def pop_done(acks: deque[_Queued], n: int) -> list[tuple[CopyHandle, Any]]:
+        """Remove the first ``n`` acks (the caller agreed they are done; waits if one is not yet)."""
+        out = []
+        for _ in range(n):
+            item = acks.popleft()
+            item.handle.wait()
+            out.append((item.handle, item.payload))
+        return out
+
+    def _submit(self, kind: str, src: PagedKVBuffer, src_slots: torch.Tensor, dst: PagedKVBuffer,
+                dst_slots: torch.Tensor) -> CopyHandle:
+        src_pages = src.allocator.slots_to_pages(src_slots)
+        dst_pages = dst.allocator.slots_to_pages(dst_slots)
+        if len(src_pages) != len(dst_pages):
+            raise ValueError(f"{kind}: {len(src_slots)} source slots vs {len(dst_slots)} destination slots")
+        handle = CopyHandle()
+        if self.use_cuda:
+            stream = self._write_stream if kind == "write" else self._load_stream
+            stream.wait_stream(torch.cuda.current_stream(self.device_pool.device))
+            with torch.cuda.stream(stream):
+                copy_pages(src, src_pages, dst, dst_pages, self.io_backend)
+                handle.cuda_event = torch.cuda.Event()
+                handle.cuda_event.record(stream)
+            return handle
+
+        def job() -> None:
+            try:
+                if self.delay_hook is not None:
+                    self.delay_hook(kind)
+                copy_pages(src, src_pages, dst, dst_pages, self.io_backend)
+            except BaseException as exc:  # reported through the handle, never lost in the thread
+                log.error("%s copy failed: %s", kind, exc)
+                handle.error = exc
+            finally:
+                handle.cpu_event.set()
+
+        self._jobs.put(job)
+        return handle
+
+    def _run_jobs(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            job()
+
+    def synchronize(self) -> None:
+        """Block until every queued copy has finished."""
+        for acks in (self.writes, self.loads):
+            for item in acks:
+                item.handle.wait()
+
+    def shutdown(self) -> None:
+        """Finish queued copies and stop the worker thread."""
+        if not self.use_cuda and self._worker.is_alive():
+            self._jobs.put(None)
+            self._worker.join(timeout=30)

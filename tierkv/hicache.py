@@ -74,6 +74,16 @@ class PendingLoad:
 
 
 @dataclass
+class _WriteBack:
+    """An L1 eviction under write_back: ``path`` (ending at ``node``) gets host slots, copied before return."""
+
+    node: TreeNode
+    path: list[TreeNode]
+    device_slots: torch.Tensor
+    host_slots: torch.Tensor
+
+
+@dataclass
 class LoadResult:
     """Outcome of :meth:`HiRadixCache.init_load_back`: the device indices of the whole usable prefix."""
 
@@ -143,6 +153,11 @@ class HiRadixCache:
         Slots duplicating KV the tree already holds are freed; slots past the returned count (a partial
         last page) stay the caller's. Lock contract: takes no lock; may lock nodes for a write-through.
         """
+        if not isinstance(device_slots, torch.Tensor) or device_slots.dim() != 1 or device_slots.dtype not in (
+                torch.int32, torch.int64):
+            raise TypeError(f"device_slots must be a 1-D int64 tensor, got {_describe(device_slots)}")
+        if not isinstance(priority, int):
+            raise TypeError(f"priority must be an int, got {priority!r}")
         result = self.tree.insert(key, device_slots, priority)
         for node, start, end in result.shared:
             mine = device_slots[start:end]
@@ -164,12 +179,7 @@ class HiRadixCache:
         Lock contract: locks the path in L1 and protects it in L2 until the write is acknowledged.
         Returns False when L2 has no room even after evicting from it (the node stays L1-only).
         """
-        path = []
-        walk = node
-        while walk is not self.tree.root and walk.host_value is None:
-            path.append(walk)
-            walk = walk.parent
-        path.reverse()
+        path = self._path_not_in_host(node)
         if not path:
             return True
         num_tokens = sum(len(n) for n in path)
@@ -183,6 +193,14 @@ class HiRadixCache:
         self.tree.inc_host_ref(node)
         self.transfer.write(device_slots, host_slots, PendingWrite(node, host_slots, num_tokens))
         return True
+
+    def _path_not_in_host(self, node: TreeNode) -> list[TreeNode]:
+        """``node`` and its ancestors below the deepest one already in L2, root side first."""
+        path = []
+        while node is not self.tree.root and node.host_value is None:
+            path.append(node)
+            node = node.parent
+        return path[::-1]
 
     @staticmethod
     def _assign_host_values(path: list[TreeNode], host_slots: torch.Tensor) -> None:
@@ -322,8 +340,8 @@ class HiRadixCache:
             freed += len(node)
             if node.host_value is not None:
                 self.device_pool.free(self.tree.clear_device_value(node))
-            elif self.config.write_policy == "write_back" and self._reserve_write_back(node):
-                write_back.append(node)
+            elif self.config.write_policy == "write_back" and (entry := self._reserve_write_back(node)):
+                write_back.append(entry)
             else:
                 self.device_pool.free(self.tree.clear_device_value(node))
                 self.tree.remove_leaf(node)
@@ -335,35 +353,43 @@ class HiRadixCache:
         parent = node.parent
         return parent if parent is not None and self.tree.is_device_leaf(parent) else None
 
-    def _reserve_write_back(self, node: TreeNode) -> bool:
-        """Give an evicted write_back node host slots and protect it until its copy is done."""
-        host_slots = self._alloc_host(len(node))
-        if host_slots is None:
-            self.stats.write_skipped_tokens += len(node)
-            return False
-        node.host_value = host_slots
-        self.tree.inc_host_ref(node)
-        return True
+    def _reserve_write_back(self, node: TreeNode) -> _WriteBack | None:
+        """Give an evicted write_back node, and its ancestors not yet in L2, host slots; protect them.
 
-    def _finish_write_back(self, nodes: list[TreeNode]) -> None:
-        if not nodes:
+        Ancestors come along because nodes in L2 must form a subtree at the root; they keep their L1 slots.
+        """
+        path = self._path_not_in_host(node)
+        num_tokens = sum(len(n) for n in path)
+        host_slots = self._alloc_host(num_tokens)
+        if host_slots is None:
+            self.stats.write_skipped_tokens += num_tokens
+            return None
+        device_slots = torch.cat([n.device_value for n in path])
+        self._assign_host_values(path, host_slots)
+        self.tree.inc_host_ref(node)
+        return _WriteBack(node, path, device_slots, host_slots)
+
+    def _finish_write_back(self, entries: list[_WriteBack]) -> None:
+        if not entries:
             return
-        device_slots = torch.cat([n.device_value for n in nodes])
-        error = self.transfer.write_now(device_slots, torch.cat([n.host_value for n in nodes]))
-        for n in nodes:
-            self.tree.dec_host_ref(n)
-            self.device_pool.free(self.tree.clear_device_value(n))
+        device_slots = torch.cat([e.device_slots for e in entries])
+        error = self.transfer.write_now(device_slots, torch.cat([e.host_slots for e in entries]))
+        for e in entries:
+            self.tree.dec_host_ref(e.node)
+            self.device_pool.free(self.tree.clear_device_value(e.node))
         if error is not None:
             self.stats.failed_copies += 1
-            for n in nodes:
-                self.host_pool.free(n.host_value)
-                n.host_value = None
-                self.tree.remove_leaf(n)
+            for e in reversed(entries):  # a later entry may hang below an earlier one's path
+                for n in reversed(e.path):
+                    self.host_pool.free(n.host_value)
+                    n.host_value = None
+                    if n.device_value is None:
+                        self.tree.remove_leaf(n)
             return
         self.stats.written_tokens += len(device_slots)
         if self.storage is not None:
-            for n in nodes:
-                self.storage.backup(n)
+            for e in entries:
+                self.storage.backup(e.node)
 
     def evict_host(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` L2 slots if possible; returns the number freed.
@@ -449,6 +475,12 @@ class HiRadixCache:
             if caller_host_slots is not None:
                 host_owned.append(caller_host_slots)
             _check_ownership("host", self.host_pool, host_owned)
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dim()}-D {value.dtype} tensor"
+    return type(value).__name__
 
 
 def _check_ownership(tier: str, pool: DeviceKVPool | HostKVPool, owned: list[torch.Tensor]) -> None:

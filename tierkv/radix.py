@@ -173,9 +173,7 @@ class RadixTree:
             if tick is not None:
                 child.last_access_time = tick
             path.append(child)
-            pos += n
-            if n < len(child.key):
-                break
+            node, pos = child, pos + n
         return MatchPath(path, pos)
 
     def insert(self, key: RadixKey, value: Any, priority: int = 0) -> InsertResult:
@@ -184,6 +182,8 @@ class RadixTree:
         Lock contract: takes no lock; nodes revived or created are unlocked (counted evictable).
         """
         elems = self.elements(key)
+        if len(value) < len(elems):  # checked before any change: a failed insert leaves the tree as it was
+            raise ValueError(f"value of length {len(value)} is shorter than the key's {len(elems)} elements")
         value = value[: len(elems)]
         tick = self._touch()
         node, pos = self.root, 0

@@ -261,3 +261,22 @@ def test_reset_empties_the_tree():
     tree.reset()
     assert list(tree.nodes()) == [] and tree.evictable_size == 0
     assert tree.match(RadixKey([1, 2, 3])).num_tokens == 0
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_match_walks_every_level(page_size):
+    """Regression: match once stopped after the first node below the root."""
+    tree = RadixTree(page_size)
+    p = page_size
+    _insert(tree, list(range(2 * p)), start=0)
+    _insert(tree, list(range(4 * p)), start=100)
+    _insert(tree, list(range(6 * p)), start=200)
+    path = tree.match(RadixKey(list(range(6 * p)) + [-1] * p))
+    assert path.num_tokens == 6 * p and len(path.nodes) == 3
+    values = [v for n in path.nodes for v in n.device_value]
+    assert values == list(range(2 * p)) + list(range(100 + 2 * p, 100 + 4 * p)) + list(
+        range(200 + 4 * p, 200 + 6 * p))
+    # a partial match two levels down splits the deepest node only
+    path = tree.match(RadixKey(list(range(5 * p)) + [-1] * p))
+    assert path.num_tokens == 5 * p and len(path.nodes) == 3
+    tree.check_integrity()

@@ -11,7 +11,7 @@ owned by it alone, and every allocated slot is owned by a node, an in-flight ope
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -74,13 +74,14 @@ class PendingLoad:
 
 
 @dataclass
-class _WriteBack:
-    """An L1 eviction under write_back: ``path`` (ending at ``node``) gets host slots, copied before return."""
+class _WriteBackBatch:
+    """Write-backs of one eviction pass: copied in one batch, then the evicted device slots are freed."""
 
-    node: TreeNode
-    path: list[TreeNode]
-    device_slots: torch.Tensor
-    host_slots: torch.Tensor
+    device_slots: list[torch.Tensor] = field(default_factory=list)
+    host_slots: list[torch.Tensor] = field(default_factory=list)
+    protected: list[TreeNode] = field(default_factory=list)  # host_ref held until the copy ends
+    backed_up: list[TreeNode] = field(default_factory=list)  # every node given host slots
+    evicted_slots: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass
@@ -153,8 +154,7 @@ class HiRadixCache:
         Slots duplicating KV the tree already holds are freed; slots past the returned count (a partial
         last page) stay the caller's. Lock contract: takes no lock; may lock nodes for a write-through.
         """
-        if not isinstance(device_slots, torch.Tensor) or device_slots.dim() != 1 or device_slots.dtype not in (
-                torch.int32, torch.int64):
+        if not isinstance(device_slots, torch.Tensor) or device_slots.dim() != 1 or device_slots.dtype != torch.int64:
             raise TypeError(f"device_slots must be a 1-D int64 tensor, got {_describe(device_slots)}")
         if not isinstance(priority, int):
             raise TypeError(f"priority must be an int, got {priority!r}")
@@ -179,23 +179,24 @@ class HiRadixCache:
         Lock contract: locks the path in L1 and protects it in L2 until the write is acknowledged.
         Returns False when L2 has no room even after evicting from it (the node stays L1-only).
         """
-        path = self._path_not_in_host(node)
+        path = self._unbacked_path(node)
         if not path:
             return True
         num_tokens = sum(len(n) for n in path)
+        self.tree.inc_host_ref(node)  # making room in L2 must not drop the backup this path extends
         host_slots = self._alloc_host(num_tokens)
         if host_slots is None:
+            self.tree.dec_host_ref(node)
             self.stats.write_skipped_tokens += num_tokens
             return False
         device_slots = torch.cat([n.device_value for n in path])
         self._assign_host_values(path, host_slots)
         self.tree.inc_lock_ref(node)
-        self.tree.inc_host_ref(node)
         self.transfer.write(device_slots, host_slots, PendingWrite(node, host_slots, num_tokens))
         return True
 
-    def _path_not_in_host(self, node: TreeNode) -> list[TreeNode]:
-        """``node`` and its ancestors below the deepest one already in L2, root side first."""
+    def _unbacked_path(self, node: TreeNode) -> list[TreeNode]:
+        """``node`` and its ancestors without an L2 copy, root side first (host nodes form a rooted subtree)."""
         path = []
         while node is not self.tree.root and node.host_value is None:
             path.append(node)
@@ -304,17 +305,18 @@ class HiRadixCache:
         too_small = num_tokens < self.config.load_back_threshold
         if too_small or (mem_quota is not None and num_tokens > mem_quota):
             return LoadResult(self._path_indices(device_part), last_device)
-        self.tree.inc_lock_ref(last_device)  # eviction for room must not take the prefix we extend
+        # Locked from here to the ack: making room in L1 must not evict the prefix we extend, and the
+        # write-backs that eviction may cause must not evict from L2 the nodes we load.
+        self.tree.inc_lock_ref(last_node)
         device_slots = self._alloc_device(num_tokens)
-        self.tree.dec_lock_ref(last_device)
         if device_slots is None:
+            self.tree.dec_lock_ref(last_node)
             return LoadResult(self._path_indices(device_part), last_device)
         host_slots = torch.cat([n.host_value for n in host_only])
         offset = 0
         for n in host_only:
             self.tree.set_device_value(n, device_slots[offset:offset + len(n)])
             offset += len(n)
-        self.tree.inc_lock_ref(last_node)
         self.tree.inc_host_ref(last_node)
         pending = PendingLoad(last_node, device_slots, handle=None)  # type: ignore[arg-type]
         pending.handle = self.transfer.load(host_slots, device_slots, pending)
@@ -330,22 +332,24 @@ class HiRadixCache:
         """Free at least ``num_tokens`` L1 slots if that many are evictable; returns the number freed.
 
         Backed-up nodes drop their device slots and stay host-only; others are deleted, or under
-        write_back copied to L2 first (waiting for the copy). Lock contract: skips locked nodes.
+        write_back copied to L2 first (one batch copy, waited for). Lock contract: skips locked nodes.
         """
-        freed, write_back = 0, []
+        freed, batch = 0, _WriteBackBatch()
+        write_back = self.config.write_policy == "write_back" and self.transfer is not None
         order = eviction_order(self.tree.device_leaves(), self.priority, self._next_device_candidate)
         for node in order:
             if freed >= num_tokens:
                 break
+            if write_back and node.host_value is None:
+                self._reserve_write_back(node, batch)
             freed += len(node)
-            if node.host_value is not None:
-                self.device_pool.free(self.tree.clear_device_value(node))
-            elif self.config.write_policy == "write_back" and (entry := self._reserve_write_back(node)):
-                write_back.append(entry)
-            else:
-                self.device_pool.free(self.tree.clear_device_value(node))
+            # freed only after the batch copy: a write-back may still read these slots
+            batch.evicted_slots.append(self.tree.clear_device_value(node))
+            if node.host_value is None:
                 self.tree.remove_leaf(node)
-        self._finish_write_back(write_back)
+        self._finish_write_back(batch)
+        if batch.evicted_slots:
+            self.device_pool.free(torch.cat(batch.evicted_slots))
         self.stats.evicted_device_tokens += freed
         return freed
 
@@ -353,43 +357,42 @@ class HiRadixCache:
         parent = node.parent
         return parent if parent is not None and self.tree.is_device_leaf(parent) else None
 
-    def _reserve_write_back(self, node: TreeNode) -> _WriteBack | None:
-        """Give an evicted write_back node, and its ancestors not yet in L2, host slots; protect them.
-
-        Ancestors come along because nodes in L2 must form a subtree at the root; they keep their L1 slots.
-        """
-        path = self._path_not_in_host(node)
+    def _reserve_write_back(self, node: TreeNode, batch: "_WriteBackBatch") -> None:
+        """Give ``node`` and its ancestors not yet in L2 host slots, protected until the batch copy ends."""
+        path = self._unbacked_path(node)
         num_tokens = sum(len(n) for n in path)
+        self.tree.inc_host_ref(node)
         host_slots = self._alloc_host(num_tokens)
         if host_slots is None:
+            self.tree.dec_host_ref(node)
             self.stats.write_skipped_tokens += num_tokens
-            return None
-        device_slots = torch.cat([n.device_value for n in path])
-        self._assign_host_values(path, host_slots)
-        self.tree.inc_host_ref(node)
-        return _WriteBack(node, path, device_slots, host_slots)
-
-    def _finish_write_back(self, entries: list[_WriteBack]) -> None:
-        if not entries:
             return
-        device_slots = torch.cat([e.device_slots for e in entries])
-        error = self.transfer.write_now(device_slots, torch.cat([e.host_slots for e in entries]))
-        for e in entries:
-            self.tree.dec_host_ref(e.node)
-            self.device_pool.free(self.tree.clear_device_value(e.node))
+        batch.device_slots.append(torch.cat([n.device_value for n in path]))
+        batch.host_slots.append(host_slots)
+        self._assign_host_values(path, host_slots)
+        batch.protected.append(node)
+        batch.backed_up.extend(path)
+
+    def _finish_write_back(self, batch: "_WriteBackBatch") -> None:
+        if not batch.protected:
+            return
+        device_slots = torch.cat(batch.device_slots)
+        error = self.transfer.write_now(device_slots, torch.cat(batch.host_slots))
+        for n in batch.protected:
+            self.tree.dec_host_ref(n)
         if error is not None:
             self.stats.failed_copies += 1
-            for e in reversed(entries):  # a later entry may hang below an earlier one's path
-                for n in reversed(e.path):
-                    self.host_pool.free(n.host_value)
-                    n.host_value = None
-                    if n.device_value is None:
-                        self.tree.remove_leaf(n)
+            self.host_pool.free(torch.cat(batch.host_slots))
+            # deepest first, so a node is childless by the time it is removed
+            for n in sorted(batch.backed_up, key=lambda n: -len(self.tree.path_to_root(n))):
+                n.host_value = None
+                if n.device_value is None:
+                    self.tree.remove_leaf(n)
             return
         self.stats.written_tokens += len(device_slots)
         if self.storage is not None:
-            for e in entries:
-                self.storage.backup(e.node)
+            for n in batch.protected:
+                self.storage.backup(n)
 
     def evict_host(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` L2 slots if possible; returns the number freed.
@@ -485,6 +488,17 @@ def _describe(value: object) -> str:
 
 def _check_ownership(tier: str, pool: DeviceKVPool | HostKVPool, owned: list[torch.Tensor]) -> None:
     slots = torch.cat(owned) if owned else _EMPTY
+    if slots.dtype != torch.int64:
+        raise AssertionError(f"{tier} slots of dtype {slots.dtype}, expected int64")
+    if len(slots) and (slots.min() < 0 or slots.max() >= pool.num_slots):
+        raise AssertionError(f"{tier} slots outside [0, {pool.num_slots})")
+    if pool.page_size > 1:  # every owner holds whole aligned pages, so pages are freed whole
+        if any(len(v) % pool.page_size for v in owned):
+            raise AssertionError(f"{tier} slots owned in partial pages")
+        rows = slots.view(-1, pool.page_size)
+        aligned = rows[:, :1] - rows[:, :1] % pool.page_size + torch.arange(pool.page_size)
+        if not torch.equal(rows, aligned):
+            raise AssertionError(f"{tier} slots not in whole aligned pages")
     counts = torch.bincount(slots, minlength=pool.num_slots) if len(slots) else torch.zeros(
         pool.num_slots, dtype=torch.int64)
     if (counts > 1).any():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 
@@ -42,6 +43,13 @@ class FakeStore(PageStore):
         self.hang.wait()
         if self.fail:
             raise ConnectionError(f"fake store: {op} failed")
+
+    def wait_for_calls(self, num_calls: int, timeout_s: float = 10.0) -> None:
+        """Block until ``num_calls`` calls have entered the store (a worker is now inside it)."""
+        deadline = time.monotonic() + timeout_s
+        while len(self.calls) < num_calls:
+            assert time.monotonic() < deadline, f"only {len(self.calls)} store calls"
+            time.sleep(0.001)
 
     def batch_exists(self, keys: list[str]) -> int:
         self._enter("exists")

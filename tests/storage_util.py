@@ -108,15 +108,16 @@ def compute_and_insert(cache: HiRadixCache, key: RadixKey, seed: int, kv: torch.
                        ) -> torch.Tensor:
     """Play a request's prefill: write KV (``kv`` or random) for all of ``key`` into L1, insert it."""
     spec, pool = cache.device_pool.spec, cache.device_pool
-    slots = cache.alloc_device(len(key))
+    num_tokens = len(cache.tree.elements(key))  # one fewer than the ids in bigram mode
+    slots = cache.alloc_device(num_tokens)
     assert slots is not None
     if kv is None:
         gen = torch.Generator().manual_seed(seed)
-        kv = torch.randn(spec.num_kv, spec.num_layers, len(key), spec.heads, spec.dim,
+        kv = torch.randn(spec.num_kv, spec.num_layers, num_tokens, spec.heads, spec.dim,
                          generator=gen).to(spec.dtype)
     pool.write_tokens(slots, kv)
     owned = cache.insert(key, slots)
-    assert owned == len(key)
+    assert owned == num_tokens
     return kv
 
 

@@ -115,7 +115,7 @@ class ModelConfig:
                       dtype=str(hf.get("torch_dtype") or "float32"))
         if arch == "deepseek_v2":
             fields.update({k: hf[k] for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-                                              "v_head_dim")})
+                                              "v_head_dim")}, num_kv_heads=0, head_dim=0)
         else:
             fields.update(num_kv_heads=hf.get("num_key_value_heads", heads),
                           head_dim=hf.get("head_dim") or hf["hidden_size"] // heads)

@@ -1,0 +1,69 @@
+"""Models: HF-layout safetensors round trip, config validation, MLA caches only the latent."""
+
+import json
+
+import pytest
+import torch
+
+from engine_helpers import MODEL_KINDS, prompts_with_shared_prefix
+from tierkv.engine.config import PRESETS, ModelConfig, resolve_config
+from tierkv.engine.engine import Engine, EngineConfig
+from tierkv.engine.loader import build_model, save_checkpoint
+
+
+@pytest.mark.parametrize("kind", MODEL_KINDS)
+def test_safetensors_checkpoint_round_trip_gives_same_logits(kind, tmp_path):
+    model = build_model(kind)
+    save_checkpoint(model, tmp_path)
+    hf = json.loads((tmp_path / "config.json").read_text())
+    assert hf["model_type"] == PRESETS[kind].arch
+    loaded = build_model(str(tmp_path))
+    assert loaded.config.replace(seed=0) == model.config.replace(seed=0)
+    prompt = prompts_with_shared_prefix(1, 0, 30)
+    a = Engine(model, EngineConfig(mode="none")).generate(prompt, 4)[0]
+    b = Engine(loaded, EngineConfig(mode="none")).generate(prompt, 4)[0]
+    assert a.output == b.output and torch.equal(a.first_logits, b.first_logits)
+
+
+def test_hf_parameter_names():
+    names = set(build_model("tiny-qwen3").state_dict())
+    assert {"model.embed_tokens.weight", "model.layers.1.self_attn.q_norm.weight",
+            "model.layers.0.mlp.gate_proj.weight", "model.norm.weight", "lm_head.weight"} <= names
+    mla = set(build_model("tiny-mla").state_dict())
+    assert {"model.layers.0.self_attn.kv_a_proj_with_mqa.weight", "model.layers.0.self_attn.kv_b_proj.weight",
+            "model.layers.0.self_attn.kv_a_layernorm.weight"} <= mla
+
+
+def test_checkpoint_with_wrong_shapes_is_rejected(tmp_path):
+    save_checkpoint(build_model("tiny-llama"), tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["num_hidden_layers"] = 3
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="missing"):
+        build_model(str(tmp_path))
+
+
+def test_seeds_give_different_weights_and_same_seed_same_weights():
+    a, b = build_model(PRESETS["tiny-llama"]), build_model(PRESETS["tiny-llama"])
+    c = build_model(PRESETS["tiny-llama"].replace(seed=1))
+    assert torch.equal(a.lm_head.weight, b.lm_head.weight)
+    assert not torch.equal(a.lm_head.weight, c.lm_head.weight)
+
+
+def test_mla_pool_holds_latent_plus_rope_per_token():
+    cfg = PRESETS["tiny-mla"]
+    spec = cfg.kv_spec()
+    assert spec.attention == "mla" and spec.dim == cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    assert spec.bytes_per_token == cfg.num_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4
+
+
+@pytest.mark.parametrize("field,value", [("arch", "gpt2"), ("num_heads", 0), ("head_dim", 15),
+                                         ("num_kv_heads", 3), ("dtype", "float13")])
+def test_config_rejects_bad_values(field, value):
+    with pytest.raises(ValueError, match=field if field != "num_kv_heads" else "num_heads"):
+        ModelConfig(**{field: value})
+
+
+def test_resolve_config_unknown_name():
+    with pytest.raises(ValueError, match="neither a preset"):
+        resolve_config("no-such-model")

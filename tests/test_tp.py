@@ -200,7 +200,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, world_size: int, port: int, out_dir: str, options: dict, num_steps: int) -> None:
+def _rank_main(rank: int, world_size: int, port: int, out_dir: str, options: dict, num_steps: int,
+               skip_agreement: bool = False) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
@@ -211,18 +212,13 @@ def _rank_main(rank: int, world_size: int, port: int, out_dir: str, options: dic
         delays = random.Random(100 + rank)  # only the copy worker thread draws from it
         run.cache.transfer.delay_hook = lambda kind: time.sleep(delays.choice(COPY_DELAYS_S))
         racer = random.Random(200 + rank)
-        agreed_log: list[tuple[list[int], list[int]]] = []
-        agree = tp.agree
-
-        def logged_agree(min_values: list[int], max_values: list[int] = ()) -> tuple[list[int], list[int]]:
-            result = agree(min_values, max_values)
-            agreed_log.append((list(min_values), result[0]))
-            return result
-
-        tp.agree = logged_agree  # type: ignore[method-assign]
+        if skip_agreement:  # the negative control: rank 0 always done, the others always late
+            run.cache.transfer.delay_hook = lambda kind: time.sleep(0.05 if rank else 0.0)
+            run.cache.step = lambda: (_count_collective(tp), run.cache.apply_progress(run.cache.local_progress()))
+        agreed_log = _log_agreements(tp)
         for step in range(num_steps):
             run.step(step)
-            if racer.random() < 0.4:  # this rank's copies happen to be all done by the step
+            if (skip_agreement and rank == 0) or racer.random() < 0.4:  # this rank's copies all finished
                 run.cache.transfer.synchronize()
             before = tp.collectives
             run.cache.step()
@@ -239,6 +235,32 @@ def _rank_main(rank: int, world_size: int, port: int, out_dir: str, options: dic
         dist.destroy_process_group()
 
 
+def _count_collective(tp: TPGroup) -> None:
+    tp.collectives += 1
+
+
+def _log_agreements(tp: TPGroup) -> list[tuple[list[int], list[int]]]:
+    """Record (local, agreed) MIN fields of every agreement ``tp`` runs from now on."""
+    log: list[tuple[list[int], list[int]]] = []
+    agree = tp.agree
+
+    def logged(min_values: list[int], max_values: list[int] = ()) -> tuple[list[int], list[int]]:
+        result = agree(min_values, max_values)
+        log.append((list(min_values), result[0]))
+        return result
+
+    tp.agree = logged  # type: ignore[method-assign]
+    return log
+
+
+def _start_ranks(world_size: int, out_dir: Path, options: dict, num_steps: int,
+                 skip_agreement: bool = False) -> None:
+    # forkserver: children start as clean as with spawn, but torch is imported once, not once per rank.
+    mp.set_forkserver_preload(["torch", "torch.distributed", "tierkv.hicache", "tierkv.tp"])
+    mp.start_processes(_rank_main, args=(world_size, _free_port(), str(out_dir), options, num_steps,
+                                         skip_agreement), nprocs=world_size, start_method="forkserver")
+
+
 @pytest.mark.parametrize("world_size,options", [
     (2, dict(page_size=1, write_policy="write_through")),
     (4, dict(page_size=4, write_policy="write_through_selective", host_layout="page_first",
@@ -246,7 +268,7 @@ def _rank_main(rank: int, world_size: int, port: int, out_dir: str, options: dic
 ])
 def test_ranks_with_different_delays_keep_identical_trees(tmp_path: Path, world_size: int,
                                                            options: dict) -> None:
-    mp.spawn(_rank_main, args=(world_size, _free_port(), str(tmp_path), options, 120), nprocs=world_size)
+    _start_ranks(world_size, tmp_path, options, num_steps=120)
     summaries = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(world_size)]
     assert len({s["digest"] for s in summaries}) == 1
     assert all(s["stats"] == summaries[0]["stats"] for s in summaries)
@@ -255,3 +277,10 @@ def test_ranks_with_different_delays_keep_identical_trees(tmp_path: Path, world_
     assert stats["written_tokens"] > 0 and stats["loaded_tokens"] > 0 and stats["evicted_device_tokens"] > 0
     assert summaries[0]["kv_checks"] > 20
     assert sum(s["steps_behind"] for s in summaries) > 0
+
+
+def test_without_agreement_the_trees_diverge(tmp_path: Path) -> None:
+    """The check above has teeth: retiring by local counts while one rank lags splits the trees."""
+    with pytest.raises(mp.ProcessRaisedException, match="diverged from rank 0"):
+        _start_ranks(2, tmp_path, dict(page_size=1, write_policy="write_through"), num_steps=120,
+                     skip_agreement=True)

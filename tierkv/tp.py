@@ -88,7 +88,7 @@ class TPGroup:
         return self.agree((), values)[1]
 
     def gather_digests(self, digest: str) -> list[str]:
-        """Every rank's ``digest`` in rank order (a debugging and test aid; one collective)."""
+        """Every rank's ``digest`` in rank order (for error messages; one collective)."""
         if self.world_size == 1:
             return [digest]
         import torch.distributed as dist
@@ -99,12 +99,24 @@ class TPGroup:
         return out
 
     def check_same_tree(self, tree: RadixTree, include_slots: bool = False) -> str:
-        """Raise AssertionError naming the ranks whose tree differs from rank 0's; returns the digest."""
-        digests = self.gather_digests(tree_digest(tree, include_slots))
-        differ = [r for r, d in enumerate(digests) if d != digests[0]]
-        if differ:
+        """Raise AssertionError naming the ranks whose tree differs from rank 0's; returns the digest.
+
+        One small all-reduce when the trees agree: the digest's MIN and MAX over ranks are equal.
+        """
+        digest = tree_digest(tree, include_slots)
+        words = _digest_words(digest)
+        low, high = self.agree(words, words)
+        if low != high:
+            digests = self.gather_digests(digest)
+            differ = [r for r, d in enumerate(digests) if d != digests[0]]
             raise AssertionError(f"TP ranks {differ} diverged from rank 0 (digests {digests})")
-        return digests[self.rank]
+        return digest
+
+
+def _digest_words(digest: str) -> list[int]:
+    """A hex digest as non-negative int64 words (7 bytes each, so negating a MAX field cannot overflow)."""
+    raw = bytes.fromhex(digest)
+    return [int.from_bytes(raw[i:i + 7], "little") for i in range(0, len(raw), 7)]
 
 
 def _node_record(node: TreeNode, include_slots: bool) -> tuple:

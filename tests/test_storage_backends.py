@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from tierkv.storage.factory import open_store
 from tierkv.storage.page_format import HEADER_SIZE
 
 PAGE_NBYTES = 3000  # deliberately not a power of two
-BACKENDS = ["memory", "file"]  # redis, mooncake: next commits
+BACKENDS = ["memory", "file", "redis"]  # mooncake: next commit
 
 
 def make_keys(num_pages: int, model: str = "m", seed: int = 0) -> list[str]:
@@ -248,3 +249,70 @@ def test_file_fsync_mode_round_trips(tmp_path):
     assert store.batch_set(keys, pages) == [True, True]
     targets = empty_pages(2)
     assert store.batch_get(keys, targets) == [True, True] and torch.equal(targets[1], pages[1])
+
+
+# Redis-only behaviours.
+
+def _redis_store(server, **extra) -> PageStore:
+    config = {"timeout_s": 1.0, "retry_backoff_s": 0.05, "key_prefix": f"fault{os.getpid()}:", **extra}
+    return open_store(server.url, "ns", PAGE_NBYTES, config)
+
+
+def test_redis_killed_gives_misses_then_recovers_after_restart(redis_server):
+    store = _redis_store(redis_server)
+    keys, pages = make_keys(3), make_pages(3)
+    assert store.batch_set(keys, pages) == [True] * 3
+    redis_server.kill()
+    try:
+        assert store.batch_exists(keys) == 0
+        assert store.batch_get(keys, empty_pages(3)) == [False] * 3
+        assert store.batch_set(keys, pages) == [False] * 3
+        store.clear()
+        assert store.stats.errors >= 4
+    finally:
+        redis_server.restart()
+    time.sleep(0.5)  # past the longest backoff window reached above (0.05 s doubled a few times)
+    assert store.batch_exists(keys) == 0  # a restarted server has no data
+    assert store.batch_set(keys, pages) == [True] * 3
+    targets = empty_pages(3)
+    assert store.batch_get(keys, targets) == [True] * 3 and torch.equal(targets[1], pages[1])
+    store.clear()
+
+
+def test_redis_backoff_skips_the_network_until_the_window_ends(redis_server):
+    store = _redis_store(redis_server, retry_backoff_s=30.0)
+    keys, pages = make_keys(1), make_pages(1)
+    redis_server.kill()
+    try:
+        assert store.batch_get(keys, empty_pages(1)) == [False]
+    finally:
+        redis_server.restart()
+    errors = store.stats.errors
+    assert store.batch_set(keys, pages) == [False]  # still inside the 30 s window: no attempt made
+    assert store.stats.errors == errors + 1
+
+
+def test_redis_password_db_and_prefix(caplog):
+    from tests.servers import RedisServer, ServerUnavailable
+    try:
+        server = RedisServer.start(password="pw-s3cret")
+    except ServerUnavailable as why:
+        pytest.skip(str(why))
+    try:
+        keys, pages = make_keys(2), make_pages(2)
+        good = open_store(f"redis://:pw-s3cret@127.0.0.1:{server.port}/3", "ns", PAGE_NBYTES)
+        assert good.batch_set(keys, pages) == [True, True]
+        other_db = open_store(f"redis://:pw-s3cret@127.0.0.1:{server.port}/4", "ns", PAGE_NBYTES)
+        other_prefix = open_store(f"redis://:pw-s3cret@127.0.0.1:{server.port}/3", "ns", PAGE_NBYTES,
+                                  {"key_prefix": "other:"})
+        assert other_db.batch_exists(keys) == 0 and other_prefix.batch_exists(keys) == 0
+        assert good.batch_exists(keys) == 2
+        wrong = open_store(f"redis://:pw-wrong@127.0.0.1:{server.port}/3", "ns", PAGE_NBYTES)
+        with caplog.at_level("DEBUG"):
+            assert wrong.batch_get(keys, empty_pages(2)) == [False, False]
+        assert wrong.stats.errors == 1 and "redis store: get" in caplog.text
+        assert "pw-wrong" not in caplog.text and "pw-s3cret" not in caplog.text
+        for store in (good, other_db, other_prefix, wrong):
+            store.close()
+    finally:
+        server.stop()

@@ -63,3 +63,14 @@ def test_wrong_password_type_does_not_echo_it():
 
 def test_every_backend_has_an_options_table():
     assert set(BACKEND_OPTIONS) == {"memory", "file", "redis", "mooncake"}
+
+
+def test_open_redis_is_lazy_and_validates():
+    from tierkv.storage.redis_store import RedisStore
+    store = open_store("redis://:pw@10.255.255.1:7001/5", "ns", 64, {"key_prefix": "app:", "timeout_s": 2})
+    assert isinstance(store, RedisStore) and store.address == "10.255.255.1:7001/5"
+    assert store.key_prefix.startswith("app:") and "pw" not in store.address
+    with pytest.raises(ValueError, match="key_prefix"):
+        open_store("redis", "ns", 64, {"key_prefix": "a*"})
+    with pytest.raises(ValueError, match="timeout_s"):
+        open_store("redis", "ns", 64, {"timeout_s": 0})

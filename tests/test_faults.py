@@ -2,49 +2,31 @@
 
 from __future__ import annotations
 
+import random
 import threading
+import time
+import uuid
+from dataclasses import dataclass
 
 import pytest
 import torch
 
-from tierkv.storage.base import PageStore
-from tierkv.storage.faults import FAULT_KINDS, FaultConfig, FaultyStore, InjectedFault, wrap_with_faults
+from tierkv.config import CacheConfig
+from tierkv.hashing import HashNamespace
+from tierkv.hicache import HiRadixCache
+from tierkv.pools import DeviceKVPool, KVSpec
+from tierkv.radix import RadixKey
+from tierkv.storage.config import StorageConfig
+
+from tierkv.storage.factory import open_store
+from tierkv.storage.faults import FAULT_KINDS, FaultConfig, FaultyStore, InjectedFault
 from tierkv.storage.page_format import HEADER_SIZE
 
 PAGE_NBYTES = 256
 
 
-class DictStore(PageStore):
-    """The smallest honest store: bytes in a dict (no header of its own; the wrapper frames pages)."""
-
-    name = "dict"
-
-    def __init__(self, namespace: str, page_nbytes: int) -> None:
-        super().__init__(namespace, page_nbytes)
-        self.pages: dict[str, bytes] = {}
-
-    def batch_exists(self, keys):
-        n = 0
-        while n < len(keys) and keys[n] in self.pages:
-            n += 1
-        return n
-
-    def batch_get(self, keys, targets):
-        out = []
-        for key, target in zip(keys, targets):
-            blob = self.pages.get(key)
-            if blob is not None:
-                target.copy_(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
-            out.append(blob is not None)
-        return out
-
-    def batch_set(self, keys, values):
-        for key, value in zip(keys, values):
-            self.pages[key] = value.numpy().tobytes()
-        return [True] * len(keys)
-
-    def clear(self):
-        self.pages.clear()
+def key(i: int) -> str:
+    return f"{i:032x}"
 
 
 def page(i: int) -> torch.Tensor:
@@ -52,15 +34,15 @@ def page(i: int) -> torch.Tensor:
 
 
 def faulty(**faults) -> FaultyStore:
-    return wrap_with_faults(lambda n: DictStore("ns", n), "ns", PAGE_NBYTES, faults)
+    return open_store("memory", "ns", PAGE_NBYTES, {"faults": faults})
 
 
 def test_clean_wrapper_round_trips_and_counts_nothing():
     store = faulty()
-    keys = [f"k{i}" for i in range(8)]
+    keys = [key(i) for i in range(8)]
     assert store.batch_set(keys, [page(i) for i in range(8)]) == [True] * 8
     assert store.inner.page_nbytes == PAGE_NBYTES + HEADER_SIZE
-    assert store.batch_exists(keys + ["missing"]) == 8
+    assert store.batch_exists(keys + [key(99)]) == 8
     targets = [torch.zeros(PAGE_NBYTES, dtype=torch.uint8) for _ in keys]
     assert store.batch_get(keys, targets) == [True] * 8
     assert all(torch.equal(t, page(i)) for i, t in enumerate(targets))
@@ -87,14 +69,14 @@ def test_config_must_be_an_object():
 def test_errors_raise_a_connection_error_and_are_counted():
     store = faulty(error_rate=1.0, operations=["set"])
     with pytest.raises(InjectedFault):
-        store.batch_set(["a"], [page(1)])
-    assert store.batch_exists(["a"]) == 0  # exists is not in operations, so it still answers
+        store.batch_set([key(0xA)], [page(1)])
+    assert store.batch_exists([key(0xA)]) == 0  # exists is not in operations, so it still answers
     assert store.injected["error"] == 1 and store.stats.errors == 1
 
 
 def test_partial_batches_succeed_only_on_a_prefix():
     store = faulty(partial_rate=1.0, operations=["set"], seed=3)
-    keys = [f"k{i}" for i in range(16)]
+    keys = [key(i) for i in range(16)]
     results = store.batch_set(keys, [page(i) for i in range(16)])
     done = results.index(False)
     assert results == [True] * done + [False] * (16 - done)
@@ -104,7 +86,7 @@ def test_partial_batches_succeed_only_on_a_prefix():
 
 def test_partial_gets_leave_the_tail_a_miss():
     store = faulty(partial_rate=1.0, operations=["get"], seed=5)
-    keys = [f"k{i}" for i in range(16)]
+    keys = [key(i) for i in range(16)]
     store.batch_set(keys, [page(i) for i in range(16)])
     targets = [torch.zeros(PAGE_NBYTES, dtype=torch.uint8) for _ in keys]
     results = store.batch_get(keys, targets)
@@ -116,7 +98,7 @@ def test_partial_gets_leave_the_tail_a_miss():
 @pytest.mark.parametrize("kind", ["corrupt_get", "corrupt_set"])
 def test_corruption_is_a_miss_never_wrong_bytes(kind):
     store = faulty(**{f"{kind}_rate": 0.5, "seed": 11})
-    keys = [f"k{i}" for i in range(200)]
+    keys = [key(i) for i in range(200)]
     store.batch_set(keys, [page(i) for i in range(200)])
     targets = [torch.zeros(PAGE_NBYTES, dtype=torch.uint8) for _ in keys]
     results = store.batch_get(keys, targets)
@@ -129,19 +111,19 @@ def test_corruption_is_a_miss_never_wrong_bytes(kind):
 
 def test_latency_is_injected_and_counted():
     store = faulty(latency_rate=1.0, latency_s=0.01)
-    store.batch_exists(["a"])
-    store.batch_set(["a"], [page(0)])
+    store.batch_exists([key(0xA)])
+    store.batch_set([key(0xA)], [page(0)])
     assert store.injected["latency"] == 2
 
 
 def test_a_hang_ends_when_the_store_closes():
     store = faulty(hang_rate=1.0, hang_s=60.0, operations=["get"])
-    store.batch_set(["a"], [page(0)])
+    store.batch_set([key(0xA)], [page(0)])
     errors: list[BaseException] = []
 
     def reader():
         try:
-            store.batch_get(["a"], [torch.zeros(PAGE_NBYTES, dtype=torch.uint8)])
+            store.batch_get([key(0xA)], [torch.zeros(PAGE_NBYTES, dtype=torch.uint8)])
         except InjectedFault as exc:
             errors.append(exc)
 
@@ -161,7 +143,7 @@ def test_same_seed_same_faults():
         outcomes = []
         for i in range(50):
             try:
-                outcomes.append(tuple(store.batch_set([f"k{i}", f"j{i}"], [page(i), page(i + 1)])))
+                outcomes.append(tuple(store.batch_set([key(i), key(1000 + i)], [page(i), page(i + 1)])))
             except InjectedFault:
                 outcomes.append("error")
         return outcomes, dict(store.injected)
@@ -173,3 +155,154 @@ def test_same_seed_same_faults():
 def test_repr_names_the_inner_store_and_the_config():
     text = repr(faulty(error_rate=0.25))
     assert "error_rate=0.25" in text and "FaultyStore" in text
+
+
+# ---- a replay-like workload through L1 -> L2 -> L3 with each fault kind, over real backends ---------------
+WORK_SPEC = KVSpec(num_layers=2, kv_heads=2, head_dim=2, dtype="float32")
+WORK_PAGE = 4
+FAULTS = {
+    "latency": {"latency_rate": 1.0, "latency_s": 0.002},
+    "error": {"error_rate": 0.3},
+    "hang": {"hang_rate": 0.1, "hang_s": 0.5},
+    "partial": {"partial_rate": 0.5},
+    "corrupt_get": {"corrupt_get_rate": 0.3},
+    "corrupt_set": {"corrupt_set_rate": 0.3},
+}
+
+
+def token_kv(ids: list[int], extra_key: str | None) -> torch.Tensor:
+    """The KV a token gets at insert: a chained hash of its whole prefix (exact in float32), per layer/head."""
+    h, values = hash(extra_key) % (1 << 16), []
+    for t in ids:
+        h = (h * 1_000_003 + t) % (1 << 18)
+        values.append(h)
+    base = torch.tensor(values, dtype=torch.float32).view(1, 1, -1, 1, 1)
+    offsets = torch.arange(WORK_SPEC.num_kv * WORK_SPEC.num_layers * WORK_SPEC.heads * WORK_SPEC.dim,
+                           dtype=torch.float32).view(WORK_SPEC.num_kv, WORK_SPEC.num_layers, 1, WORK_SPEC.heads,
+                                                     WORK_SPEC.dim)
+    return base * 64 + offsets  # < 2**24: every value exact
+
+
+def make_trace(num_requests: int = 36, seed: int = 0) -> list[RadixKey]:
+    """Mooncake-like requests: shared 16-token blocks (system prompts, earlier turns) plus a fresh tail."""
+    rng = random.Random(seed)
+    blocks = [[rng.randrange(30_000) for _ in range(16)] for _ in range(24)]
+    trace = []
+    for _ in range(num_requests):
+        chain = [0] + [rng.randrange(1, 24) for _ in range(rng.randrange(1, 5))]
+        ids = [t for b in chain for t in blocks[b]] + [rng.randrange(30_000) for _ in range(rng.randrange(0, 9))]
+        trace.append(RadixKey(ids, rng.choice([None, "tenant-a"])))
+    return trace
+
+
+@dataclass
+class WorkloadResult:
+    requests: int = 0
+    hit_tokens: int = 0
+    storage_hit_tokens: int = 0
+
+
+def serve(cache: HiRadixCache, key: RadixKey, rid: str) -> int:
+    """One request the way a scheduler runs it; returns its verified hit tokens."""
+    match = cache.match_prefix(key)
+    if cache.prefetch_from_storage(rid, match.last_host_node, key):
+        for _ in range(5000):  # the timeout stop policy bounds this; the bound only guards the test
+            cache.step()
+            if cache.check_prefetch_progress(rid):
+                break
+            time.sleep(0.001)
+        else:
+            raise AssertionError(f"request {rid} never finished its prefetch")
+    match = cache.match_prefix(key)
+    load = cache.init_load_back(match.last_host_node)
+    if load.pending is not None and not load.pending.wait():
+        raise AssertionError("L2 -> L1 copy failed")
+    hit = load.device_indices
+    if len(hit):  # never wrong KV: every hit token holds exactly what was written for that prefix
+        assert torch.equal(cache.device_pool.read_tokens(hit), token_kv(key.token_ids[:len(hit)], key.extra_key))
+    cache.inc_lock_ref(load.last_node)
+    num_new = len(key) - len(hit)
+    padded = -(-num_new // WORK_PAGE) * WORK_PAGE
+    fresh = cache.alloc_device(padded) if padded else hit[:0]
+    if fresh is None:  # L1 is held by copies not yet acknowledged: wait for them, as a scheduler would
+        cache.flush()
+        fresh = cache.alloc_device(padded)
+    assert fresh is not None, "L1 has no room even after eviction"
+    ids = list(key.token_ids) + [0] * (padded - num_new)
+    if padded:
+        cache.device_pool.write_tokens(fresh, token_kv(ids, key.extra_key)[:, :, len(hit):])
+    owned = cache.insert(key, torch.cat([hit, fresh]))
+    cache.dec_lock_ref(load.last_node)
+    cache.device_pool.free(torch.cat([hit, fresh])[owned:])
+    cache.step()
+    cache.check_integrity()
+    return len(hit)
+
+
+def run_workload(store, trace: list[RadixKey], **storage_overrides) -> tuple[WorkloadResult, HiRadixCache]:
+    cache = HiRadixCache(DeviceKVPool(WORK_SPEC, 160, WORK_PAGE, "cpu"),
+                         CacheConfig(page_size=WORK_PAGE, host_layout="page_first", load_back_threshold=0,
+                                     hicache_ratio=2.0))
+    ns = HashNamespace.for_spec("fault-model", WORK_SPEC, "page_first")
+    settings = dict(prefetch_threshold=0, prefetch_stop_policy="timeout", prefetch_timeout_base=0.2,
+                    prefetch_timeout_per_ki_token=0.0, io_wait_timeout_s=0.3, prefetch_batch_pages=4)
+    settings.update(storage_overrides)
+    cache.attach_storage(store, StorageConfig(**settings), ns)
+    result = WorkloadResult()
+    for i, key in enumerate(trace * 2):  # the second pass finds much of the first in L3 only
+        result.hit_tokens += serve(cache, key, f"r{i}")
+        result.requests += 1
+    cache.flush()
+    cache.step()
+    cache.check_integrity()
+    result.storage_hit_tokens = cache.stats.storage_hit_tokens
+    return result, cache
+
+
+@pytest.fixture(params=["memory", "file", "redis"])
+def backend(request, tmp_path):
+    if request.param == "memory":
+        return "memory", {}
+    if request.param == "file":
+        return f"file://{tmp_path}/l3", {}
+    server = request.getfixturevalue("redis_server")
+    return server.url, {"key_prefix": f"faults-{uuid.uuid4().hex[:8]}:", "timeout_s": 1.0, "retry_backoff_s": 0.05}
+
+
+def open_work_store(backend, faults: dict | None):
+    spec, options = backend
+    ns = HashNamespace.for_spec("fault-model", WORK_SPEC, "page_first")
+    page_nbytes = WORK_PAGE * WORK_SPEC.bytes_per_token
+    return open_store(spec, ns.name(), page_nbytes, {**options, **({"faults": faults} if faults else {})})
+
+
+def finish(cache: HiRadixCache, store, threads_before: int) -> None:
+    """Close everything and check that no thread is left behind (joined with a timeout)."""
+    cache.close()
+    store.close()  # wakes an injected hang the cache's bounded close did not wait for
+    for thread in threading.enumerate():
+        if thread.name.startswith("tierkv-"):
+            thread.join(timeout=5)
+    assert threading.active_count() <= threads_before, [t.name for t in threading.enumerate()]
+
+
+def test_workload_without_faults_uses_l3(backend):
+    before = threading.active_count()
+    store = open_work_store(backend, None)
+    result, cache = run_workload(store, make_trace())
+    assert result.requests == 72 and result.storage_hit_tokens > 0
+    finish(cache, store, before)
+
+
+@pytest.mark.parametrize("kind", sorted(FAULTS))
+def test_workload_with_faults_never_returns_wrong_kv(backend, kind):
+    before = threading.active_count()
+    store = open_work_store(backend, {**FAULTS[kind], "seed": 1})
+    result, cache = run_workload(store, make_trace())
+    assert result.requests == 72  # every request finished, each hit verified byte for byte in serve()
+    assert store.injected[kind] > 0  # the faults happened and are counted
+    if kind.startswith("corrupt"):
+        assert store.stats.corrupt_pages > 0
+    if kind == "error":
+        assert store.stats.errors >= store.injected["error"]
+    finish(cache, store, before)

@@ -3,7 +3,8 @@
 Specs: ``memory``; ``file`` / ``file:///abs/dir`` / ``file:rel/dir``; ``redis`` /
 ``redis://[user][:password]@host:port/db`` (``valkey://`` is an alias); ``mooncake`` /
 ``mooncake://master_host:port``. Values named in the URL are defaults; the same key in
-``extra_config`` overrides them.
+``extra_config`` overrides them. A ``"faults"`` object in ``extra_config`` wraps any backend in
+:class:`tierkv.storage.faults.FaultyStore`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ BACKEND_OPTIONS: dict[str, dict[str, type]] = {
                  "device_name": str, "global_segment_size": int, "local_buffer_size": int,
                  "key_prefix": str, "replica_num": int},
 }
+# Every backend may be wrapped in fault injection (tests, chaos runs): see tierkv.storage.faults.
+for _options in BACKEND_OPTIONS.values():
+    _options["faults"] = dict
 _ALIASES = {"valkey": "redis"}
 
 
@@ -97,6 +101,11 @@ def open_store(spec: str, namespace: str, page_nbytes: int, extra_config: dict |
     if extra_config is not None and not isinstance(extra_config, dict):
         raise ValueError(f"extra_config must be a dict, got {type(extra_config).__name__}")
     options = check_options(backend, {**options, **(extra_config or {})})
+    faults = options.pop("faults", None)
+    if faults is not None:
+        from tierkv.storage.faults import wrap_with_faults
+        return wrap_with_faults(lambda inner_nbytes: open_store(spec, namespace, inner_nbytes, options),
+                                namespace, page_nbytes, faults)
     if backend == "memory":
         from tierkv.storage.memory import MemoryStore
         return MemoryStore(namespace, page_nbytes)

@@ -11,18 +11,14 @@ Each operation kind draws from its own seeded generator, so one thread per kind 
 
 from __future__ import annotations
 
-import logging
 import random
 import threading
-import time
 from dataclasses import asdict, dataclass, fields
 
 import torch
 
 from tierkv.storage.base import PageStore
-from tierkv.storage.page_format import HEADER_SIZE, PageFormatError
-
-log = logging.getLogger(__name__)
+from tierkv.storage.page_format import HEADER_SIZE
 
 OPERATIONS = ("exists", "get", "set")
 FAULT_KINDS = ("latency", "error", "hang", "partial", "corrupt_get", "corrupt_set")
@@ -91,7 +87,7 @@ def _number(name: str, value: object) -> None:
 class FaultyStore(PageStore):
     """Wraps ``inner`` (whose pages are ``HEADER_SIZE`` bytes larger) and injects faults per ``config``.
 
-    Thread contract: as :class:`PageStore`; the fault counters are updated under a lock.
+    Thread contract: as :class:`PageStore`; fault counters share the stats lock.
     """
 
     name = "faulty"
@@ -106,13 +102,12 @@ class FaultyStore(PageStore):
         self.injected = dict.fromkeys(FAULT_KINDS, 0)
         self.stats.extra["injected_faults"] = self.injected
         self._rngs = {op: random.Random(f"{config.seed}:{op}") for op in OPERATIONS}
-        self._lock = threading.Lock()
         self._closed = threading.Event()
 
     # ---- fault draws ----------------------------------------------------------------------------
-    def _count(self, kind: str, n: int = 1) -> None:
-        with self._lock:
-            self.injected[kind] += n
+    def _inject(self, kind: str) -> None:
+        with self._stats_lock:
+            self.injected[kind] += 1
 
     def _draw(self, op: str, rate: float) -> bool:
         return op in self.config.operations and rate > 0 and self._rngs[op].random() < rate
@@ -121,19 +116,19 @@ class FaultyStore(PageStore):
         """Apply latency, error and hang for one batch; returns how many keys may succeed (partial)."""
         cfg = self.config
         if self._draw(op, cfg.latency_rate):
-            self._count("latency")
+            self._inject("latency")
             self._closed.wait(cfg.latency_s)
         if self._draw(op, cfg.error_rate):
-            self._count("error")
-            self.stats.errors += 1
+            self._inject("error")
+            self._count(errors=1)
             raise InjectedFault(f"injected {op} error on {self.inner.name}")
         if self._draw(op, cfg.hang_rate):
-            self._count("hang")
+            self._inject("hang")
             self._closed.wait(cfg.hang_s)
             if self._closed.is_set():
                 raise InjectedFault(f"{op} interrupted: store closed while hanging")
         if num_keys > 0 and self._draw(op, cfg.partial_rate):
-            self._count("partial")
+            self._inject("partial")
             return self._rngs[op].randrange(num_keys)
         return num_keys
 
@@ -146,55 +141,50 @@ class FaultyStore(PageStore):
     # ---- PageStore ------------------------------------------------------------------------------
     def batch_exists(self, keys: list[str]) -> int:
         ok = self._batch_faults("exists", len(keys))
-        self.stats.exists_calls += 1
+        self._count(exists_calls=1)
         return self.inner.batch_exists(keys[:ok])
 
     def batch_get(self, keys: list[str], targets: list[torch.Tensor]) -> list[bool]:
+        views = self._check_batch(keys, targets)
         ok = self._batch_faults("get", len(keys))
-        start = time.perf_counter()
-        frames = [torch.empty(self.inner.page_nbytes, dtype=torch.uint8) for _ in keys[:ok]]
-        found = self.inner.batch_get(keys[:ok], frames) if ok else []
-        results = [False] * len(keys)
-        for i, (key, frame, hit) in enumerate(zip(keys, frames, found)):
-            if not hit:
-                continue
-            if self._draw("get", self.config.corrupt_get_rate):
-                self._count("corrupt_get")
-                self._flip("get", frame)
-            results[i] = self._unframe(key, frame, targets[i])
-        self.stats.get_pages += sum(results)
-        self.stats.get_bytes += sum(results) * self.page_nbytes
-        self.stats.get_seconds += time.perf_counter() - start
+        with self._timed("get"):
+            frames = [torch.empty(self.inner.page_nbytes, dtype=torch.uint8) for _ in keys[:ok]]
+            found = self.inner.batch_get(keys[:ok], frames) if ok else []
+            results = [False] * len(keys)
+            for i, (key, frame, hit) in enumerate(zip(keys, frames, found)):
+                if not hit:
+                    continue
+                if self._draw("get", self.config.corrupt_get_rate):
+                    self._inject("corrupt_get")
+                    self._flip("get", frame)
+                results[i] = self._unframe(key, frame, views[i])
+        self._count(get_pages=sum(results), get_bytes=sum(results) * self.page_nbytes)
         return results
 
-    def _unframe(self, key: str, frame: torch.Tensor, target: torch.Tensor) -> bool:
-        data = frame.numpy().data
-        try:
-            self.format.verify(key, data[:HEADER_SIZE], data[HEADER_SIZE:])
-        except PageFormatError as exc:
-            self.stats.corrupt_pages += 1
-            log.warning("faulty store: %s (treated as a miss)", exc)
+    def _unframe(self, key: str, frame: torch.Tensor, target: memoryview) -> bool:
+        data = memoryview(frame.numpy())
+        if not self._verified(key, data[:HEADER_SIZE], data[HEADER_SIZE:]):
             return False
-        target.copy_(frame[HEADER_SIZE:])
+        target[:] = data[HEADER_SIZE:]
         return True
 
     def batch_set(self, keys: list[str], values: list[torch.Tensor]) -> list[bool]:
+        views = self._check_batch(keys, values)
         ok = self._batch_faults("set", len(keys))
-        start = time.perf_counter()
-        frames = []
-        for key, value in zip(keys[:ok], values[:ok]):
-            payload = value.contiguous().view(torch.uint8).reshape(-1)
-            header = self.format.header(key, payload.numpy().data)
-            frame = torch.cat([torch.frombuffer(bytearray(header), dtype=torch.uint8), payload])
-            if self._draw("set", self.config.corrupt_set_rate):
-                self._count("corrupt_set")
-                self._flip("set", frame)
-            frames.append(frame)
-        stored = self.inner.batch_set(keys[:ok], frames) if ok else []
+        with self._timed("set"):
+            frames = []
+            for key, view in zip(keys[:ok], views[:ok]):
+                frame = torch.empty(self.inner.page_nbytes, dtype=torch.uint8)
+                data = memoryview(frame.numpy())
+                data[:HEADER_SIZE] = self.format.header(key, view)
+                data[HEADER_SIZE:] = view
+                if self._draw("set", self.config.corrupt_set_rate):
+                    self._inject("corrupt_set")
+                    self._flip("set", frame)
+                frames.append(frame)
+            stored = self.inner.batch_set(keys[:ok], frames) if ok else []
         results = list(stored) + [False] * (len(keys) - ok)
-        self.stats.set_pages += sum(results)
-        self.stats.set_bytes += sum(results) * self.page_nbytes
-        self.stats.set_seconds += time.perf_counter() - start
+        self._count(set_pages=sum(results), set_bytes=sum(results) * self.page_nbytes)
         return results
 
     def clear(self) -> None:

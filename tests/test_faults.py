@@ -2,21 +2,14 @@
 
 from __future__ import annotations
 
-import random
 import threading
-import time
 import uuid
-from dataclasses import dataclass
 
 import pytest
 import torch
 
-from tierkv.config import CacheConfig
-from tierkv.hashing import HashNamespace
+from tests.workload import make_trace, open_work_store, run_workload
 from tierkv.hicache import HiRadixCache
-from tierkv.pools import DeviceKVPool, KVSpec
-from tierkv.radix import RadixKey
-from tierkv.storage.config import StorageConfig
 
 from tierkv.storage.factory import open_store
 from tierkv.storage.faults import FAULT_KINDS, FaultConfig, FaultyStore, InjectedFault
@@ -158,8 +151,6 @@ def test_repr_names_the_inner_store_and_the_config():
 
 
 # ---- a replay-like workload through L1 -> L2 -> L3 with each fault kind, over real backends ---------------
-WORK_SPEC = KVSpec(num_layers=2, kv_heads=2, head_dim=2, dtype="float32")
-WORK_PAGE = 4
 FAULTS = {
     "latency": {"latency_rate": 1.0, "latency_s": 0.002},
     "error": {"error_rate": 0.3},
@@ -170,94 +161,6 @@ FAULTS = {
 }
 
 
-def token_kv(ids: list[int], extra_key: str | None) -> torch.Tensor:
-    """The KV a token gets at insert: a chained hash of its whole prefix (exact in float32), per layer/head."""
-    h, values = hash(extra_key) % (1 << 16), []
-    for t in ids:
-        h = (h * 1_000_003 + t) % (1 << 18)
-        values.append(h)
-    base = torch.tensor(values, dtype=torch.float32).view(1, 1, -1, 1, 1)
-    offsets = torch.arange(WORK_SPEC.num_kv * WORK_SPEC.num_layers * WORK_SPEC.heads * WORK_SPEC.dim,
-                           dtype=torch.float32).view(WORK_SPEC.num_kv, WORK_SPEC.num_layers, 1, WORK_SPEC.heads,
-                                                     WORK_SPEC.dim)
-    return base * 64 + offsets  # < 2**24: every value exact
-
-
-def make_trace(num_requests: int = 36, seed: int = 0) -> list[RadixKey]:
-    """Mooncake-like requests: shared 16-token blocks (system prompts, earlier turns) plus a fresh tail."""
-    rng = random.Random(seed)
-    blocks = [[rng.randrange(30_000) for _ in range(16)] for _ in range(24)]
-    trace = []
-    for _ in range(num_requests):
-        chain = [0] + [rng.randrange(1, 24) for _ in range(rng.randrange(1, 5))]
-        ids = [t for b in chain for t in blocks[b]] + [rng.randrange(30_000) for _ in range(rng.randrange(0, 9))]
-        trace.append(RadixKey(ids, rng.choice([None, "tenant-a"])))
-    return trace
-
-
-@dataclass
-class WorkloadResult:
-    requests: int = 0
-    hit_tokens: int = 0
-    storage_hit_tokens: int = 0
-
-
-def serve(cache: HiRadixCache, key: RadixKey, rid: str) -> int:
-    """One request the way a scheduler runs it; returns its verified hit tokens."""
-    match = cache.match_prefix(key)
-    if cache.prefetch_from_storage(rid, match.last_host_node, key):
-        for _ in range(5000):  # the timeout stop policy bounds this; the bound only guards the test
-            cache.step()
-            if cache.check_prefetch_progress(rid):
-                break
-            time.sleep(0.001)
-        else:
-            raise AssertionError(f"request {rid} never finished its prefetch")
-    match = cache.match_prefix(key)
-    load = cache.init_load_back(match.last_host_node)
-    if load.pending is not None and not load.pending.wait():
-        raise AssertionError("L2 -> L1 copy failed")
-    hit = load.device_indices
-    if len(hit):  # never wrong KV: every hit token holds exactly what was written for that prefix
-        assert torch.equal(cache.device_pool.read_tokens(hit), token_kv(key.token_ids[:len(hit)], key.extra_key))
-    cache.inc_lock_ref(load.last_node)
-    num_new = len(key) - len(hit)
-    padded = -(-num_new // WORK_PAGE) * WORK_PAGE
-    fresh = cache.alloc_device(padded) if padded else hit[:0]
-    if fresh is None:  # L1 is held by copies not yet acknowledged: wait for them, as a scheduler would
-        cache.flush()
-        fresh = cache.alloc_device(padded)
-    assert fresh is not None, "L1 has no room even after eviction"
-    ids = list(key.token_ids) + [0] * (padded - num_new)
-    if padded:
-        cache.device_pool.write_tokens(fresh, token_kv(ids, key.extra_key)[:, :, len(hit):])
-    owned = cache.insert(key, torch.cat([hit, fresh]))
-    cache.dec_lock_ref(load.last_node)
-    cache.device_pool.free(torch.cat([hit, fresh])[owned:])
-    cache.step()
-    cache.check_integrity()
-    return len(hit)
-
-
-def run_workload(store, trace: list[RadixKey], **storage_overrides) -> tuple[WorkloadResult, HiRadixCache]:
-    cache = HiRadixCache(DeviceKVPool(WORK_SPEC, 160, WORK_PAGE, "cpu"),
-                         CacheConfig(page_size=WORK_PAGE, host_layout="page_first", load_back_threshold=0,
-                                     hicache_ratio=2.0))
-    ns = HashNamespace.for_spec("fault-model", WORK_SPEC, "page_first")
-    settings = dict(prefetch_threshold=0, prefetch_stop_policy="timeout", prefetch_timeout_base=0.2,
-                    prefetch_timeout_per_ki_token=0.0, io_wait_timeout_s=0.3, prefetch_batch_pages=4)
-    settings.update(storage_overrides)
-    cache.attach_storage(store, StorageConfig(**settings), ns)
-    result = WorkloadResult()
-    for i, key in enumerate(trace * 2):  # the second pass finds much of the first in L3 only
-        result.hit_tokens += serve(cache, key, f"r{i}")
-        result.requests += 1
-    cache.flush()
-    cache.step()
-    cache.check_integrity()
-    result.storage_hit_tokens = cache.stats.storage_hit_tokens
-    return result, cache
-
 
 @pytest.fixture(params=["memory", "file", "redis"])
 def backend(request, tmp_path):
@@ -267,13 +170,6 @@ def backend(request, tmp_path):
         return f"file://{tmp_path}/l3", {}
     server = request.getfixturevalue("redis_server")
     return server.url, {"key_prefix": f"faults-{uuid.uuid4().hex[:8]}:", "timeout_s": 1.0, "retry_backoff_s": 0.05}
-
-
-def open_work_store(backend, faults: dict | None):
-    spec, options = backend
-    ns = HashNamespace.for_spec("fault-model", WORK_SPEC, "page_first")
-    page_nbytes = WORK_PAGE * WORK_SPEC.bytes_per_token
-    return open_store(spec, ns.name(), page_nbytes, {**options, **({"faults": faults} if faults else {})})
 
 
 def finish(cache: HiRadixCache, store, threads_before: int) -> None:
@@ -288,7 +184,7 @@ def finish(cache: HiRadixCache, store, threads_before: int) -> None:
 
 def test_workload_without_faults_uses_l3(backend):
     before = threading.active_count()
-    store = open_work_store(backend, None)
+    store = open_work_store(*backend)
     result, cache = run_workload(store, make_trace())
     assert result.requests == 72 and result.storage_hit_tokens > 0
     finish(cache, store, before)
@@ -297,7 +193,7 @@ def test_workload_without_faults_uses_l3(backend):
 @pytest.mark.parametrize("kind", sorted(FAULTS))
 def test_workload_with_faults_never_returns_wrong_kv(backend, kind):
     before = threading.active_count()
-    store = open_work_store(backend, {**FAULTS[kind], "seed": 1})
+    store = open_work_store(*backend, faults={**FAULTS[kind], "seed": 1})
     result, cache = run_workload(store, make_trace())
     assert result.requests == 72  # every request finished, each hit verified byte for byte in serve()
     assert store.injected[kind] > 0  # the faults happened and are counted

@@ -38,7 +38,7 @@ class StorageConfig:
     prefetch_batch_pages: int = 16
     backup_max_pending_tokens: int = 1 << 20
     io_wait_timeout_s: float = 10.0
-    backend_config: Mapping[str, Any] = field(default_factory=dict)
+    backend_config: Mapping[str, Any] = field(default_factory=dict, repr=False)  # may hold a password
 
     def __post_init__(self) -> None:
         _check_int("prefetch_threshold", self.prefetch_threshold, minimum=0)

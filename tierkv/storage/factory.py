@@ -40,7 +40,7 @@ def parse_spec(spec: str) -> tuple[str, dict]:
         backend = _ALIASES.get(url.scheme, url.scheme)
         options = _url_options(backend, spec, url)
     if backend not in BACKEND_OPTIONS:
-        raise ValueError(f"storage backend {spec!r} is not one of {sorted(BACKEND_OPTIONS)} "
+        raise ValueError(f"storage backend {redact_spec(spec)!r} is not one of {sorted(BACKEND_OPTIONS)} "
                          f"(by name or as a URL)")
     return backend, options
 
@@ -48,9 +48,10 @@ def parse_spec(spec: str) -> tuple[str, dict]:
 def _url_options(backend: str, spec: str, url) -> dict:
     if backend == "file":
         if url.netloc not in ("", "localhost"):
-            raise ValueError(f"file URL {spec!r} names host {url.netloc!r}; use file:///abs/dir or file:dir")
+            raise ValueError(f"file URL {redact_spec(spec)!r} names host {url.hostname!r}; "
+                             "use file:///abs/dir or file:dir")
         if not url.path:
-            raise ValueError(f"file URL {spec!r} names no directory")
+            raise ValueError(f"file URL {redact_spec(spec)!r} names no directory")
         return {"dir": unquote(url.path)}
     if backend == "redis":
         options: dict = {}
@@ -65,18 +66,23 @@ def _url_options(backend: str, spec: str, url) -> dict:
         db = url.path.strip("/")
         if db:
             if not db.isdigit():
-                raise ValueError(f"redis URL {_redacted(spec, url)!r}: db {db!r} is not a number")
+                raise ValueError(f"redis URL {redact_spec(spec)!r}: db {db!r} is not a number")
             options["db"] = int(db)
         return options
     if backend == "mooncake":
         if not url.hostname or url.port is None:
-            raise ValueError(f"mooncake URL {spec!r} must be mooncake://master_host:port")
+            raise ValueError(f"mooncake URL {redact_spec(spec)!r} must be mooncake://master_host:port")
         return {"master": f"{url.hostname}:{url.port}"}
     return {}
 
 
-def _redacted(spec: str, url) -> str:
-    return spec.replace(url.password, "***") if url.password else spec
+def redact_spec(spec: str) -> str:
+    """``spec`` with a URL password replaced by ``***``: the only form of a spec messages may show."""
+    try:
+        password = urlsplit(spec).password
+    except ValueError:
+        password = None
+    return spec.replace(password, "***") if password else spec
 
 
 def check_options(backend: str, options: dict) -> dict:

@@ -173,7 +173,7 @@ class RadixTree:
             if tick is not None:
                 child.last_access_time = tick
             path.append(child)
-            pos += n
+            node, pos = child, pos + n
             if n < len(child.key):
                 break
         return MatchPath(path, pos)

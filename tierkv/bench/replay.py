@@ -17,6 +17,7 @@ prompt's token ids, which catches any wrong KV delivered by a load back or an L3
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -25,9 +26,10 @@ import torch
 
 from tierkv.bench.trace import TraceRequest
 from tierkv.config import CacheConfig
-from tierkv.hicache import HiRadixCache
+from tierkv.hicache import HiRadixCache, MatchResult
 from tierkv.pools import DeviceKVPool, HostKVPool, KVSpec
 from tierkv.radix import RadixKey
+from tierkv.storage.controller import open_storage
 
 REPLAY_KV_SPEC = KVSpec(num_layers=1, kv_heads=1, head_dim=1, dtype=torch.float64)
 
@@ -122,7 +124,7 @@ class TraceReplayer:
         self.cache = HiRadixCache(device_pool, config.cache_config(), host_pool=host_pool)
         self.storage = None
         if config.l3 != "none":
-            self.storage = attach_l3(self.cache, config.l3)
+            self.storage = L3Tier(self.cache, config.l3)
         self.result = ReplayResult(config)
 
     def serve(self, req: TraceRequest) -> RequestHits:
@@ -132,25 +134,23 @@ class TraceReplayer:
         key = RadixKey(prompt)
         match = cache.match_prefix(key)
         hits = RequestHits(req.input_length, l1=len(match.device_indices))
-        host_node, l3_tokens = match.last_host_node, 0
+        l3_tokens = 0
         if self.storage is not None:
-            host_node, l3_tokens = self.storage.prefetch(req.index, key, match)
-        load = cache.init_load_back(host_node)
+            match, l3_tokens = self.storage.prefetch(req.index, key, match)
+        load = cache.init_load_back(match.last_host_node)
+        prefix, last_node = match.device_indices, match.last_device_node
         if load.pending is not None and load.pending.wait():
-            hits.l3 = l3_tokens
-            hits.l2 = load.loaded_tokens - l3_tokens
-        prefix = load.device_indices
-        if len(prefix) != hits.hit_tokens:  # a failed load: its slots are dropped by the next step
-            prefix, hits.l2, hits.l3 = match.device_indices, 0, 0
-            load.last_node = match.last_device_node
+            hits.l2, hits.l3 = load.loaded_tokens - l3_tokens, l3_tokens
+            prefix, last_node = load.device_indices, load.last_node
+        # a failed load's slots are dropped by the next step; its tokens are recomputed
         if self.config.verify:
             self._verify(prefix, prompt)
         tokens = prompt + req.output_tokens() if self.config.include_output else prompt
-        cache.inc_lock_ref(load.last_node)
+        cache.inc_lock_ref(last_node)
         try:
             hits.cached = self._insert(tokens, prefix)
         finally:
-            cache.dec_lock_ref(load.last_node)
+            cache.dec_lock_ref(last_node)
         cache.flush()
         self.result.requests.append(hits)
         return hits
@@ -195,10 +195,34 @@ class TraceReplayer:
         return result
 
 
-def attach_l3(cache: HiRadixCache, spec: str):
-    """Attach the L3 tier named by ``spec`` (``file:DIR``, ``redis://...``) to ``cache``."""
-    raise ValueError(f"l3 {spec!r}: this build has no L3 storage tier yet (tierkv.storage.factory); "
-                     f"use --l3 none")
+class L3Tier:
+    """The L3 side of a replay: one prefetch per request, waited for to completion (wait_complete)."""
+
+    def __init__(self, cache: HiRadixCache, spec: str) -> None:
+        # xxh3 page hashes: the replay hashes every page it backs up, and sha256 would dominate its time
+        extra = json.dumps({"prefetch_stop_policy": "wait_complete", "hash_algorithm": "xxh3_128"})
+        self.cache = cache
+        self.controller = open_storage(cache, spec, extra, namespace="tierkv-replay")
+
+    def prefetch(self, request_index: int, key: RadixKey, match: MatchResult) -> tuple[MatchResult, int]:
+        """Fetch what L3 holds past the L2 hit into L2; the new match and the tokens it added.
+
+        Lock contract: the prefetch protects its L2 anchor until it ends, which is before returning.
+        """
+        request_id = f"replay-{request_index}"
+        if not self.cache.prefetch_from_storage(request_id, match.last_host_node, key):
+            return match, 0
+        while not self.cache.check_prefetch_progress(request_id):
+            time.sleep(0.0002)  # the prefetch worker reads the store; progress is agreed in step()
+            self.cache.step()
+        again = self.cache.match_prefix(key)
+        before = len(match.device_indices) + match.host_hit_length
+        return again, len(again.device_indices) + again.host_hit_length - before
+
+    def moved_tokens(self) -> tuple[int, int]:
+        """Tokens written L2 -> L3 and read L3 -> L2."""
+        stats = self.controller.stats
+        return stats.backed_up_tokens, stats.prefetched_tokens
 
 
 def replay(requests: list[TraceRequest], config: ReplayConfig,

@@ -156,7 +156,7 @@ def _ms(x: float) -> str:
 
 def print_report(report: dict, console: Console | None = None) -> None:
     """A table with one row per configuration: hits per tier, hit ratio, modelled TTFT."""
-    console = console or Console()
+    console = console or _stdout_console()
     cfg = report["config"]
     l3 = cfg["l3"]
     title = (f"{report['requests']} requests, {report['prompt_tokens']:,} prompt tokens; "
@@ -190,6 +190,12 @@ def print_report(report: dict, console: Console | None = None) -> None:
                   f"bad lines skipped: {report['bad_lines']}; wall {report['wall_s']:.1f} s")
     if "sweep" in report:
         print_sweep(report["sweep"], console)
+
+
+def _stdout_console() -> Console:
+    """Wide enough for the table when stdout is a file or a pipe (rich would assume 80 columns)."""
+    console = Console()
+    return console if console.is_terminal else Console(width=150)
 
 
 def write_json(report: dict, path: str | Path) -> None:
@@ -234,7 +240,7 @@ def print_sweep(points: list[dict], console: Console | None = None) -> None:
     for p in points:
         table.add_row(f"{p['capacity_tokens']:,}", f"{p['l1_tokens']:,}", f"{p['l2_tokens'] or 0:,}",
                       _pct(p["tiered_hit_ratio"]), _pct(p["l1_only_hit_ratio"]), _pct(p["optimal_hit_ratio"]))
-    (console or Console()).print(table)
+    (console or _stdout_console()).print(table)
 
 
 # ---- plots ------------------------------------------------------------------------------------------------

@@ -64,7 +64,10 @@ class StorageConfig:
         """Split ``values`` into controller fields and the backend's keys; unknown keys are errors."""
         own = {f.name for f in fields(cls)} - {"backend_config"}
         allowed_backend = set(backend_keys)
-        mine, backend = {}, dict(values.get("backend_config", {}))
+        nested = values.get("backend_config", {})
+        if not isinstance(nested, Mapping):
+            raise ValueError(f"backend_config must be an object, got {type(nested).__name__}")
+        mine, backend = {}, dict(nested)
         for key, value in values.items():
             if key in own:
                 mine[key] = value

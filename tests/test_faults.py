@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import random
 import threading
 import uuid
 
 import pytest
 import torch
 
-from tests.workload import make_trace, open_work_store, run_workload
+from tests.workload import make_cache, make_trace, open_work_store, run_workload, serve
 from tierkv.hicache import HiRadixCache
 
 from tierkv.storage.factory import open_store
@@ -201,4 +202,43 @@ def test_workload_with_faults_never_returns_wrong_kv(backend, kind):
         assert store.stats.corrupt_pages > 0
     if kind == "error":
         assert store.stats.errors >= store.injected["error"]
+    finish(cache, store, before)
+
+
+def test_disk_full_is_a_failed_write_not_a_crash(tmp_path, monkeypatch):
+    import errno
+
+    import tierkv.storage.file as file_backend
+
+    def no_space(fd, parts):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(file_backend, "_write_all", no_space)
+    before = threading.active_count()
+    store = open_work_store(f"file://{tmp_path}/l3", {})
+    result, cache = run_workload(store, make_trace(num_requests=16))
+    assert result.requests == 32 and result.hit_tokens > 0  # L1/L2 still serve, every hit verified
+    assert store.stats.set_pages == 0 and store.stats.errors > 0
+    assert cache.storage.stats.backup_failed_pages > 0
+    assert not list((tmp_path / "l3").rglob("*.tmp"))  # no half-written temp files left behind
+    finish(cache, store, before)
+
+
+def test_l1_l2_copy_failures_degrade_to_recompute():
+    """A failing L1<->L2 copy (a bad DMA, say) drops that copy's slots; hits stay exact, nothing leaks."""
+    rng = random.Random(3)
+
+    def flaky_copy(kind: str) -> None:
+        if rng.random() < 0.3:
+            raise RuntimeError(f"injected {kind} copy failure")
+
+    before = threading.active_count()
+    store = open_work_store("memory", {})
+    cache = make_cache(store)
+    cache.transfer.delay_hook = flaky_copy
+    hits = sum(serve(cache, key, f"r{i}") for i, key in enumerate(make_trace(num_requests=24) * 2))
+    cache.flush()
+    cache.step()
+    cache.check_integrity()
+    assert hits > 0 and cache.stats.failed_copies > 0
     finish(cache, store, before)

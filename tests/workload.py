@@ -66,12 +66,14 @@ def serve(cache: HiRadixCache, key: RadixKey, rid: str) -> int:
             raise AssertionError(f"request {rid} never finished its prefetch")
     match = cache.match_prefix(key)
     load = cache.init_load_back(match.last_host_node)
+    hit, last_node = load.device_indices, load.last_node
     if load.pending is not None and not load.pending.wait():
-        raise AssertionError("L2 -> L1 copy failed")
-    hit = load.device_indices
+        cache.flush()  # retires the failed load: the loaded nodes drop their garbage L1 slots
+        match = cache.match_prefix(key)
+        hit, last_node = match.device_indices, match.last_device_node
     if len(hit):  # never wrong KV: every hit token holds exactly what was written for that prefix
         assert torch.equal(cache.device_pool.read_tokens(hit), token_kv(key.token_ids[:len(hit)], key.extra_key))
-    cache.inc_lock_ref(load.last_node)
+    cache.inc_lock_ref(last_node)
     num_new = len(key) - len(hit)
     padded = -(-num_new // WORK_PAGE) * WORK_PAGE
     fresh = cache.alloc_device(padded) if padded else hit[:0]
@@ -83,7 +85,7 @@ def serve(cache: HiRadixCache, key: RadixKey, rid: str) -> int:
     if padded:
         cache.device_pool.write_tokens(fresh, token_kv(ids, key.extra_key)[:, :, len(hit):])
     owned = cache.insert(key, torch.cat([hit, fresh]))
-    cache.dec_lock_ref(load.last_node)
+    cache.dec_lock_ref(last_node)
     cache.device_pool.free(torch.cat([hit, fresh])[owned:])
     cache.step()
     cache.check_integrity()

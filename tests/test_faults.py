@@ -9,9 +9,10 @@ import uuid
 import pytest
 import torch
 
-from tests.workload import make_cache, make_trace, open_work_store, run_workload, serve
+from tests.workload import WORK_PAGE, WORK_SPEC, make_cache, make_trace, open_work_store, run_workload, serve
+from tierkv.config import CacheConfig
 from tierkv.hicache import HiRadixCache
-
+from tierkv.pools import DeviceKVPool
 from tierkv.storage.factory import open_store
 from tierkv.storage.faults import FAULT_KINDS, FaultConfig, FaultyStore, InjectedFault
 from tierkv.storage.page_format import HEADER_SIZE
@@ -242,3 +243,15 @@ def test_l1_l2_copy_failures_degrade_to_recompute():
     cache.check_integrity()
     assert hits > 0 and cache.stats.failed_copies > 0
     finish(cache, store, before)
+
+
+def test_faults_come_from_the_storage_extra_config_json():
+    from tierkv.storage.controller import open_storage
+
+    cache = HiRadixCache(DeviceKVPool(WORK_SPEC, 64, WORK_PAGE, "cpu"), CacheConfig(page_size=WORK_PAGE))
+    with pytest.raises(ValueError, match="eror_rate"):
+        open_storage(cache, "memory", '{"faults": {"eror_rate": 0.5}}', "m")
+    controller = open_storage(cache, "memory", '{"faults": {"error_rate": 0.5, "seed": 2}, "prefetch_threshold": 0}',
+                              "m")
+    assert isinstance(controller.store, FaultyStore) and controller.store.config.error_rate == 0.5
+    cache.close()

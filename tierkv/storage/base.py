@@ -6,19 +6,32 @@ header (see :mod:`tierkv.storage.page_format`); a page that fails verification i
 
 Thread contract: methods are called from the storage worker threads, one batch at a time per thread;
 implementations must be safe for one reader thread and one writer thread at once.
+
+Fault contract: a backend never raises into its caller for an I/O or connection failure; it counts the
+failure in ``stats.errors`` and answers a miss (exists/get) or False (set). A malformed key is a
+caller bug and raises ValueError.
 """
 
 from __future__ import annotations
 
 import logging
+import re
+import threading
+import time
 from abc import ABC, abstractmethod
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 
-from tierkv.storage.page_format import PageFormat
+from tierkv.storage.page_format import PageFormat, PageFormatError, namespace_digest
 
 log = logging.getLogger(__name__)
+
+# Chained page hashes are hex digests (sha256: 64 chars, xxh3-128: 32); anything else is refused so a
+# key can never name a path or a pattern outside the store's own space.
+_KEY_RE = re.compile(r"[0-9a-f]{16,128}")
 
 
 @dataclass
@@ -36,6 +49,29 @@ class StoreStats:
     errors: int = 0
     extra: dict = field(default_factory=dict)
 
+    def get_gbps(self) -> float:
+        return self.get_bytes / self.get_seconds / 1e9 if self.get_seconds else 0.0
+
+    def set_gbps(self) -> float:
+        return self.set_bytes / self.set_seconds / 1e9 if self.set_seconds else 0.0
+
+
+def check_key(key: str) -> str:
+    """Return ``key`` if it is a lowercase hex page hash; ValueError naming it otherwise."""
+    if not isinstance(key, str) or not _KEY_RE.fullmatch(key):
+        raise ValueError(f"page key {key!r} is not a lowercase hex page hash of 16-128 characters")
+    return key
+
+
+def page_view(page: torch.Tensor, page_nbytes: int) -> memoryview:
+    """A writable byte view of a contiguous uint8 CPU page tensor (no copy); ValueError otherwise."""
+    if page.dtype != torch.uint8 or page.device.type != "cpu" or not page.is_contiguous():
+        raise ValueError(f"page tensor must be contiguous uint8 on cpu, got {page.dtype} on "
+                         f"{page.device} (contiguous={page.is_contiguous()})")
+    if page.numel() != page_nbytes:
+        raise ValueError(f"page tensor has {page.numel()} bytes, expected {page_nbytes}")
+    return memoryview(page.numpy()).cast("B")
+
 
 class PageStore(ABC):
     """Abstract L3 backend. ``namespace`` names model, tenant, KV layout and TP shard (see hashing)."""
@@ -43,9 +79,15 @@ class PageStore(ABC):
     name = "abstract"
 
     def __init__(self, namespace: str, page_nbytes: int) -> None:
+        if not isinstance(page_nbytes, int) or page_nbytes < 1:
+            raise ValueError(f"page_nbytes must be an int >= 1, got {page_nbytes!r}")
         self.format = PageFormat(namespace, page_nbytes)
+        self.namespace = namespace
+        # 32 hex chars naming the namespace in paths and remote key prefixes.
+        self.namespace_tag = namespace_digest(namespace).hex()
         self.page_nbytes = page_nbytes
         self.stats = StoreStats()
+        self._stats_lock = threading.Lock()
 
     @abstractmethod
     def batch_exists(self, keys: list[str]) -> int:
@@ -65,3 +107,43 @@ class PageStore(ABC):
 
     def close(self) -> None:
         """Release connections and files."""
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    # Helpers for implementations.
+
+    def _verified(self, key: str, header: bytes | memoryview, payload: memoryview) -> bool:
+        """True if the stored page checks out; otherwise log, count it corrupt and return False."""
+        try:
+            self.format.verify(key, header, payload)
+        except PageFormatError as err:
+            log.warning("%s store: dropping corrupt page: %s", self.name, err)
+            self._count(corrupt_pages=1)
+            return False
+        return True
+
+    def _error(self, what: str, err: BaseException) -> None:
+        log.warning("%s store: %s failed: %s: %s", self.name, what, type(err).__name__, err)
+        self._count(errors=1)
+
+    def _count(self, **deltas: float) -> None:
+        with self._stats_lock:
+            for name, delta in deltas.items():
+                setattr(self.stats, name, getattr(self.stats, name) + delta)
+
+    @contextmanager
+    def _timed(self, op: str) -> Iterator[None]:
+        """Adds the batch's wall time to ``stats.<op>_seconds``."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._count(**{f"{op}_seconds": time.perf_counter() - start})
+
+    def _check_batch(self, keys: list[str], tensors: list[torch.Tensor]) -> list[memoryview]:
+        if len(keys) != len(tensors):
+            raise ValueError(f"{len(keys)} keys but {len(tensors)} page tensors")
+        for key in keys:
+            check_key(key)
+        return [page_view(t, self.page_nbytes) for t in tensors]

@@ -1,0 +1,79 @@
+import hashlib
+
+import pytest
+import torch
+
+from tierkv.hashing import HASH_ALGORITHMS, HashNamespace, hash_function, page_hashes, token_bytes
+from tierkv.pools.spec import KVSpec
+
+NS = HashNamespace(model="llama-3-8b", kv_layout="mha/page_first", kv_dtype="float16", kv_shape=(2, 32, 8, 128))
+
+
+@pytest.mark.parametrize("algorithm", HASH_ALGORITHMS)
+def test_keys_are_hex_of_the_algorithms_width(algorithm):
+    ns = HashNamespace(model="m", algorithm=algorithm)
+    keys = page_hashes(list(range(40)), 16, None, ns)
+    width = {"sha256": 64, "xxh3_128": 32}[algorithm]
+    assert len(keys) == 2  # the trailing 8 tokens are not a whole page
+    assert all(len(k) == width and int(k, 16) >= 0 for k in keys)
+
+
+def test_first_page_is_sha256_of_seed_and_tokens():
+    tokens = list(range(16))
+    expected = hashlib.sha256(bytes.fromhex(NS.seed()) + token_bytes(tokens)).hexdigest()
+    assert page_hashes(tokens, 16, None, NS) == [expected]
+
+
+def test_chain_continues_from_the_parent_hash():
+    tokens = list(range(100, 164))
+    whole = page_hashes(tokens, 16, None, NS)
+    parent = page_hashes(tokens[:32], 16, None, NS)
+    child = page_hashes(tokens[32:], 16, parent[-1], NS)
+    assert parent + child == whole
+
+
+def test_a_page_hash_names_its_whole_prefix():
+    a = page_hashes([1] * 16 + [7] * 16, 16, None, NS)
+    b = page_hashes([2] * 16 + [7] * 16, 16, None, NS)
+    assert a[1] != b[1]  # same tokens in page 1, different prefix
+
+
+@pytest.mark.parametrize("change", [
+    {"model": "qwen"}, {"extra_key": "tenant-b"}, {"kv_layout": "mha/layer_first"}, {"kv_dtype": "bfloat16"},
+    {"kv_shape": (2, 32, 4, 128)}, {"tp_rank": 1, "tp_size": 2}, {"tp_size": 2}, {"algorithm": "xxh3_128"},
+])
+def test_every_namespace_field_changes_every_key(change):
+    tokens = list(range(32))
+    fields = {**NS.__dict__, **change}
+    other = HashNamespace(**fields)
+    assert other.seed() != NS.seed()
+    assert not set(page_hashes(tokens, 16, None, other)) & set(page_hashes(tokens, 16, None, NS))
+
+
+def test_for_spec_distinguishes_tp_shards_and_mla():
+    spec = KVSpec(num_layers=4, kv_heads=8, head_dim=64, dtype=torch.bfloat16)
+    full = HashNamespace.for_spec("m", spec, "page_first")
+    shard = HashNamespace.for_spec("m", spec.shard(0, 2), "page_first", tp_rank=0, tp_size=2)
+    mla = HashNamespace.for_spec("m", KVSpec(num_layers=4, attention="mla", kv_lora_rank=64, rope_dim=16),
+                                 "page_first")
+    assert len({full.seed(), shard.seed(), mla.seed()}) == 3
+    assert full.kv_dtype == "bfloat16" and full.kv_shape == (2, 4, 8, 64)
+
+
+def test_bigram_pages_never_hash_like_flat_pages():
+    flat = page_hashes([1, 2, 3, 4], 2, None, NS)
+    pairs = page_hashes([(1, 2), (3, 4)], 1, None, NS)
+    assert len(flat) == len(pairs) == 2 and not set(flat) & set(pairs)
+
+
+def test_unknown_algorithm_and_bad_fields_are_value_errors():
+    with pytest.raises(ValueError, match="md5"):
+        hash_function("md5")
+    with pytest.raises(ValueError, match="md5"):
+        HashNamespace(model="m", algorithm="md5")
+    with pytest.raises(ValueError, match="tp_rank"):
+        HashNamespace(model="m", tp_rank=2, tp_size=2)
+    with pytest.raises(ValueError, match="model"):
+        HashNamespace(model="")
+    with pytest.raises(ValueError, match="page_size"):
+        page_hashes([1, 2], 0, None, NS)

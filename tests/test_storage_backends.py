@@ -1,0 +1,318 @@
+"""One suite, every backend: each test runs against memory, file, redis and mooncake (when runnable)."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tierkv.hashing import HashNamespace, page_hashes
+from tierkv.storage.base import PageStore
+from tierkv.storage.factory import open_store
+from tierkv.storage.page_format import HEADER_SIZE
+
+PAGE_NBYTES = 3000  # deliberately not a power of two
+BACKENDS = ["memory", "file", "redis"]  # mooncake: next commit
+
+
+def make_keys(num_pages: int, model: str = "m", seed: int = 0) -> list[str]:
+    tokens = [seed * 1_000_003 + t for t in range(4 * num_pages)]
+    return page_hashes(tokens, 4, None, HashNamespace(model=model))
+
+
+def make_pages(num_pages: int, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (PAGE_NBYTES,), dtype=torch.uint8, generator=g) for _ in range(num_pages)]
+
+
+def empty_pages(num_pages: int) -> list[torch.Tensor]:
+    return [torch.zeros(PAGE_NBYTES, dtype=torch.uint8) for _ in range(num_pages)]
+
+
+class Backend:
+    """How the suite opens and tampers with one backend's stores."""
+
+    def __init__(self, name: str, request, tmp_path) -> None:
+        self.name = name
+        self.tmp_path = tmp_path
+        self.stores: list[PageStore] = []
+        self.server = None
+        if name == "redis":
+            self.server = request.getfixturevalue("redis_server")
+        elif name == "mooncake":
+            self.server = request.getfixturevalue("mooncake_master")
+        self.shared_blobs: dict = {}
+
+    def open(self, namespace: str = "ns-a") -> PageStore:
+        if self.name == "memory":
+            from tierkv.storage.memory import MemoryStore
+            store = MemoryStore(namespace, PAGE_NBYTES, blobs=self.shared_blobs)
+        elif self.name == "file":
+            store = open_store(f"file://{self.tmp_path}/l3", namespace, PAGE_NBYTES)
+        elif self.name == "redis":
+            store = open_store(self.server.url, namespace, PAGE_NBYTES,
+                               {"key_prefix": f"t{os.getpid()}:", "timeout_s": 1.0, "retry_backoff_s": 0.05})
+        else:
+            store = open_store(self.server.url, namespace, PAGE_NBYTES, self.server.client_config())
+        self.stores.append(store)
+        return store
+
+    def corrupt(self, store: PageStore, key: str, offset: int) -> None:
+        """Flip one stored byte at ``offset`` of the blob (header + payload)."""
+        if self.name == "memory":
+            store.blobs[store._slot(key)][offset] ^= 0xFF
+        elif self.name == "file":
+            with open(store.path(key), "r+b") as f:
+                f.seek(offset)
+                byte = f.read(1)
+                f.seek(offset)
+                f.write(bytes([byte[0] ^ 0xFF]))
+        elif self.name == "redis":
+            import redis
+            client = redis.Redis(port=self.server.port)
+            name = store.redis_key(key)
+            blob = bytearray(client.get(name))
+            blob[offset] ^= 0xFF
+            client.set(name, bytes(blob))
+            client.close()
+        else:
+            pytest.skip("mooncake: no raw write path to tamper with a stored object")
+
+    def close(self) -> None:
+        for store in self.stores:
+            store.clear()
+            store.close()
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request, tmp_path):
+    b = Backend(request.param, request, tmp_path)
+    yield b
+    b.close()
+
+
+def test_round_trip_is_bit_exact(backend):
+    store = backend.open()
+    keys, pages = make_keys(5), make_pages(5)
+    assert store.batch_set(keys, pages) == [True] * 5
+    targets = empty_pages(5)
+    assert store.batch_get(keys, targets) == [True] * 5
+    assert all(torch.equal(t, p) for t, p in zip(targets, pages))
+    assert store.stats.set_pages == 5 and store.stats.get_pages == 5
+    assert store.stats.get_bytes == 5 * PAGE_NBYTES and store.stats.corrupt_pages == 0
+
+
+def test_get_lands_in_host_pool_page_views(backend):
+    pool = torch.zeros(4, PAGE_NBYTES, dtype=torch.uint8)
+    store = backend.open()
+    keys, pages = make_keys(4), make_pages(4)
+    store.batch_set(keys, pages)
+    assert store.batch_get(keys, list(pool.unbind(0))) == [True] * 4
+    assert torch.equal(pool, torch.stack(pages))
+
+
+def test_exists_is_the_leading_run(backend):
+    store = backend.open()
+    keys, pages = make_keys(6), make_pages(6)
+    assert store.batch_exists(keys) == 0
+    store.batch_set(keys[:2] + keys[3:], pages[:2] + pages[3:])
+    assert store.batch_exists(keys) == 2
+    assert store.batch_exists(keys[3:]) == 3
+    assert store.batch_exists([]) == 0
+
+
+def test_missing_pages_are_false_and_others_still_read(backend):
+    store = backend.open()
+    keys, pages = make_keys(4), make_pages(4)
+    store.batch_set([keys[0], keys[2]], [pages[0], pages[2]])
+    targets = empty_pages(4)
+    assert store.batch_get(keys, targets) == [True, False, True, False]
+    assert torch.equal(targets[0], pages[0]) and torch.equal(targets[2], pages[2])
+    assert store.stats.corrupt_pages == 0
+
+
+def test_overwrite_replaces_the_page(backend):
+    store = backend.open()
+    key, (old, new) = make_keys(1), make_pages(2)
+    store.batch_set(key, [old])
+    store.batch_set(key, [new])
+    target = empty_pages(1)
+    assert store.batch_get(key, target) == [True] and torch.equal(target[0], new)
+
+
+def test_clear_removes_only_this_namespace(backend):
+    a, b = backend.open("ns-a"), backend.open("ns-b")
+    keys, pages = make_keys(3), make_pages(3)
+    a.batch_set(keys, pages)
+    b.batch_set(keys, pages)
+    a.clear()
+    assert a.batch_exists(keys) == 0 and a.batch_get(keys, empty_pages(3)) == [False] * 3
+    assert b.batch_exists(keys) == 3
+
+
+def test_a_page_of_namespace_a_is_a_miss_under_b(backend):
+    a, b = backend.open("ns-a"), backend.open("ns-b")
+    keys, pages = make_keys(2), make_pages(2)
+    a.batch_set(keys, pages)
+    assert b.batch_exists(keys) == 0
+    assert b.batch_get(keys, empty_pages(2)) == [False, False]
+
+
+@pytest.mark.parametrize("offset", [HEADER_SIZE + 17, 30], ids=["payload", "header"])
+def test_corrupt_page_is_a_counted_miss(backend, offset):
+    store = backend.open()
+    keys, pages = make_keys(3), make_pages(3)
+    store.batch_set(keys, pages)
+    backend.corrupt(store, keys[1], offset)
+    targets = empty_pages(3)
+    assert store.batch_get(keys, targets) == [True, False, True]
+    assert torch.equal(targets[2], pages[2])
+    assert store.stats.corrupt_pages == 1 and store.stats.get_pages == 2
+
+
+def test_malformed_keys_and_tensors_are_refused(backend):
+    store = backend.open()
+    for bad in ["../../etc/passwd", "ABCDEF0123456789", "0123", "/abs", "ab" * 70, 12345]:
+        with pytest.raises(ValueError):
+            store.batch_set([bad], make_pages(1))
+        with pytest.raises(ValueError):
+            store.batch_exists([bad])
+    with pytest.raises(ValueError, match="bytes"):
+        store.batch_set(make_keys(1), [torch.zeros(PAGE_NBYTES + 1, dtype=torch.uint8)])
+    with pytest.raises(ValueError, match="uint8"):
+        store.batch_get(make_keys(1), [torch.zeros(PAGE_NBYTES, dtype=torch.float32)])
+
+
+# File-only behaviours.
+
+def test_file_survives_a_new_store_and_a_new_process(tmp_path):
+    url, keys, pages = f"file://{tmp_path}", make_keys(3), make_pages(3)
+    open_store(url, "ns", PAGE_NBYTES).batch_set(keys, pages)
+    again = open_store(url, "ns", PAGE_NBYTES)
+    targets = empty_pages(3)
+    assert again.batch_get(keys, targets) == [True] * 3
+    assert all(torch.equal(t, p) for t, p in zip(targets, pages))
+    script = (
+        "import sys, torch\n"
+        "from tierkv.storage.factory import open_store\n"
+        f"s = open_store({url!r}, 'ns', {PAGE_NBYTES})\n"
+        "keys = sys.argv[1:]\n"
+        f"t = [torch.zeros({PAGE_NBYTES}, dtype=torch.uint8) for _ in keys]\n"
+        "assert s.batch_exists(keys) == len(keys) and all(s.batch_get(keys, t))\n"
+        "print(sum(int(x.sum()) for x in t))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script, *keys], capture_output=True, text=True, timeout=60,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout) == sum(int(p.sum()) for p in pages)
+
+
+def test_file_keys_stay_inside_the_directory(tmp_path):
+    store = open_store("file", "ns", PAGE_NBYTES, {"dir": str(tmp_path)})
+    key = make_keys(1)[0]
+    assert store.path(key).startswith(str(tmp_path) + os.sep)
+    with pytest.raises(ValueError):
+        store.path("../" + key)
+
+
+def test_file_write_error_is_false_and_counted(tmp_path, monkeypatch):
+    store = open_store(f"file:{tmp_path}", "ns", PAGE_NBYTES)
+    keys, pages = make_keys(2), make_pages(2)
+
+    def disk_full(fd, parts):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "writev", disk_full)
+    assert store.batch_set(keys, pages) == [False, False]
+    assert store.stats.errors == 2 and store.stats.set_pages == 0
+    monkeypatch.undo()
+    assert store.batch_exists(keys) == 0
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()]  # no temp file left behind
+
+
+def test_file_truncated_page_is_a_miss(tmp_path):
+    store = open_store(f"file:{tmp_path}", "ns", PAGE_NBYTES)
+    keys, pages = make_keys(1), make_pages(1)
+    store.batch_set(keys, pages)
+    with open(store.path(keys[0]), "r+b") as f:
+        f.truncate(HEADER_SIZE + 10)
+    assert store.batch_exists(keys) == 0
+    assert store.batch_get(keys, empty_pages(1)) == [False]
+    assert store.stats.corrupt_pages == 1
+
+
+def test_file_fsync_mode_round_trips(tmp_path):
+    store = open_store(f"file:{tmp_path}", "ns", PAGE_NBYTES, {"fsync": True})
+    keys, pages = make_keys(2), make_pages(2)
+    assert store.batch_set(keys, pages) == [True, True]
+    targets = empty_pages(2)
+    assert store.batch_get(keys, targets) == [True, True] and torch.equal(targets[1], pages[1])
+
+
+# Redis-only behaviours.
+
+def _redis_store(server, **extra) -> PageStore:
+    config = {"timeout_s": 1.0, "retry_backoff_s": 0.05, "key_prefix": f"fault{os.getpid()}:", **extra}
+    return open_store(server.url, "ns", PAGE_NBYTES, config)
+
+
+def test_redis_killed_gives_misses_then_recovers_after_restart(redis_server):
+    store = _redis_store(redis_server)
+    keys, pages = make_keys(3), make_pages(3)
+    assert store.batch_set(keys, pages) == [True] * 3
+    redis_server.kill()
+    try:
+        assert store.batch_exists(keys) == 0
+        assert store.batch_get(keys, empty_pages(3)) == [False] * 3
+        assert store.batch_set(keys, pages) == [False] * 3
+        store.clear()
+        assert store.stats.errors >= 4
+    finally:
+        redis_server.restart()
+    time.sleep(0.5)  # past the longest backoff window reached above (0.05 s doubled a few times)
+    assert store.batch_exists(keys) == 0  # a restarted server has no data
+    assert store.batch_set(keys, pages) == [True] * 3
+    targets = empty_pages(3)
+    assert store.batch_get(keys, targets) == [True] * 3 and torch.equal(targets[1], pages[1])
+    store.clear()
+
+
+def test_redis_backoff_skips_the_network_until_the_window_ends(redis_server):
+    store = _redis_store(redis_server, retry_backoff_s=30.0)
+    keys, pages = make_keys(1), make_pages(1)
+    redis_server.kill()
+    try:
+        assert store.batch_get(keys, empty_pages(1)) == [False]
+    finally:
+        redis_server.restart()
+    errors = store.stats.errors
+    assert store.batch_set(keys, pages) == [False]  # still inside the 30 s window: no attempt made
+    assert store.stats.errors == errors + 1
+
+
+def test_redis_password_db_and_prefix(caplog):
+    from tests.servers import RedisServer, ServerUnavailable
+    try:
+        server = RedisServer.start(password="pw-s3cret")
+    except ServerUnavailable as why:
+        pytest.skip(str(why))
+    try:
+        keys, pages = make_keys(2), make_pages(2)
+        good = open_store(f"redis://:pw-s3cret@127.0.0.1:{server.port}/3", "ns", PAGE_NBYTES)
+        assert good.batch_set(keys, pages) == [True, True]
+        other_db = open_store(f"redis://:pw-s3cret@127.0.0.1:{server.port}/4", "ns", PAGE_NBYTES)
+        other_prefix = open_store(f"redis://:pw-s3cret@127.0.0.1:{server.port}/3", "ns", PAGE_NBYTES,
+                                  {"key_prefix": "other:"})
+        assert other_db.batch_exists(keys) == 0 and other_prefix.batch_exists(keys) == 0
+        assert good.batch_exists(keys) == 2
+        wrong = open_store(f"redis://:pw-wrong@127.0.0.1:{server.port}/3", "ns", PAGE_NBYTES)
+        with caplog.at_level("DEBUG"):
+            assert wrong.batch_get(keys, empty_pages(2)) == [False, False]
+        assert wrong.stats.errors == 1 and "redis store: get" in caplog.text
+        assert "pw-wrong" not in caplog.text and "pw-s3cret" not in caplog.text
+        for store in (good, other_db, other_prefix, wrong):
+            store.close()
+    finally:
+        server.stop()

@@ -1,0 +1,108 @@
+"""Chained page hashes: the L3 key of a page names the page's tokens and every token before it.
+
+hash(page_0) = H(seed, tokens of page_0); hash(page_i) = H(hash(page_i-1), tokens of page_i). The seed
+comes from a :class:`HashNamespace` (model, tenant, KV layout, dtype, shape, TP shard), so two models,
+two tenants or two TP layouts never compute the same key for the same tokens. Keys are hex strings.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+import xxhash
+
+HASH_ALGORITHMS = ("sha256", "xxh3_128")
+# A key names the whole prefix, so a pair-token (bigram) page must never hash like a flat page
+# holding the same integers.
+_FLAT_TAG = b"\x01"
+_PAIR_TAG = b"\x02"
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _xxh3_128(data: bytes) -> str:
+    return xxhash.xxh3_128_hexdigest(data)
+
+
+_HASHERS: dict[str, Callable[[bytes], str]] = {"sha256": _sha256, "xxh3_128": _xxh3_128}
+
+
+def hash_function(algorithm: str) -> Callable[[bytes], str]:
+    """The hex-digest function for ``algorithm``; ValueError for an unknown name."""
+    try:
+        return _HASHERS[algorithm]
+    except KeyError:
+        raise ValueError(f"hash algorithm {algorithm!r} is not one of {HASH_ALGORITHMS}") from None
+
+
+@dataclass(frozen=True)
+class HashNamespace:
+    """Everything that makes two equal token prefixes hold different KV bytes."""
+
+    model: str
+    extra_key: str = ""
+    kv_layout: str = ""
+    kv_dtype: str = ""
+    kv_shape: tuple[int, ...] = ()
+    tp_rank: int = 0
+    tp_size: int = 1
+    algorithm: str = "sha256"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model must be a non-empty string, got {self.model!r}")
+        hash_function(self.algorithm)
+        if not isinstance(self.tp_size, int) or self.tp_size < 1:
+            raise ValueError(f"tp_size must be an int >= 1, got {self.tp_size!r}")
+        if not isinstance(self.tp_rank, int) or not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank must be in [0, {self.tp_size}), got {self.tp_rank!r}")
+        object.__setattr__(self, "kv_shape", tuple(int(d) for d in self.kv_shape))
+
+    @classmethod
+    def for_spec(cls, model: str, spec, host_layout: str, tp_rank: int = 0, tp_size: int = 1,
+                 extra_key: str | None = None, algorithm: str = "sha256") -> "HashNamespace":
+        """The namespace of one TP shard's pages, from a :class:`tierkv.pools.spec.KVSpec`."""
+        shape = (spec.num_kv, spec.num_layers, spec.heads, spec.dim)
+        return cls(model=model, extra_key=extra_key or "", kv_layout=f"{spec.attention}/{host_layout}",
+                   kv_dtype=str(spec.dtype).removeprefix("torch."), kv_shape=shape, tp_rank=tp_rank,
+                   tp_size=tp_size, algorithm=algorithm)
+
+    def name(self) -> str:
+        """A canonical, human-readable string of every field (also the store namespace)."""
+        shape = "x".join(str(d) for d in self.kv_shape)
+        return (f"tierkv/v1|model={self.model}|extra={self.extra_key}|layout={self.kv_layout}"
+                f"|dtype={self.kv_dtype}|shape={shape}|tp={self.tp_rank}of{self.tp_size}"
+                f"|hash={self.algorithm}")
+
+    def seed(self) -> str:
+        """The prior hash of a sequence's first page (hex, in this namespace's algorithm)."""
+        return hash_function(self.algorithm)(self.name().encode())
+
+
+def token_bytes(tokens: Sequence) -> bytes:
+    """Tokens (ints, or pairs of ints in bigram mode) as tagged little-endian int64 bytes."""
+    array = np.asarray(tokens, dtype="<i8")
+    return (_PAIR_TAG if array.ndim > 1 else _FLAT_TAG) + array.tobytes()
+
+
+def page_hashes(tokens: Sequence, page_size: int, prior_hash: str | None,
+                namespace: HashNamespace) -> list[str]:
+    """Hashes of every whole page of ``tokens``, continuing the chain from ``prior_hash``.
+
+    ``prior_hash`` is the hash of the page just before ``tokens[0]`` (a node's parent's last page), or
+    None when ``tokens`` starts the sequence. A trailing partial page gets no hash.
+    """
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size!r}")
+    digest = hash_function(namespace.algorithm)
+    prior = namespace.seed() if prior_hash is None else prior_hash
+    hashes = []
+    for start in range(0, len(tokens) - page_size + 1, page_size):
+        prior = digest(bytes.fromhex(prior) + token_bytes(tokens[start:start + page_size]))
+        hashes.append(prior)
+    return hashes

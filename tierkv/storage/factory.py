@@ -1,0 +1,114 @@
+"""Open a page store from a name or URL plus backend keys from the extra-config JSON.
+
+Specs: ``memory``; ``file`` / ``file:///abs/dir`` / ``file:rel/dir``; ``redis`` /
+``redis://[user][:password]@host:port/db`` (``valkey://`` is an alias); ``mooncake`` /
+``mooncake://master_host:port``. Values named in the URL are defaults; the same key in
+``extra_config`` overrides them.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import unquote, urlsplit
+
+from tierkv.storage.base import PageStore
+
+# Backend keys allowed in extra_config, with their types (float also accepts int).
+BACKEND_OPTIONS: dict[str, dict[str, type]] = {
+    "memory": {},
+    "file": {"dir": str, "fsync": bool},
+    "redis": {"host": str, "port": int, "db": int, "username": str, "password": str, "key_prefix": str,
+              "timeout_s": float, "batch_pages": int, "retry_backoff_s": float},
+    "mooncake": {"master": str, "metadata_server": str, "local_hostname": str, "protocol": str,
+                 "device_name": str, "global_segment_size": int, "local_buffer_size": int,
+                 "key_prefix": str, "replica_num": int},
+}
+_ALIASES = {"valkey": "redis"}
+
+
+def parse_spec(spec: str) -> tuple[str, dict]:
+    """The backend name and the options a spec's URL carries; ValueError for an unknown backend."""
+    if not isinstance(spec, str) or not spec:
+        raise ValueError(f"storage backend spec must be a non-empty string, got {spec!r}")
+    if ":" not in spec:
+        backend, options = _ALIASES.get(spec, spec), {}
+    else:
+        url = urlsplit(spec)
+        backend = _ALIASES.get(url.scheme, url.scheme)
+        options = _url_options(backend, spec, url)
+    if backend not in BACKEND_OPTIONS:
+        raise ValueError(f"storage backend {spec!r} is not one of {sorted(BACKEND_OPTIONS)} "
+                         f"(by name or as a URL)")
+    return backend, options
+
+
+def _url_options(backend: str, spec: str, url) -> dict:
+    if backend == "file":
+        if url.netloc not in ("", "localhost"):
+            raise ValueError(f"file URL {spec!r} names host {url.netloc!r}; use file:///abs/dir or file:dir")
+        if not url.path:
+            raise ValueError(f"file URL {spec!r} names no directory")
+        return {"dir": unquote(url.path)}
+    if backend == "redis":
+        options: dict = {}
+        if url.hostname:
+            options["host"] = url.hostname
+        if url.port is not None:
+            options["port"] = url.port
+        if url.username:
+            options["username"] = unquote(url.username)
+        if url.password is not None:
+            options["password"] = unquote(url.password)
+        db = url.path.strip("/")
+        if db:
+            if not db.isdigit():
+                raise ValueError(f"redis URL {_redacted(spec, url)!r}: db {db!r} is not a number")
+            options["db"] = int(db)
+        return options
+    if backend == "mooncake":
+        if not url.hostname or url.port is None:
+            raise ValueError(f"mooncake URL {spec!r} must be mooncake://master_host:port")
+        return {"master": f"{url.hostname}:{url.port}"}
+    return {}
+
+
+def _redacted(spec: str, url) -> str:
+    return spec.replace(url.password, "***") if url.password else spec
+
+
+def check_options(backend: str, options: dict) -> dict:
+    """``options`` if every key is known to ``backend`` and has its type; ValueError naming the first bad one."""
+    allowed = BACKEND_OPTIONS[backend]
+    for key, value in options.items():
+        if key not in allowed:
+            raise ValueError(f"unknown {backend} storage option {key!r} (known: {sorted(allowed)})")
+        kind = allowed[key]
+        ok = (isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float
+              else isinstance(value, kind) and (kind is bool or not isinstance(value, bool)))
+        if not ok:
+            shown = "***" if key == "password" else repr(value)
+            raise ValueError(f"{backend} storage option {key!r} must be {kind.__name__}, got {shown} "
+                             f"({type(value).__name__})")
+    return options
+
+
+def open_store(spec: str, namespace: str, page_nbytes: int, extra_config: dict | None = None) -> PageStore:
+    """A page store for ``spec`` (name or URL) configured by the URL and ``extra_config``'s backend keys."""
+    backend, options = parse_spec(spec)
+    if extra_config is not None and not isinstance(extra_config, dict):
+        raise ValueError(f"extra_config must be a dict, got {type(extra_config).__name__}")
+    options = check_options(backend, {**options, **(extra_config or {})})
+    if backend == "memory":
+        from tierkv.storage.memory import MemoryStore
+        return MemoryStore(namespace, page_nbytes)
+    if backend == "file":
+        from tierkv.storage.file import FileStore
+        if "dir" not in options:
+            raise ValueError("file storage needs a directory: file:///abs/dir, file:dir or extra_config 'dir'")
+        return FileStore(namespace, page_nbytes, root=options["dir"], fsync=options.get("fsync", False))
+    if backend == "redis":
+        from tierkv.storage.redis_store import RedisStore
+        return RedisStore(namespace, page_nbytes, **options)
+    if "master" not in options:
+        raise ValueError("mooncake storage needs a master: mooncake://host:port or extra_config 'master'")
+    from tierkv.storage.mooncake_store import MooncakeStore
+    return MooncakeStore(namespace, page_nbytes, **options)

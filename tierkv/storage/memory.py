@@ -1,0 +1,69 @@
+"""In-process page store: a dict of header+payload blobs. The reference backend for tests."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import torch
+
+from tierkv.storage.base import PageStore, check_key
+from tierkv.storage.page_format import HEADER_SIZE
+
+
+class MemoryStore(PageStore):
+    """Pages live in this process only; ``blobs`` is shared between stores given the same dict."""
+
+    name = "memory"
+
+    def __init__(self, namespace: str, page_nbytes: int, blobs: dict[str, bytearray] | None = None) -> None:
+        super().__init__(namespace, page_nbytes)
+        # Keys are prefixed by the namespace digest so stores sharing ``blobs`` stay apart.
+        self._prefix = self.namespace_tag + ":"
+        self.blobs = {} if blobs is None else blobs
+        self._lock = threading.Lock()
+
+    def _slot(self, key: str) -> str:
+        return self._prefix + check_key(key)
+
+    def batch_exists(self, keys: list[str]) -> int:
+        self._count(exists_calls=1)
+        slots = [self._slot(k) for k in keys]
+        with self._lock:
+            for i, slot in enumerate(slots):
+                if slot not in self.blobs:
+                    return i
+        return len(slots)
+
+    def batch_get(self, keys: list[str], targets: list[torch.Tensor]) -> list[bool]:
+        views = self._check_batch(keys, targets)
+        found = []
+        with self._timed("get"):
+            for key, view in zip(keys, views):
+                with self._lock:
+                    blob = self.blobs.get(self._slot(key))
+                if blob is None:
+                    found.append(False)
+                    continue
+                stored = memoryview(blob)
+                ok = self._verified(key, stored[:HEADER_SIZE], stored[HEADER_SIZE:])
+                if ok:
+                    np.frombuffer(view, dtype=np.uint8)[:] = np.frombuffer(stored[HEADER_SIZE:], np.uint8)
+                    self._count(get_pages=1, get_bytes=self.page_nbytes)
+                found.append(ok)
+        return found
+
+    def batch_set(self, keys: list[str], values: list[torch.Tensor]) -> list[bool]:
+        views = self._check_batch(keys, values)
+        with self._timed("set"):
+            for key, view in zip(keys, views):
+                blob = bytearray(self.format.header(key, view)) + view
+                with self._lock:
+                    self.blobs[self._slot(key)] = blob
+                self._count(set_pages=1, set_bytes=self.page_nbytes)
+        return [True] * len(keys)
+
+    def clear(self) -> None:
+        with self._lock:
+            for slot in [s for s in self.blobs if s.startswith(self._prefix)]:
+                del self.blobs[slot]

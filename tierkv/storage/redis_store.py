@@ -1,0 +1,158 @@
+"""Page store on Redis or Valkey over TCP: pipelined batches, one string value (header + payload) per page.
+
+Keys are ``<key_prefix><namespace tag>:<page hash>``, so ``clear`` can SCAN one namespace away. A
+connection failure makes the batch a miss (exists/get) or False (set), counts one error and backs off:
+calls in the backoff window answer at once without touching the network, then the next call retries
+(redis-py reconnects); each further failure doubles the window up to 64 times ``retry_backoff_s``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import redis
+import torch
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from tierkv.storage.base import PageStore, check_key
+from tierkv.storage.page_format import HEADER_SIZE
+
+_MAX_BACKOFF_FACTOR = 64
+
+
+class RedisStore(PageStore):
+    """A namespace of pages in one Redis db. The password is passed to redis-py and never logged."""
+
+    name = "redis"
+
+    def __init__(self, namespace: str, page_nbytes: int, host: str = "127.0.0.1", port: int = 6379,
+                 db: int = 0, username: str | None = None, password: str | None = None,
+                 key_prefix: str = "tierkv:", timeout_s: float = 5.0, batch_pages: int = 8,
+                 retry_backoff_s: float = 0.5) -> None:
+        super().__init__(namespace, page_nbytes)
+        for field, value in (("timeout_s", timeout_s), ("retry_backoff_s", retry_backoff_s)):
+            if value <= 0:
+                raise ValueError(f"redis {field} must be > 0, got {value!r}")
+        if any(c in key_prefix for c in "*?[]\\"):
+            raise ValueError(f"redis key_prefix {key_prefix!r} must not contain glob characters *?[]\\")
+        if batch_pages < 1:
+            raise ValueError(f"redis batch_pages must be >= 1, got {batch_pages!r}")
+        self.address = f"{host}:{port}/{db}"
+        self.key_prefix = f"{key_prefix}{self.namespace_tag}:"
+        self.batch_pages = batch_pages
+        self.retry_backoff_s = retry_backoff_s
+        # No library-level retries: a dead server must cost one timeout, then our own backoff.
+        self.client = redis.Redis(host=host, port=port, db=db, username=username, password=password,
+                                  socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                  retry=Retry(NoBackoff(), 0), retry_on_error=[], health_check_interval=0)
+        self._backoff_lock = threading.Lock()
+        self._retry_at = 0.0
+        self._failures = 0
+
+    def redis_key(self, key: str) -> str:
+        return self.key_prefix + check_key(key)
+
+    # Connection health: one shared backoff window for all threads.
+
+    def _available(self) -> bool:
+        with self._backoff_lock:
+            if time.monotonic() >= self._retry_at:
+                return True
+        self._count(errors=1)
+        return False
+
+    def _failed(self, what: str, err: BaseException) -> None:
+        self._error(f"{what} on {self.address}", err)
+        with self._backoff_lock:
+            self._failures += 1
+            factor = min(2 ** (self._failures - 1), _MAX_BACKOFF_FACTOR)
+            self._retry_at = time.monotonic() + self.retry_backoff_s * factor
+
+    def _succeeded(self) -> None:
+        if self._failures:
+            with self._backoff_lock:
+                self._failures, self._retry_at = 0, 0.0
+
+    def _pipelined(self, what: str, command: str, args: list[tuple]) -> list | None:
+        """Run ``command`` once per args tuple, ``batch_pages`` per round trip; None on failure."""
+        if not self._available():
+            return None
+        replies: list = []
+        try:
+            for start in range(0, len(args), self.batch_pages):
+                pipe = self.client.pipeline(transaction=False)
+                for one in args[start:start + self.batch_pages]:
+                    pipe.execute_command(command, *one)
+                replies += pipe.execute(raise_on_error=True)
+        except (redis.RedisError, OSError) as err:
+            self._failed(what, err)
+            return None
+        self._succeeded()
+        return replies
+
+    def batch_exists(self, keys: list[str]) -> int:
+        self._count(exists_calls=1)
+        names = [(self.redis_key(k),) for k in keys]
+        lengths = self._pipelined("exists", "STRLEN", names) if names else []
+        if lengths is None:
+            return 0
+        for i, length in enumerate(lengths):
+            if length != self.format.blob_nbytes:
+                return i
+        return len(lengths)
+
+    def batch_get(self, keys: list[str], targets: list[torch.Tensor]) -> list[bool]:
+        views = self._check_batch(keys, targets)
+        names = [(self.redis_key(k),) for k in keys]
+        with self._timed("get"):
+            blobs = self._pipelined("get", "GET", names) if names else []
+            if blobs is None:
+                return [False] * len(keys)
+            return [self._land(key, blob, view) for key, blob, view in zip(keys, blobs, views)]
+
+    def _land(self, key: str, blob: bytes | None, view: memoryview) -> bool:
+        if blob is None:
+            return False
+        stored = memoryview(blob)
+        if not self._verified(key, stored[:HEADER_SIZE], stored[HEADER_SIZE:]):
+            return False
+        np.frombuffer(view, dtype=np.uint8)[:] = np.frombuffer(stored, np.uint8, offset=HEADER_SIZE)
+        self._count(get_pages=1, get_bytes=self.page_nbytes)
+        return True
+
+    def batch_set(self, keys: list[str], values: list[torch.Tensor]) -> list[bool]:
+        views = self._check_batch(keys, values)
+        with self._timed("set"):
+            args = [(self.redis_key(k), self.format.header(k, v) + v) for k, v in zip(keys, views)]
+            replies = self._pipelined("set", "SET", args) if args else []
+            if replies is None:
+                return [False] * len(keys)
+            self._count(set_pages=len(args), set_bytes=len(args) * self.page_nbytes)
+            return [True] * len(args)
+
+    def clear(self) -> None:
+        """Delete this namespace's pages (SCAN on the prefix); a connection failure is counted, not raised."""
+        if not self._available():
+            return
+        try:
+            batch = []
+            for name in self.client.scan_iter(match=self.key_prefix + "*", count=1000):
+                batch.append(name)
+                if len(batch) >= 1000:
+                    self.client.unlink(*batch)
+                    batch = []
+            if batch:
+                self.client.unlink(*batch)
+        except (redis.RedisError, OSError) as err:
+            self._failed("clear", err)
+            return
+        self._succeeded()
+
+    def close(self) -> None:
+        try:
+            self.client.close()
+        except (redis.RedisError, OSError):
+            pass

@@ -45,9 +45,12 @@ def test_config_errors_name_the_key(text, message):
         StorageConfig.from_json(text)
 
 
-def test_config_is_frozen():
+def test_config_is_frozen_and_picklable():
+    import pickle
     with pytest.raises(AttributeError):
         StorageConfig().prefetch_threshold = 1  # type: ignore[misc]
+    cfg = StorageConfig(backend_config={"dir": "/x"})
+    assert pickle.loads(pickle.dumps(cfg)) == cfg
 
 
 # ---- prefetch -----------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from tierkv.engine.config import PRESETS
@@ -40,4 +41,13 @@ def tiny_model(kind: str):
     return build_model(PRESETS[kind])
 
 
-__all__ = ["MODEL_KINDS", "prompts_with_shared_prefix", "reference", "assert_same", "tiny_model", "torch"]
+__all__ = ["single_torch_thread", "MODEL_KINDS", "prompts_with_shared_prefix", "reference", "assert_same", "tiny_model", "torch"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_torch_thread():
+    """Tiny matmuls only lose from intra-op threads, badly so on a shared 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

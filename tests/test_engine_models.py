@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from engine_helpers import MODEL_KINDS, prompts_with_shared_prefix
+from engine_helpers import single_torch_thread  # noqa: F401  (autouse fixture)
 from tierkv.engine.config import PRESETS, ModelConfig, resolve_config
 from tierkv.engine.engine import Engine, EngineConfig
 from tierkv.engine.loader import build_model, save_checkpoint

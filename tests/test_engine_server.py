@@ -10,6 +10,7 @@ import time
 import pytest
 
 from engine_helpers import reference, tiny_model
+from engine_helpers import single_torch_thread  # noqa: F401  (autouse fixture)
 from tierkv.engine.engine import Engine, EngineConfig
 from tierkv.engine.server import CompletionServer
 

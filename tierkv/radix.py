@@ -176,6 +176,7 @@ class RadixTree:
             pos += n
             if n < len(child.key):
                 break
+            node = child
         return MatchPath(path, pos)
 
     def insert(self, key: RadixKey, value: Any, priority: int = 0) -> InsertResult:

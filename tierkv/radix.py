@@ -173,10 +173,7 @@ class RadixTree:
             if tick is not None:
                 child.last_access_time = tick
             path.append(child)
-            pos += n
-            if n < len(child.key):
-                break
-            node = child
+            node, pos = child, pos + n
         return MatchPath(path, pos)
 
     def insert(self, key: RadixKey, value: Any, priority: int = 0) -> InsertResult:

@@ -18,7 +18,11 @@ import torch
 from tierkv.config import CacheConfig
 from tierkv.eviction import eviction_order, get_policy
 from tierkv.pools.kv import DeviceKVPool, HostKVPool, host_pool_tokens
+from tierkv.hashing import HashNamespace
 from tierkv.radix import RadixKey, RadixTree, TreeNode
+from tierkv.storage.base import PageStore
+from tierkv.storage.config import StorageConfig
+from tierkv.storage.controller import StorageController
 from tierkv.tp import TPGroup
 from tierkv.transfer import CopyHandle, TransferController, resolve_host_layout
 
@@ -113,7 +117,7 @@ class HiRadixCache:
         if self.config.enable_host:
             self.host_pool = host_pool or self._make_host_pool()
             self.transfer = TransferController(device_pool, self.host_pool, self.config.io_backend)
-        self.storage = None  # set by an L3 tier: see tierkv.storage
+        self.storage: StorageController | None = None  # the L3 tier: see attach_storage
 
     def _make_host_pool(self) -> HostKVPool:
         cfg, spec = self.config, self.device_pool.spec
@@ -276,12 +280,13 @@ class HiRadixCache:
                 self.device_pool.free(self.tree.clear_device_value(n))
 
     def flush(self) -> None:
-        """Wait for every copy in flight and retire it. Lock contract: releases their locks."""
+        """Wait for every copy in flight (and L3 I/O, bounded) and retire it. Lock contract: releases their locks."""
         if self.transfer is not None:
             self.transfer.synchronize()
-        if self.storage is not None:
-            self.storage.flush()
         self.step()
+        if self.storage is not None:  # the writes just retired may have started backups to L3
+            self.storage.flush()
+            self.step()
 
     # ---- load back ---------------------------------------------------------------------------
     def init_load_back(self, last_node: TreeNode, mem_quota: int | None = None) -> LoadResult:
@@ -430,6 +435,38 @@ class HiRadixCache:
     def alloc_device(self, num_tokens: int) -> torch.Tensor | None:
         """Slots for a request's new tokens, evicting from L1 if needed. Lock contract: takes no lock."""
         return self._alloc_device(num_tokens)
+
+    def alloc_host(self, num_tokens: int) -> torch.Tensor | None:
+        """L2 slots, evicting from L2 if needed (for the L3 tier). Lock contract: takes no lock."""
+        return self._alloc_host(num_tokens)
+
+    # ---- L3 storage (tierkv.storage.controller) --------------------------------------------------
+    def attach_storage(self, store: PageStore, config: StorageConfig, namespace: HashNamespace | str) -> None:
+        """Add the L3 tier: prefetch into L2 and backup from L2 against ``store``. Lock contract: none."""
+        if self.storage is not None:
+            raise ValueError("this cache already has a storage tier")
+        if self.transfer is None:
+            raise ValueError("an L3 tier needs the host (L2) tier: enable_host=True")
+        self.storage = StorageController(self, store, config, namespace)
+
+    def prefetch_from_storage(self, request_id: str, last_host_node: TreeNode, key: RadixKey) -> bool:
+        """Start fetching the part of ``key`` beyond ``last_host_node`` from L3 into L2; True if started.
+
+        Lock contract: protects the L2 path it extends (host_ref) until the prefetch ends or is revoked.
+        """
+        return self.storage is not None and self.storage.prefetch(request_id, last_host_node, key)
+
+    def check_prefetch_progress(self, request_id: str) -> bool:
+        """True when the request may be scheduled; then its prefetch has ended and its pages are in the tree.
+
+        Lock contract: on ending, releases the prefetch's host_ref; new nodes are host-only and unlocked.
+        """
+        return self.storage is None or self.storage.check_prefetch(request_id)
+
+    def release_prefetch(self, request_id: str) -> None:
+        """Abort the request's prefetch, inserting nothing. Lock contract: releases its host_ref."""
+        if self.storage is not None:
+            self.storage.release(request_id)
 
     # ---- maintenance -------------------------------------------------------------------------
     @property

@@ -214,6 +214,20 @@ class RadixTree:
             result.path.append(leaf)
         return result
 
+    def add_leaf(self, parent: TreeNode, elems: list, extra_key: str | None) -> TreeNode:
+        """A new valueless leaf under ``parent`` for the caller to give a value (an L3 prefetch's host slots).
+
+        Lock contract: takes no lock; the leaf starts unlocked and unprotected.
+        """
+        if not elems or len(elems) % self.page_size:
+            raise ValueError(f"leaf key of {len(elems)} elements is not whole pages of {self.page_size}")
+        child_key = self.child_key(elems, extra_key)
+        if child_key in parent.children:
+            raise ValueError(f"node {parent.id} already has a child starting with {child_key!r}")
+        leaf = TreeNode(list(elems), extra_key, parent, self._touch())
+        parent.children[child_key] = leaf
+        return leaf
+
     def _split(self, child: TreeNode, n: int) -> TreeNode:
         """Split ``child`` so its first ``n`` elements become a new parent; returns that parent."""
         top = TreeNode(child.key[:n], child.extra_key, child.parent, child.creation_time)

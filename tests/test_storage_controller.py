@@ -1,0 +1,442 @@
+"""The L3 controller: config parsing, prefetch policies, revoke/abort/rate limit, backup, TP counts."""
+
+import pytest
+import torch
+
+from tests.storage_util import (attach_fake, compute_and_insert, drop_l1_l2, fetch_and_load, load_hit,
+                                make_cache, random_tokens)
+from tierkv.radix import RadixKey
+from tierkv.storage.config import StorageConfig
+
+PS = 16
+
+
+# ---- config -------------------------------------------------------------------------------------
+def test_config_defaults_and_json():
+    assert StorageConfig.from_json(None) == StorageConfig()
+    cfg = StorageConfig.from_json('{"prefetch_threshold": 64, "prefetch_timeout_base": 2, '
+                                  '"prefetch_stop_policy": "timeout", "hash_algorithm": "xxh3_128"}')
+    assert cfg.prefetch_threshold == 64 and cfg.prefetch_timeout_base == 2
+    assert cfg.prefetch_stop_policy == "timeout" and cfg.hash_algorithm == "xxh3_128"
+    assert StorageConfig().prefetch_threshold == 256
+    assert cfg.prefetch_timeout_s(2048) == 2 + 2 * 0.25
+
+
+def test_config_backend_keys_pass_through():
+    cfg = StorageConfig.from_json('{"dir": "/tmp/x", "prefetch_threshold": 32, '
+                                  '"hicache_storage_pass_prefix_keys": true}', backend_keys=["dir"])
+    assert dict(cfg.backend_config) == {"dir": "/tmp/x"}
+    assert cfg.prefetch_threshold == 32 and cfg.hicache_storage_pass_prefix_keys
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"prefetch_threshold": "256"}', "prefetch_threshold"),
+    ('{"prefetch_threshold": true}', "prefetch_threshold"),
+    ('{"prefetch_timeout_base": -1}', "prefetch_timeout_base"),
+    ('{"hicache_storage_pass_prefix_keys": 1}', "hicache_storage_pass_prefix_keys"),
+    ('{"prefetch_stop_policy": "eager"}', "prefetch_stop_policy"),
+    ('{"hash_algorithm": "md5"}', "hash_algorithm"),
+    ('{"no_such_key": 1}', "no_such_key"),
+    ('{"prefetch_threshold": 1,}', "not valid JSON"),
+    ('[1, 2]', "JSON object"),
+])
+def test_config_errors_name_the_key(text, message):
+    with pytest.raises(ValueError, match=message):
+        StorageConfig.from_json(text)
+
+
+def test_config_is_frozen():
+    with pytest.raises(AttributeError):
+        StorageConfig().prefetch_threshold = 1  # type: ignore[misc]
+
+
+# ---- prefetch -----------------------------------------------------------------------------------
+def _stored_cache(num_pages: int = 8, **overrides):
+    """A cache whose store holds ``num_pages`` pages of a key, with L1 and L2 emptied."""
+    cache = make_cache(page_size=PS)
+    store = attach_fake(cache, **overrides)
+    key = RadixKey(random_tokens(num_pages * PS, seed=1))
+    kv = compute_and_insert(cache, key, seed=2)
+    cache.flush()
+    assert cache.storage.stats.backed_up_tokens == len(key)
+    drop_l1_l2(cache)
+    return cache, store, key, kv
+
+
+def test_prefetch_round_trip_inserts_host_only_nodes():
+    cache, store, key, kv = _stored_cache()
+    started, got = fetch_and_load(cache, key)
+    assert started
+    assert torch.equal(got, kv)
+    assert cache.stats.storage_hit_tokens == len(key)
+    for node in cache.tree.nodes():
+        assert node.hash_values is not None and node.host_value is not None
+    cache.check_integrity()
+    cache.close()
+
+
+def test_prefetch_threshold():
+    cache, store, key, kv = _stored_cache(num_pages=4, prefetch_threshold=4 * PS + 1)
+    m = cache.match_prefix(key)
+    assert not cache.prefetch_from_storage("r", m.last_host_node, key)
+    assert cache.check_prefetch_progress("r")
+    assert "get" not in store.calls
+    cache.check_integrity()
+    cache.close()
+
+
+def test_prefetch_continues_from_host_hit():
+    """Half the key stays in L2; only the other half comes from L3, hashed on from the L2 node."""
+    cache, store, key, kv = _stored_cache(num_pages=8)
+    half = RadixKey(key.token_ids[: 4 * PS])
+    _, got = fetch_and_load(cache, half, "first")
+    assert torch.equal(got, kv[:, :, : 4 * PS])
+    cache.evict(cache.device_pool.num_slots)  # the half is now host-only
+    m = cache.match_prefix(key)
+    assert m.host_hit_length == 4 * PS
+    assert cache.prefetch_from_storage("second", m.last_host_node, key)
+    cache.flush()
+    assert cache.check_prefetch_progress("second")
+    assert torch.equal(load_hit(cache, key), kv)
+    cache.check_integrity()
+    cache.close()
+
+
+def test_prefetch_frees_pages_the_tree_got_meanwhile():
+    cache, store, key, kv = _stored_cache(num_pages=8)
+    store.hang.clear()
+    m = cache.match_prefix(key)
+    assert cache.prefetch_from_storage("r", m.last_host_node, key)
+    # another request computes the first half while the prefetch runs
+    compute_and_insert(cache, RadixKey(key.token_ids[: 3 * PS]), seed=0, kv=kv[:, :, : 3 * PS])
+    store.hang.set()
+    cache.flush()
+    assert cache.check_prefetch_progress("r")
+    cache.check_integrity()
+    assert torch.equal(load_hit(cache, key), kv)
+    cache.check_integrity()
+    cache.close()
+
+
+def test_best_effort_takes_what_is_done():
+    cache, store, key, kv = _stored_cache(num_pages=8, prefetch_stop_policy="best_effort")
+    store.hang.clear()
+    m = cache.match_prefix(key)
+    assert cache.prefetch_from_storage("r", m.last_host_node, key)
+    cache.step()
+    assert cache.check_prefetch_progress("r")  # goes at once, with nothing fetched yet
+    assert cache.match_prefix(key).host_hit_length == 0
+    assert len(cache.storage.draining) == 1  # the worker still owns its slots
+    cache.check_integrity()
+    store.hang.set()
+    cache.flush()
+    assert not cache.storage.draining
+    cache.check_integrity()
+    cache.close()
+
+
+def test_wait_complete_waits_for_all_pages():
+    cache, store, key, kv = _stored_cache(num_pages=8, prefetch_stop_policy="wait_complete",
+                                          prefetch_batch_pages=2)
+    store.hang.clear()
+    m = cache.match_prefix(key)
+    assert cache.prefetch_from_storage("r", m.last_host_node, key)
+    for _ in range(3):
+        cache.step()
+        assert not cache.check_prefetch_progress("r")
+    store.hang.set()
+    cache.flush()
+    assert cache.check_prefetch_progress("r")
+    assert torch.equal(load_hit(cache, key), kv)
+    cache.check_integrity()
+    cache.close()
+
+
+def test_timeout_policy_gives_up():
+    cache, store, key, kv = _stored_cache(num_pages=8, prefetch_stop_policy="timeout",
+                                          prefetch_timeout_base=0.0, prefetch_timeout_per_ki_token=0.0)
+    store.hang.clear()
+    m = cache.match_prefix(key)
+    assert cache.prefetch_from_storage("r", m.last_host_node, key)
+    cache.step()
+    assert cache.check_prefetch_progress("r")
+    assert cache.match_prefix(key).host_hit_length == 0
+    store.hang.set()
+    cache.flush()
+    cache.check_integrity()
+    cache.close()
+
+
+def test_timeout_policy_waits_within_budget():
+    cache, store, key, kv = _stored_cache(num_pages=8, prefetch_stop_policy="timeout",
+                                          prefetch_timeout_base=3600.0)
+    store.hang.clear()
+    m = cache.match_prefix(key)
+    assert cache.prefetch_from_storage("r", m.last_host_node, key)
+    cache.step()
+    assert not cache.check_prefetch_progress("r")
+    store.hang.set()
+    cache.flush()
+    assert cache.check_prefetch_progress("r")
+    assert torch.equal(load_hit(cache, key), kv)
+    cache.close()
+
+
+def test_revoke_when_nothing_is_stored():
+    cache = make_cache(page_size=PS)
+    attach_fake(cache)
+    key = RadixKey(random_tokens(6 * PS, seed=5))
+    m = cache.match_prefix(key)
+    assert cache.prefetch_from_storage("r", m.last_host_node, key)
+    assert cache.storage.owned_host_slots()[0].numel() == 6 * PS
+    cache.flush()
+    assert cache.storage.stats.prefetch_revoked == 1
+    assert cache.storage.owned_host_slots() == []
+    cache.check_integrity()
+    assert cache.check_prefetch_progress("r")
+    assert not cache.storage.prefetches
+    cache.close()
+
+
+def test_abort_releases_everything():
+    cache, store, key, kv = _stored_cache(num_pages=8)
+    store.hang.clear()
+    m = cache.match_prefix(key)
+    assert cache.prefetch_from_storage("r", m.last_host_node, key)
+    cache.release_prefetch("r")
+    cache.check_integrity()
+    store.hang.set()
+    cache.flush()
+    assert cache.storage.owned_host_slots() == []
+    assert cache.host_pool.num_free_slots == cache.host_pool.num_slots
+    assert cache.storage.stats.prefetch_aborted == 1
+    assert cache.check_prefetch_progress("r")
+    cache.check_integrity()
+    cache.close()
+
+
+def test_rate_limit_by_tokens_in_flight():
+    cache, store, key, kv = _stored_cache(num_pages=8, prefetch_max_tokens_in_flight=8 * PS)
+    other = RadixKey(random_tokens(2 * PS, seed=9))
+    store.hang.clear()
+    assert cache.prefetch_from_storage("a", cache.tree.root, key)
+    assert not cache.prefetch_from_storage("b", cache.tree.root, other)
+    assert cache.storage.stats.prefetch_rate_limited == 1
+    store.hang.set()
+    cache.flush()
+    assert cache.check_prefetch_progress("a")
+    assert cache.prefetch_from_storage("b", cache.tree.root, other)
+    cache.flush()
+    cache.check_integrity()
+    cache.close()
+
+
+def test_duplicate_request_id_is_an_error():
+    cache, store, key, kv = _stored_cache(num_pages=2)
+    assert cache.prefetch_from_storage("r", cache.tree.root, key)
+    with pytest.raises(ValueError, match="already has a prefetch"):
+        cache.prefetch_from_storage("r", cache.tree.root, key)
+    cache.flush()
+    cache.close()
+
+
+def test_extra_keys_never_share_pages():
+    cache = make_cache(page_size=PS)
+    attach_fake(cache)
+    tokens = random_tokens(4 * PS, seed=3)
+    compute_and_insert(cache, RadixKey(tokens, "tenant-a"), seed=4)
+    drop_l1_l2(cache)
+    started, got = fetch_and_load(cache, RadixKey(tokens, "tenant-b"))
+    assert started and got.shape[2] == 0
+    assert cache.storage.stats.prefetch_revoked == 1
+    started, got = fetch_and_load(cache, RadixKey(tokens, "tenant-a"), "r2")
+    assert got.shape[2] == 4 * PS
+    cache.close()
+
+
+# ---- backup -------------------------------------------------------------------------------------
+def test_backup_skips_pages_already_stored():
+    first = make_cache(page_size=PS)
+    blobs: dict = {}
+    attach_fake(first, blobs)
+    key = RadixKey(random_tokens(4 * PS, seed=6))
+    compute_and_insert(first, key, seed=7)
+    first.flush()
+    second = make_cache(page_size=PS)
+    store = attach_fake(second, blobs)
+    compute_and_insert(second, key, seed=7)
+    second.flush()
+    assert "set" not in store.calls
+    assert second.storage.stats.backup_present_tokens == 4 * PS
+    assert second.storage.stats.backed_up_tokens == 0
+    first.close()
+    second.close()
+
+
+def test_backup_protects_host_pages_until_acknowledged():
+    cache = make_cache(page_size=PS)
+    store = attach_fake(cache)
+    store.hang.clear()
+    key = RadixKey(random_tokens(4 * PS, seed=8))
+    compute_and_insert(cache, key, seed=8)
+    cache.transfer.synchronize()
+    cache.step()  # the L2 write retires, the L3 backup starts and hangs
+    assert len(cache.storage.backups) == 1
+    cache.evict(cache.device_pool.num_slots)
+    assert cache.evict_host(cache.host_pool.num_slots) == 0  # host_ref keeps the pages
+    store.hang.set()
+    cache.flush()
+    assert cache.evict_host(cache.host_pool.num_slots) == 4 * PS
+    cache.check_integrity()
+    cache.close()
+
+
+def test_write_back_eviction_backs_up():
+    cache = make_cache(page_size=PS, write_policy="write_back")
+    attach_fake(cache)
+    key = RadixKey(random_tokens(4 * PS, seed=10))
+    kv = compute_and_insert(cache, key, seed=11)
+    cache.flush()
+    assert cache.storage.stats.backed_up_tokens == 0
+    cache.evict(cache.device_pool.num_slots)
+    cache.flush()
+    assert cache.storage.stats.backed_up_tokens == 4 * PS
+    cache.evict_host(cache.host_pool.num_slots)
+    _, got = fetch_and_load(cache, key)
+    assert torch.equal(got, kv)
+    cache.close()
+
+
+def test_backup_queue_cap_drops_backups():
+    cache = make_cache(page_size=PS)
+    store = attach_fake(cache, backup_max_pending_tokens=4 * PS)
+    store.hang.clear()
+    compute_and_insert(cache, RadixKey(random_tokens(4 * PS, seed=12)), seed=1)
+    compute_and_insert(cache, RadixKey(random_tokens(4 * PS, seed=13)), seed=1)
+    cache.transfer.synchronize()
+    cache.step()
+    assert len(cache.storage.backups) == 1
+    assert cache.storage.stats.backup_dropped_tokens == 4 * PS
+    store.hang.set()
+    cache.flush()
+    cache.close()
+
+
+# ---- TP agreement -------------------------------------------------------------------------------
+def test_progress_counts_layout_and_zero_is_no_news():
+    cache, store, key, kv = _stored_cache(num_pages=4, prefetch_stop_policy="wait_complete")
+    other = RadixKey(random_tokens(2 * PS, seed=14))
+    assert cache.prefetch_from_storage("a", cache.tree.root, key)
+    assert cache.prefetch_from_storage("b", cache.tree.root, other)
+    cache.storage.wait_idle()
+    counts = cache.local_progress()
+    assert counts[2:] == [0, 4, 1, 1, 0, 1, 1]  # backups done; then per prefetch: pages, finished, timed out
+    # a step that agrees on nothing (another rank is behind) changes nothing
+    cache.apply_progress([0] * len(counts))
+    assert not cache.check_prefetch_progress("a")
+    assert cache.storage.stats.prefetch_revoked == 0
+    # the slowest rank got 2 pages of "a": every rank inserts exactly 2
+    cache.apply_progress(counts[:3] + [2, 1, 1, 0, 1, 1])
+    assert cache.storage.stats.prefetch_revoked == 1
+    assert cache.check_prefetch_progress("a") and cache.check_prefetch_progress("b")
+    assert cache.match_prefix(key).host_hit_length == 2 * PS
+    cache.check_integrity()
+    cache.close()
+
+
+def test_prefetch_under_a_device_only_prefix():
+    """write_back keeps a recomputed prefix L1-only: the prefetch starts at the root and that node
+    adopts the fetched pages as its L2 backup."""
+    cache = make_cache(page_size=PS, write_policy="write_back")
+    attach_fake(cache)
+    key = RadixKey(random_tokens(6 * PS, seed=15))
+    kv = compute_and_insert(cache, key, seed=16)
+    cache.evict(cache.device_pool.num_slots)
+    cache.flush()
+    cache.evict_host(cache.host_pool.num_slots)
+    compute_and_insert(cache, RadixKey(key.token_ids[: 2 * PS]), seed=0, kv=kv[:, :, : 2 * PS])
+    m = cache.match_prefix(key)
+    assert m.last_host_node.host_value is None and len(m.device_indices) == 2 * PS
+    assert cache.prefetch_from_storage("r", m.last_host_node, key)
+    cache.flush()
+    assert cache.check_prefetch_progress("r")
+    assert all(n.host_value is not None for n in cache.tree.nodes())
+    cache.check_integrity()
+    assert torch.equal(load_hit(cache, key), kv)
+    cache.close()
+
+
+def test_bigram_keys_round_trip():
+    cache = make_cache(page_size=PS, bigram=True)
+    attach_fake(cache)
+    key = RadixKey(random_tokens(4 * PS + 1, seed=17))  # 4 pages of token pairs
+    kv = compute_and_insert(cache, key, seed=18)
+    drop_l1_l2(cache)
+    started, got = fetch_and_load(cache, key)
+    assert started and torch.equal(got, kv)
+    cache.close()
+
+
+def test_two_ranks_agree_on_the_slowest():
+    """Two caches stand for two TP ranks; rank 1's store lost pages 3+. With counts agreed by MIN both
+    insert the same 3 pages and end with identical trees."""
+    ranks, stores = [], []
+    key = RadixKey(random_tokens(8 * PS, seed=19))
+    for rank in range(2):
+        cache = make_cache(page_size=PS)
+        stores.append(attach_fake(cache, prefetch_stop_policy="wait_complete"))
+        compute_and_insert(cache, key, seed=20 + rank)
+        drop_l1_l2(cache)
+        ranks.append(cache)
+    for k in list(stores[1].blobs)[3:]:
+        del stores[1].blobs[k]
+    for cache in ranks:
+        assert cache.prefetch_from_storage("r", cache.tree.root, key)
+    for cache in ranks:
+        cache.storage.wait_idle()
+    agreed = [min(a, b) for a, b in zip(*(c.local_progress() for c in ranks))]
+    for cache in ranks:
+        cache.apply_progress(agreed)
+        assert cache.check_prefetch_progress("r")
+        cache.check_integrity()
+    shapes = [[(len(n), n.hash_values) for n in c.tree.nodes()] for c in ranks]
+    assert shapes[0] == shapes[1] and sum(s[0] for s in shapes[0]) == 3 * PS
+    for cache in ranks:
+        cache.close()
+
+
+def test_reset_drops_everything_in_all_tiers():
+    cache, store, key, kv = _stored_cache(num_pages=4)
+    store.hang.clear()
+    assert cache.prefetch_from_storage("r", cache.tree.root, key)
+    store.hang.set()
+    cache.reset()
+    assert not store.blobs and not cache.storage.prefetches and cache.storage.owned_host_slots() == []
+    cache.check_integrity()
+    started, got = fetch_and_load(cache, key)
+    assert got.shape[2] == 0
+    cache.close()
+
+
+def test_open_storage_from_spec_and_json(tmp_path):
+    from tierkv.storage.controller import open_storage
+    cache = make_cache(page_size=PS)
+    controller = open_storage(cache, f"file://{tmp_path}", '{"prefetch_threshold": 32, "fsync": true}',
+                              "spec-model")
+    assert controller is cache.storage and controller.config.prefetch_threshold == 32
+    assert controller.store.fsync
+    with pytest.raises(ValueError, match="redis_only"):
+        open_storage(make_cache(page_size=PS), "memory", '{"redis_only": 1}', "m")
+    cache.close()
+
+
+def test_match_walks_the_whole_path():
+    """Regression: RadixTree.match stopped after the first level of the tree."""
+    cache = make_cache(page_size=PS)
+    key = RadixKey(random_tokens(4 * PS, seed=21))
+    compute_and_insert(cache, RadixKey(key.token_ids[: 2 * PS]), seed=1)
+    slots = cache.alloc_device(2 * PS)
+    cache.insert(key, torch.cat([cache.match_prefix(key).device_indices, slots]))
+    assert len(cache.tree.root.children) == 1
+    assert len(cache.match_prefix(key).device_indices) == 4 * PS
+    cache.close()

@@ -1,0 +1,97 @@
+"""Configuration of the L3 tier (prefetch, backup, hashing) parsed from the extra-config JSON.
+
+The JSON object mixes the controller's keys (the fields of :class:`StorageConfig`) with keys meant for
+the backend; the latter are kept in ``backend_config`` and handed to ``open_store`` untouched. A key is
+a backend key only when the caller names it as one (``backend_keys``): anything else unknown is an error.
+"""
+
+from __future__ import annotations
+
+import json
+import types
+from dataclasses import dataclass, field, fields
+from typing import Any, Iterable, Mapping
+
+STOP_POLICIES = ("best_effort", "wait_complete", "timeout")
+HASH_ALGORITHMS = ("sha256", "xxh3_128")
+
+
+@dataclass(frozen=True)
+class StorageConfig:
+    """Policies of the L3 tier. Errors are ValueErrors naming the field and the bad value.
+
+    Timeouts are seconds (the seed's names keep no unit suffix). ``hash_algorithm`` None keeps the
+    namespace's own. ``hicache_storage_pass_prefix_keys`` is accepted so the seed's configs parse; it
+    changes nothing here, since a chained page hash already names its whole prefix.
+    ``prefetch_max_tokens_in_flight`` is the rate limit; ``backup_max_pending_tokens`` caps the backup
+    queue (later backups are dropped, costing only a future L3 miss); ``io_wait_timeout_s`` bounds every
+    wait on storage threads (flush, reset, close).
+    """
+
+    prefetch_threshold: int = 256
+    prefetch_timeout_base: float = 1.0
+    prefetch_timeout_per_ki_token: float = 0.25
+    hicache_storage_pass_prefix_keys: bool = False
+    prefetch_stop_policy: str = "best_effort"
+    hash_algorithm: str | None = None
+    prefetch_max_tokens_in_flight: int = 1 << 20
+    prefetch_batch_pages: int = 16
+    backup_max_pending_tokens: int = 1 << 20
+    io_wait_timeout_s: float = 10.0
+    backend_config: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check_int("prefetch_threshold", self.prefetch_threshold, minimum=0)
+        for name in ("prefetch_max_tokens_in_flight", "prefetch_batch_pages", "backup_max_pending_tokens"):
+            _check_int(name, getattr(self, name), minimum=1)
+        for name in ("prefetch_timeout_base", "prefetch_timeout_per_ki_token", "io_wait_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+        if not isinstance(self.hicache_storage_pass_prefix_keys, bool):
+            raise ValueError(f"hicache_storage_pass_prefix_keys must be a bool, "
+                             f"got {self.hicache_storage_pass_prefix_keys!r}")
+        if self.prefetch_stop_policy not in STOP_POLICIES:
+            raise ValueError(f"prefetch_stop_policy {self.prefetch_stop_policy!r} is not one of {STOP_POLICIES}")
+        if self.hash_algorithm is not None and self.hash_algorithm not in HASH_ALGORITHMS:
+            raise ValueError(f"hash_algorithm {self.hash_algorithm!r} is not one of {HASH_ALGORITHMS}")
+        if not isinstance(self.backend_config, Mapping):
+            raise ValueError(f"backend_config must be a mapping, got {self.backend_config!r}")
+        object.__setattr__(self, "backend_config", types.MappingProxyType(dict(self.backend_config)))
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any], backend_keys: Iterable[str] = ()) -> "StorageConfig":
+        """Split ``values`` into controller fields and the backend's keys; unknown keys are errors."""
+        own = {f.name for f in fields(cls)} - {"backend_config"}
+        allowed_backend = set(backend_keys)
+        mine, backend = {}, dict(values.get("backend_config", {}))
+        for key, value in values.items():
+            if key in own:
+                mine[key] = value
+            elif key in allowed_backend:
+                backend[key] = value
+            elif key != "backend_config":
+                raise ValueError(f"unknown storage config key {key!r}; known: {sorted(own | allowed_backend)}")
+        return cls(**mine, backend_config=backend)
+
+    @classmethod
+    def from_json(cls, text: str | None, backend_keys: Iterable[str] = ()) -> "StorageConfig":
+        """Parse the extra-config JSON (an object); empty or None gives the defaults."""
+        if text is None or not text.strip():
+            return cls()
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"storage extra config is not valid JSON: {exc}") from None
+        if not isinstance(values, dict):
+            raise ValueError(f"storage extra config must be a JSON object, got {type(values).__name__}")
+        return cls.from_dict(values, backend_keys)
+
+    def prefetch_timeout_s(self, num_tokens: int) -> float:
+        """The timeout policy's budget: linear in the pages asked for."""
+        return self.prefetch_timeout_base + self.prefetch_timeout_per_ki_token * num_tokens / 1024
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")

@@ -1,0 +1,334 @@
+"""The L3 tier of a :class:`tierkv.hicache.HiRadixCache`: prefetch into L2 and backup from L2.
+
+Thread contract: every method runs on the scheduler thread and is the only code touching the tree;
+the two worker threads (prefetch, backup) only read/write host pages the in-flight object owns or
+protects, and report through its counters and events.
+
+TP contract: what asynchronous progress decides (retiring backups, revoking, stopping, freeing a
+drained prefetch's slots) is decided from counts agreed across ranks. The counts vector is
+``[completed backups at the queue head] + [completed pages, finished, timed out] per prefetch``, in the
+order prefetches started (running ones, then draining ones), which is identical on every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING
+
+import torch
+
+from tierkv.hashing import HashNamespace, page_hashes
+from tierkv.radix import RadixKey, TreeNode
+from tierkv.storage.backup import Backup
+from tierkv.storage.base import PageStore
+from tierkv.storage.config import StorageConfig
+from tierkv.storage.factory import BACKEND_OPTIONS, open_store, parse_spec
+from tierkv.storage.prefetch import NUM_COUNTS, Prefetch
+from tierkv.storage.worker import IOWorker
+
+if TYPE_CHECKING:
+    from tierkv.hicache import HiRadixCache
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StorageStats:
+    prefetch_started: int = 0
+    prefetch_rate_limited: int = 0
+    prefetch_no_room: int = 0
+    prefetch_revoked: int = 0
+    prefetch_aborted: int = 0
+    prefetched_tokens: int = 0
+    backup_started: int = 0
+    backup_dropped_tokens: int = 0
+    backed_up_tokens: int = 0
+    backup_present_tokens: int = 0
+    backup_failed_pages: int = 0
+
+
+def resolve_namespace(namespace: HashNamespace | str, algorithm: str | None) -> HashNamespace:
+    """A string names the model; ``algorithm`` (when given) overrides the namespace's own."""
+    if isinstance(namespace, str):
+        return HashNamespace(model=namespace, algorithm=algorithm or "sha256")
+    if not isinstance(namespace, HashNamespace):
+        raise ValueError(f"namespace must be a HashNamespace or a str, got {namespace!r}")
+    return namespace if algorithm is None else dataclasses.replace(namespace, algorithm=algorithm)
+
+
+def open_storage(cache: "HiRadixCache", spec: str, extra_config: str | None,
+                 namespace: HashNamespace | str) -> "StorageController":
+    """Open the backend ``spec`` names (``file:///dir``, ``redis://host:port/db``, ...) with the backend keys
+    of the extra-config JSON, and attach it to ``cache`` with the rest of that JSON as its StorageConfig."""
+    backend, _ = parse_spec(spec)
+    config = StorageConfig.from_json(extra_config, backend_keys=BACKEND_OPTIONS[backend])
+    ns = resolve_namespace(namespace, config.hash_algorithm)
+    store = open_store(spec, ns.name(), cache.host_pool.page_nbytes, dict(config.backend_config))
+    cache.attach_storage(store, config, ns)
+    return cache.storage
+
+
+class StorageController:
+    """Prefetches and backups of one cache against one page store (see the module docstring)."""
+
+    def __init__(self, cache: "HiRadixCache", store: PageStore, config: StorageConfig,
+                 namespace: HashNamespace | str) -> None:
+        if cache.host_pool is None:
+            raise ValueError("an L3 tier needs the host (L2) tier: enable_host=True")
+        if store.page_nbytes != cache.host_pool.page_nbytes:
+            raise ValueError(f"store page_nbytes {store.page_nbytes} != host pool page_nbytes "
+                             f"{cache.host_pool.page_nbytes}")
+        self.cache, self.tree, self.host_pool = cache, cache.tree, cache.host_pool
+        self.store, self.config = store, config
+        self.namespace = resolve_namespace(namespace, config.hash_algorithm)
+        self.page_size = cache.config.page_size
+        self.stats = StorageStats()
+        self.prefetches: dict[str, Prefetch] = {}  # by request id, in start order: running or revoked
+        self.draining: list[Prefetch] = []
+        self.backups: deque[Backup] = deque()
+        self._seeds: dict[str | None, str] = {}
+        self._prefetch_worker = IOWorker("tierkv-prefetch")
+        self._backup_worker = IOWorker("tierkv-backup")
+
+    # ---- hashes -------------------------------------------------------------------------------
+    def _seed(self, extra_key: str | None) -> str:
+        if extra_key not in self._seeds:
+            ns = self.namespace if extra_key is None else dataclasses.replace(self.namespace, extra_key=extra_key)
+            self._seeds[extra_key] = ns.seed()
+        return self._seeds[extra_key]
+
+    def path_hashes(self, node: TreeNode) -> list[str]:
+        """Page hashes of ``node``'s whole path, attaching them to nodes that lack them."""
+        hashes: list[str] = []
+        for n in self.tree.path_to_root(node):
+            if n.hash_values is None:
+                prior = hashes[-1] if hashes else self._seed(n.extra_key)
+                n.hash_values = page_hashes(n.key, self.page_size, prior, self.namespace)
+            hashes.extend(n.hash_values)
+        return hashes
+
+    # ---- prefetch -----------------------------------------------------------------------------
+    def prefetch(self, request_id: str, last_host_node: TreeNode, key: RadixKey) -> bool:
+        """Start prefetching ``key`` beyond ``last_host_node``; see HiRadixCache.prefetch_from_storage.
+
+        Lock contract: one host_ref on the deepest L2-backed node of the path, held until the prefetch ends.
+        """
+        if request_id in self.prefetches:
+            raise ValueError(f"request {request_id!r} already has a prefetch")
+        elems = self.tree.elements(key)
+        path = self.tree.path_to_root(last_host_node)
+        beyond = len(elems) - sum(len(n) for n in path)
+        if beyond <= 0 or beyond < self.config.prefetch_threshold:
+            return False
+        # New host-only nodes need a parent in L2: fetch from the deepest node backed up there.
+        anchor_index = max((i + 1 for i, n in enumerate(path) if n.host_value is not None), default=0)
+        anchor = path[anchor_index - 1] if anchor_index else self.tree.root
+        anchor_len = sum(len(n) for n in path[:anchor_index])
+        num_tokens = len(elems) - anchor_len
+        if self.tokens_in_flight + num_tokens > self.config.prefetch_max_tokens_in_flight:
+            self.stats.prefetch_rate_limited += 1
+            return False
+        self.tree.inc_host_ref(anchor)  # before allocating: L2 eviction must not take the anchor
+        host_slots = self.cache.alloc_host(num_tokens)
+        if host_slots is None:
+            self.tree.dec_host_ref(anchor)
+            self.stats.prefetch_no_room += 1
+            return False
+        prior = self.path_hashes(anchor)[-1] if anchor_index else self._seed(key.extra_key)
+        hashes = page_hashes(elems[anchor_len:], self.page_size, prior, self.namespace)
+        pages = self.host_pool.allocator.slots_to_pages(host_slots).tolist()
+        prefetch = Prefetch(request_id, anchor, anchor_len, key, hashes, host_slots, pages,
+                            self.config.prefetch_timeout_s(num_tokens))
+        self.prefetches[request_id] = prefetch
+        self._prefetch_worker.submit(partial(prefetch.run, self.store, self.host_pool,
+                                             self.config.prefetch_batch_pages))
+        self.stats.prefetch_started += 1
+        return True
+
+    @property
+    def tokens_in_flight(self) -> int:
+        """Host tokens held by prefetches not yet ended (running or draining): the rate limit's measure."""
+        return sum(len(p.host_slots) for p in self._counted())
+
+    def check_prefetch(self, request_id: str) -> bool:
+        """See HiRadixCache.check_prefetch_progress. Lock contract: on ending, releases the host_ref."""
+        prefetch = self.prefetches.get(request_id)
+        if prefetch is None:
+            return True
+        if prefetch.state == "revoked":
+            del self.prefetches[request_id]
+            return True
+        if not prefetch.may_stop(self.config.prefetch_stop_policy):
+            return False
+        del self.prefetches[request_id]
+        self._end(prefetch, keep_pages=prefetch.agreed_pages)
+        return True
+
+    def release(self, request_id: str) -> None:
+        """See HiRadixCache.release_prefetch. Lock contract: releases the host_ref of a running prefetch."""
+        prefetch = self.prefetches.pop(request_id, None)
+        if prefetch is not None and prefetch.state == "running":
+            self.stats.prefetch_aborted += 1
+            self._end(prefetch, keep_pages=0)
+
+    def _end(self, prefetch: Prefetch, keep_pages: int) -> None:
+        """Insert the first ``keep_pages`` pages, drop the anchor's host_ref, free or drain the rest."""
+        prefetch.cancel.set()
+        keep_tokens = keep_pages * self.page_size
+        if keep_tokens:
+            self._insert(prefetch, keep_tokens)
+            self.cache.stats.storage_hit_tokens += keep_tokens
+            self.stats.prefetched_tokens += keep_tokens
+        self.tree.dec_host_ref(prefetch.anchor)
+        rest = prefetch.host_slots[keep_tokens:]
+        if prefetch.agreed_finished:
+            self.host_pool.free(rest)
+            prefetch.state = "done"
+        else:  # the worker may still write into them: keep them until it is agreed finished
+            prefetch.host_slots, prefetch.state = rest, "draining"
+            self.draining.append(prefetch)
+
+    def _insert(self, prefetch: Prefetch, num_tokens: int) -> None:
+        """Hang the fetched pages under the anchor as host-only nodes.
+
+        Parts the tree already holds in L2 (another request got there first) free our copy; nodes on
+        the way that hold only device slots adopt ours as their backup.
+        """
+        end = prefetch.anchor_len + num_tokens
+        key = prefetch.key
+        cut = RadixKey(list(key.token_ids[: end + (1 if self.tree.bigram else 0)]), key.extra_key)
+        path = self.tree.match(cut, touch=False)
+        slots = prefetch.host_slots[:num_tokens]
+        ps, start, parent = self.page_size, 0, self.tree.root
+        for node in path.nodes:
+            offset, start = start - prefetch.anchor_len, start + len(node)
+            parent = node
+            if offset < 0:
+                continue
+            mine = slots[offset: offset + len(node)]
+            if node.host_value is None:
+                node.host_value = mine
+                node.hash_values = node.hash_values or prefetch.hashes[offset // ps: (offset + len(node)) // ps]
+            else:
+                self.host_pool.free(mine)
+        offset = path.num_tokens - prefetch.anchor_len
+        if offset < num_tokens:
+            elems = self.tree.elements(cut)
+            leaf = self.tree.add_leaf(parent, elems[path.num_tokens:], key.extra_key)
+            leaf.host_value = slots[offset:]
+            leaf.hash_values = prefetch.hashes[offset // ps: num_tokens // ps]
+
+    def _counted(self) -> list[Prefetch]:
+        return [p for p in self.prefetches.values() if p.state == "running"] + self.draining
+
+    # ---- backup -------------------------------------------------------------------------------
+    def backup(self, node: TreeNode) -> None:
+        """Write ``node``'s path to L3 in the background. Lock contract: host_ref on ``node`` until retired."""
+        path = self.tree.path_to_root(node)
+        if not path or any(n.host_value is None for n in path):
+            return
+        hashes = self.path_hashes(node)
+        num_tokens = len(hashes) * self.page_size
+        pending = sum(b.num_tokens for b in self.backups)
+        if pending + num_tokens > self.config.backup_max_pending_tokens:
+            self.stats.backup_dropped_tokens += num_tokens
+            return
+        slots = torch.cat([n.host_value for n in path])
+        pages = self.host_pool.allocator.slots_to_pages(slots).tolist()
+        self.tree.inc_host_ref(node)
+        backup = Backup(node, hashes, pages, self.page_size)
+        self.backups.append(backup)
+        self._backup_worker.submit(partial(backup.run, self.store, self.host_pool,
+                                           self.config.prefetch_batch_pages))
+        self.stats.backup_started += 1
+
+    def _retire_backup(self, backup: Backup) -> None:
+        self.tree.dec_host_ref(backup.node)
+        self.stats.backed_up_tokens += backup.written_pages * self.page_size
+        self.stats.backup_present_tokens += backup.skipped_pages * self.page_size
+        self.stats.backup_failed_pages += backup.failed_pages
+
+    # ---- progress (TP agreement) --------------------------------------------------------------
+    def local_progress(self) -> list[int]:
+        """This rank's counts, in the order described in the module docstring."""
+        done = 0
+        for backup in self.backups:
+            if not backup.done.is_set():
+                break
+            done += 1
+        counts = [done]
+        for prefetch in self._counted():
+            counts += prefetch.local_counts()
+        return counts
+
+    def apply_progress(self, counts: list[int]) -> None:
+        """Act on agreed counts. Lock contract: releases host_refs of retired backups and revoked prefetches."""
+        for _ in range(counts[0]):
+            backup = self.backups.popleft()
+            backup.done.wait()
+            self._retire_backup(backup)
+        counted = self._counted()
+        if len(counts) != 1 + NUM_COUNTS * len(counted):
+            raise ValueError(f"{len(counts)} progress counts for {len(counted)} prefetches")
+        for i, prefetch in enumerate(counted):
+            prefetch.agree(counts[1 + NUM_COUNTS * i: 1 + NUM_COUNTS * (i + 1)])
+        for prefetch in counted:
+            if prefetch.state == "running" and prefetch.agreed_finished and prefetch.agreed_pages == 0:
+                self._revoke(prefetch)
+        for prefetch in [p for p in self.draining if p.agreed_finished]:
+            self.draining.remove(prefetch)
+            self.host_pool.free(prefetch.host_slots)
+            prefetch.state = "done"
+
+    def _revoke(self, prefetch: Prefetch) -> None:
+        """Nothing was found: give the slots back now; the request proceeds without waiting."""
+        self.tree.dec_host_ref(prefetch.anchor)
+        self.host_pool.free(prefetch.host_slots)
+        prefetch.host_slots = prefetch.host_slots[:0]
+        prefetch.state = "revoked"
+        self.stats.prefetch_revoked += 1
+
+    # ---- maintenance --------------------------------------------------------------------------
+    def owned_host_slots(self) -> list[torch.Tensor]:
+        """Host slots held by prefetches (the tree owns everything else)."""
+        return [p.host_slots for p in self._counted()]
+
+    def wait_idle(self, timeout_s: float | None = None) -> bool:
+        """Wait until every backup is written and every prefetch's worker is done; False on timeout."""
+        deadline = time.monotonic() + (self.config.io_wait_timeout_s if timeout_s is None else timeout_s)
+        events = [b.done for b in self.backups] + [p.finished for p in self._counted()]
+        for event in events:
+            if not event.wait(max(0.0, deadline - time.monotonic())):
+                log.warning("storage I/O still running after %.1f s; not waiting longer",
+                            self.config.io_wait_timeout_s)
+                return False
+        return True
+
+    def flush(self) -> None:
+        """Wait (bounded by io_wait_timeout_s) for in-flight I/O; the cache's next step retires it."""
+        self.wait_idle()
+
+    def reset(self) -> None:
+        """Forget in-flight work (the cache has reset the tree and pools) and clear the store."""
+        for prefetch in self._counted():
+            prefetch.cancel.set()
+        self.wait_idle()
+        self.prefetches.clear()
+        self.draining.clear()
+        self.backups.clear()
+        self.store.clear()
+        self.stats = StorageStats()
+
+    def close(self) -> None:
+        """Stop the worker threads (bounded wait) and close the store."""
+        for prefetch in self._counted():
+            prefetch.cancel.set()
+        timeout_s = self.config.io_wait_timeout_s
+        stopped = self._prefetch_worker.stop(timeout_s) & self._backup_worker.stop(timeout_s)
+        if stopped:
+            self.store.close()

@@ -24,6 +24,9 @@ from tierkv.engine.loader import build_model
 from tierkv.engine.request import Request
 
 
+PAGE_SIZE = 16  # one L3 file per page: per-token pages would measure the file system, not the cache
+
+
 @dataclass(frozen=True)
 class ChatWorkload:
     num_conversations: int = 16
@@ -122,10 +125,12 @@ def engine_config(mode: str, workload: ChatWorkload, device: str, l3_dir: str, c
     l1 = max(workload.working_set_tokens // 4, 2 * workload.max_context_tokens)
     l2_fraction = 0.5 if mode == "l1+l2+l3" else 1.25
     ratio = max(1.5, l2_fraction * workload.working_set_tokens / l1)
-    extra = {"prefetch_threshold": 16}
-    return EngineConfig(mode=mode, device=device, l1_tokens=l1, hicache_ratio=ratio, chunk_tokens=chunk_tokens,
-                        l3=f"file:{l3_dir}" if mode == "l1+l2+l3" else None,
-                        storage_extra=extra if mode == "l1+l2+l3" else None)
+    l3 = mode == "l1+l2+l3"
+    extra = {"prefetch_threshold": 2 * PAGE_SIZE, "prefetch_stop_policy": "wait_complete"}
+    return EngineConfig(mode=mode, device=device, l1_tokens=l1 - l1 % PAGE_SIZE, page_size=PAGE_SIZE,
+                        hicache_ratio=ratio, chunk_tokens=chunk_tokens,
+                        host_layout="page_first" if l3 else "layer_first",
+                        l3=f"file:{l3_dir}" if l3 else None, storage_extra=extra if l3 else None)
 
 
 def run_all(model_name: str, workload: ChatWorkload, device: str = "cpu", chunk_tokens: int = 512,
@@ -179,7 +184,8 @@ def format_table(results: list[ModeResult]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tierkv bench engine", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="small-llama", help="preset, config.json or checkpoint dir")
+    parser.add_argument("--model", default="tiny-llama",
+                        help="preset, config.json or checkpoint dir (small-llama: prefill-dominated on a CPU)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--quick", action="store_true", help="a reduced workload (under 30 s on a CPU)")
     parser.add_argument("--conversations", type=int)
@@ -191,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="torch CPU threads (1 avoids oversubscription on a shared CPU)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    workload = ChatWorkload(num_conversations=10, num_turns=3, system_tokens=128, user_tokens=96,
+    workload = ChatWorkload(num_conversations=8, num_turns=3, system_tokens=128, user_tokens=96,
                                 output_tokens=8) \
         if args.quick else ChatWorkload()
     overrides = {"num_conversations": args.conversations, "num_turns": args.turns,

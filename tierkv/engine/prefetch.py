@@ -7,6 +7,7 @@ fetched pages are then host nodes of the tree, and admission loads them back lik
 
 from __future__ import annotations
 
+import json
 import logging
 
 from tierkv.engine.request import Request
@@ -51,13 +52,11 @@ class Prefetcher:
 
 
 def attach_l3(engine, spec: str, extra_config: dict) -> Prefetcher:
-    """Open the store named by ``spec`` and attach it with ``extra_config`` (prefetch policy etc.)."""
-    from tierkv.storage.factory import open_store
+    """Open the store named by ``spec`` and attach it with ``extra_config`` (prefetch policy, backend keys)."""
+    from tierkv.hashing import HashNamespace
+    from tierkv.storage.controller import open_storage
     cache = engine.cache
-    if not hasattr(cache, "attach_storage"):
-        raise ValueError("mode 'l1+l2+l3' needs the storage controller (HiRadixCache.attach_storage)")
-    pool = cache.host_pool
-    store = open_store(spec, engine.namespace, pool.page_nbytes, extra_config)
-    cache.attach_storage(store, extra_config, engine.namespace)
+    namespace = HashNamespace.for_spec(engine.namespace, cache.host_pool.spec, cache.host_pool.layout)
+    open_storage(cache, spec, json.dumps(extra_config), namespace)
     engine.scheduler.prefetcher = prefetcher = Prefetcher(cache)
     return prefetcher

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -12,6 +13,7 @@ from tierkv.engine.engine import Engine, EngineConfig
 from tierkv.engine.loader import build_model
 
 MODEL_KINDS = ("tiny-llama", "tiny-qwen3", "tiny-mla")
+DEVICE = os.environ.get("TIERKV_TEST_DEVICE", "cpu")  # bench/gpu_check.sh runs the exactness tests on cuda
 
 
 def prompts_with_shared_prefix(num: int, prefix_len: int, suffix_len: int, seed: int = 0,
@@ -38,10 +40,11 @@ def assert_same(got, want) -> None:
 
 
 def tiny_model(kind: str):
-    return build_model(PRESETS[kind])
+    return build_model(PRESETS[kind], DEVICE)
 
 
-__all__ = ["single_torch_thread", "MODEL_KINDS", "prompts_with_shared_prefix", "reference", "assert_same", "tiny_model", "torch"]
+__all__ = ["DEVICE", "MODEL_KINDS", "assert_same", "prompts_with_shared_prefix", "reference", "single_torch_thread",
+           "tiny_model"]
 
 
 @pytest.fixture(scope="module", autouse=True)

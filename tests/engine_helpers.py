@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import random
 
+import pytest
 import torch
 
 from tierkv.engine.config import PRESETS
@@ -11,6 +13,7 @@ from tierkv.engine.engine import Engine, EngineConfig
 from tierkv.engine.loader import build_model
 
 MODEL_KINDS = ("tiny-llama", "tiny-qwen3", "tiny-mla")
+DEVICE = os.environ.get("TIERKV_TEST_DEVICE", "cpu")  # bench/gpu_check.sh runs the exactness tests on cuda
 
 
 def prompts_with_shared_prefix(num: int, prefix_len: int, suffix_len: int, seed: int = 0,
@@ -37,7 +40,17 @@ def assert_same(got, want) -> None:
 
 
 def tiny_model(kind: str):
-    return build_model(PRESETS[kind])
+    return build_model(PRESETS[kind], DEVICE)
 
 
-__all__ = ["MODEL_KINDS", "prompts_with_shared_prefix", "reference", "assert_same", "tiny_model", "torch"]
+__all__ = ["DEVICE", "MODEL_KINDS", "assert_same", "prompts_with_shared_prefix", "reference", "single_torch_thread",
+           "tiny_model"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_torch_thread():
+    """Tiny matmuls only lose from intra-op threads, badly so on a shared 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

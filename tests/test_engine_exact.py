@@ -3,6 +3,7 @@
 import pytest
 
 from engine_helpers import MODEL_KINDS, assert_same, prompts_with_shared_prefix, reference, tiny_model
+from engine_helpers import single_torch_thread  # noqa: F401  (autouse fixture)
 from tierkv.engine.engine import Engine, EngineConfig
 
 MAX_NEW = 6
@@ -51,5 +52,18 @@ def test_chunked_prefill_is_exact(model):
     engine = Engine(model, EngineConfig(mode="l1", l1_tokens=1024, chunk_tokens=16))
     for g, w in zip(engine.generate(prompts, MAX_NEW), want):
         assert_same(g, w)
+    engine.check_integrity()
+    engine.close()
+
+
+def test_multi_turn_conversation_reuses_whole_history(model):
+    history, *messages = prompts_with_shared_prefix(4, prefix_len=0, suffix_len=20, seed=7)
+    engine = Engine(model, EngineConfig(mode="l1+l2", l1_tokens=512))
+    for turn in range(3):
+        got = engine.generate([history], MAX_NEW)[0]
+        assert_same(got, reference(model, [history], MAX_NEW)[0])
+        if turn:
+            assert got.cache_hit_tokens == len(history) - 1 - 20  # all but the new user message
+        history = history + got.output + messages[turn]
     engine.check_integrity()
     engine.close()

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from engine_helpers import MODEL_KINDS, prompts_with_shared_prefix
+from engine_helpers import single_torch_thread  # noqa: F401  (autouse fixture)
 from tierkv.engine.config import PRESETS, ModelConfig, resolve_config
 from tierkv.engine.engine import Engine, EngineConfig
 from tierkv.engine.loader import build_model, save_checkpoint
@@ -67,3 +68,19 @@ def test_config_rejects_bad_values(field, value):
 def test_resolve_config_unknown_name():
     with pytest.raises(ValueError, match="neither a preset"):
         resolve_config("no-such-model")
+
+
+def test_tied_embeddings_round_trip(tmp_path):
+    model = build_model(PRESETS["tiny-qwen3"].replace(tie_word_embeddings=True))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    save_checkpoint(model, tmp_path)
+    loaded = build_model(str(tmp_path))
+    assert loaded.config.tie_word_embeddings
+    assert torch.equal(loaded.lm_head.weight, model.model.embed_tokens.weight)
+
+
+@pytest.mark.parametrize("extra", [{"rope_scaling": {"type": "yarn", "factor": 4}}, {"attention_bias": True}])
+def test_unsupported_hf_features_are_rejected(extra):
+    hf = build_model("tiny-llama").config.to_hf_dict() | extra
+    with pytest.raises(ValueError, match=next(iter(extra))):
+        ModelConfig.from_hf_dict(hf)

@@ -3,6 +3,7 @@
 import pytest
 
 from engine_helpers import assert_same, prompts_with_shared_prefix, reference, tiny_model
+from engine_helpers import single_torch_thread  # noqa: F401  (autouse fixture)
 from tierkv.engine.engine import Engine, EngineConfig
 from tierkv.engine.request import Request
 from tierkv.engine.scheduler import SchedulerConfig

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from engine_helpers import reference, tiny_model
+from engine_helpers import single_torch_thread  # noqa: F401  (autouse fixture)
 from tierkv.engine.engine import Engine, EngineConfig
 from tierkv.engine.server import CompletionServer
 
@@ -108,3 +109,22 @@ def test_serve_command_answers(tmp_path):
         proc.terminate()
         proc.wait(timeout=20)
     assert proc.returncode == 0
+
+
+def test_client_leaving_mid_stream_leaks_nothing(server):
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "bye" * 20, "max_tokens": 200,
+                                                             "stream": True}))
+    resp = conn.getresponse()
+    resp.fp.readline()  # the first event has started
+    resp.close()  # the response owns the socket (Connection: close); this hangs up
+    conn.close()
+    status, _, _ = call(server.port, "POST", "/v1/completions", {"prompt": "still here", "max_tokens": 2})
+    assert status == 200
+    deadline = time.monotonic() + 30
+    while server.loop.engine.scheduler.has_work and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with server.loop.lock:
+        server.loop.engine.cache.flush()
+        server.loop.engine.check_integrity()
+        assert not server.loop.engine.scheduler.running

@@ -37,6 +37,7 @@ class ModelConfig:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    tie_word_embeddings: bool = False
     dtype: str = "float32"
     seed: int = 0
 
@@ -87,7 +88,7 @@ class ModelConfig:
                "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_layers,
                "num_attention_heads": self.num_heads, "rope_theta": self.rope_theta,
                "rms_norm_eps": self.rms_norm_eps, "max_position_embeddings": self.max_position,
-               "torch_dtype": self.dtype, "tie_word_embeddings": False}
+               "torch_dtype": self.dtype, "tie_word_embeddings": self.tie_word_embeddings}
         if self.is_mla:
             out.update(kv_lora_rank=self.kv_lora_rank, qk_nope_head_dim=self.qk_nope_head_dim,
                        qk_rope_head_dim=self.qk_rope_head_dim, v_head_dim=self.v_head_dim,
@@ -104,14 +105,17 @@ class ModelConfig:
             raise ValueError(f"model_type {arch!r} is not one of {ARCHS}")
         if arch == "deepseek_v2" and (hf.get("q_lora_rank") or hf.get("n_routed_experts")):
             raise ValueError("deepseek_v2: q_lora_rank and routed experts (MoE) are not supported")
-        if hf.get("tie_word_embeddings"):
-            raise ValueError("tie_word_embeddings=true is not supported")
+        if hf.get("rope_scaling"):
+            raise ValueError(f"rope_scaling {hf['rope_scaling']!r} is not supported (plain RoPE only)")
+        if hf.get("attention_bias") or hf.get("mlp_bias"):
+            raise ValueError("attention_bias / mlp_bias are not supported")
         heads = hf["num_attention_heads"]
         fields = dict(arch=arch, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
                       intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"],
                       num_heads=heads, rope_theta=float(hf.get("rope_theta", 10000.0)),
                       rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
                       max_position=hf.get("max_position_embeddings", 8192),
+                      tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
                       dtype=str(hf.get("torch_dtype") or "float32"))
         if arch == "deepseek_v2":
             fields.update({k: hf[k] for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",

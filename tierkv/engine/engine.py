@@ -32,6 +32,7 @@ class EngineConfig:
     hicache_ratio: float = 2.0
     hicache_size_gb: float | None = None
     write_policy: str = "write_through"
+    host_layout: str = "layer_first"
     kv_dtype: str | None = None
     l3: str | None = None
     storage_extra: dict | None = None
@@ -55,7 +56,7 @@ class Engine:
         self.model = model if isinstance(model, CausalLM) else build_model(model, cfg.device)
         spec = self.model.config.kv_spec(cfg.kv_dtype)
         self.device_pool = DeviceKVPool(spec, cfg.l1_tokens, cfg.page_size, self.model.device)
-        cache_cfg = CacheConfig(page_size=cfg.page_size, write_policy=cfg.write_policy,
+        cache_cfg = CacheConfig(page_size=cfg.page_size, write_policy=cfg.write_policy, host_layout=cfg.host_layout,
                                 hicache_ratio=cfg.hicache_ratio, hicache_size_gb=cfg.hicache_size_gb,
                                 enable_host=cfg.mode in ("l1+l2", "l1+l2+l3"))
         self.cache = HiRadixCache(self.device_pool, cache_cfg)
@@ -68,10 +69,9 @@ class Engine:
 
     @property
     def namespace(self) -> str:
-        """Names the model and KV layout in L3 keys, so different models never share pages."""
-        m, spec = self.model.config, self.device_pool.spec
-        return (f"{m.arch}-L{m.num_layers}-H{m.hidden_size}-V{m.vocab_size}-s{m.seed}-"
-                f"{spec.attention}-{spec.heads}x{spec.dim}-{str(spec.dtype).removeprefix('torch.')}")
+        """Names the model in L3 keys (the KV layout and dtype are added by the hash namespace)."""
+        m = self.model.config
+        return f"{m.arch}-L{m.num_layers}-H{m.hidden_size}-V{m.vocab_size}-seed{m.seed}"
 
     def submit(self, prompt: list[int], max_new_tokens: int, **kwargs) -> Request:
         return self.scheduler.submit(Request(list(prompt), max_new_tokens, **kwargs))

@@ -38,6 +38,8 @@ def _load_weights(lm: CausalLM, files: list[Path]) -> None:
     for f in files:
         state.update(load_file(str(f)))
     missing, unexpected = lm.load_state_dict(state, strict=False)
+    if lm.config.tie_word_embeddings:  # tied checkpoints usually omit the head: it is the embedding
+        missing = [k for k in missing if k != "lm_head.weight"]
     # rotary inverse frequencies and MoE/other extras some checkpoints carry are not parameters here
     unexpected = [k for k in unexpected if not k.endswith("rotary_emb.inv_freq")]
     if missing or unexpected:
@@ -51,5 +53,7 @@ def save_checkpoint(lm: CausalLM, directory: str | Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     lm.config.save_json(directory / "config.json")
     state = {k: v.detach().to("cpu").contiguous() for k, v in lm.state_dict().items()}
+    if lm.config.tie_word_embeddings:
+        del state["lm_head.weight"]  # safetensors refuses shared tensors; HF omits the tied head too
     save_file(state, str(directory / "model.safetensors"))
     return directory

@@ -68,7 +68,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.counters = EngineCounters()
-        self.prefetcher = None  # set by attach_prefetcher when an L3 tier is on
+        self.prefetcher = None  # set by tierkv.engine.prefetch.attach_l3 when L3 is on
 
     # ---- public API ------------------------------------------------------------------------------
     def submit(self, request: Request) -> Request:
@@ -106,6 +106,9 @@ class Scheduler:
 
     # ---- admission -------------------------------------------------------------------------------
     def _admit(self) -> None:
+        if self.prefetcher is not None:  # start L3 fetches early so they overlap the running batch
+            for request in list(self.waiting)[: 2 * self.config.max_running_requests]:
+                self.prefetcher.start(request)
         while self.waiting and len(self.running) < self.config.max_running_requests:
             request = self.waiting[0]
             if self.prefetcher is not None and not self.prefetcher.ready(request):
@@ -113,6 +116,8 @@ class Scheduler:
             if not self._try_start(request):
                 if not self.running and not self._can_ever_fit(request):
                     self.waiting.popleft()
+                    if self.prefetcher is not None:
+                        self.prefetcher.abort(request)
                     self._fail(request, f"request needs {request.max_kv_tokens} KV slots; the device pool "
                                         f"has {self.cache.device_pool.num_slots}")
                     continue
@@ -162,7 +167,8 @@ class Scheduler:
                 prefix, node = loaded.device_indices, loaded.last_node
             request.host_hit_tokens = len(prefix) - request.device_hit_tokens
         if self.prefetcher is not None:
-            request.storage_hit_tokens = self.prefetcher.storage_tokens(request)
+            request.storage_hit_tokens = min(self.prefetcher.storage_tokens(request, len(prefix)),
+                                             request.host_hit_tokens)
             request.host_hit_tokens -= request.storage_hit_tokens
         return prefix, node
 

@@ -140,98 +140,111 @@ def parse_completion(body: bytes, tokenizer: ByteTokenizer, vocab_size: int) -> 
     return ids, max_tokens, stream
 
 
-def make_handler(loop: EngineLoop, model_name: str) -> type[BaseHTTPRequestHandler]:
+class CompletionHandler(BaseHTTPRequestHandler):
+    """Routes: POST /v1/completions, GET /metrics, /health, /v1/models. Bound to a loop by :func:`make_handler`."""
+
+    loop: EngineLoop
+    model_name: str
     tokenizer = ByteTokenizer()
-    vocab_size = loop.engine.model.config.vocab_size
+    protocol_version = "HTTP/1.1"
 
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
+    def log_message(self, fmt: str, *args: object) -> None:
+        log.debug("%s " + fmt, self.address_string(), *args)
 
-        def log_message(self, fmt: str, *args: object) -> None:
-            log.debug("%s " + fmt, self.address_string(), *args)
+    def do_GET(self) -> None:
+        if self.path == "/metrics":
+            with self.loop.lock:
+                text = render_metrics(self.loop.engine)
+            self._send(200, text.encode(), "text/plain; version=0.0.4")
+        elif self.path == "/health":
+            self._send(200, b"ok", "text/plain")
+        elif self.path == "/v1/models":
+            self._json(200, {"object": "list", "data": [{"id": self.model_name, "object": "model"}]})
+        else:
+            self._error(404, f"no route {self.path}")
 
-        def do_GET(self) -> None:
-            if self.path == "/metrics":
-                with loop.lock:
-                    text = render_metrics(loop.engine)
-                self._send(200, text.encode(), "text/plain; version=0.0.4")
-            elif self.path == "/health":
-                self._send(200, b"ok", "text/plain")
-            elif self.path == "/v1/models":
-                self._json(200, {"object": "list", "data": [{"id": model_name, "object": "model"}]})
-            else:
-                self._error(404, f"no route {self.path}")
+    def do_POST(self) -> None:
+        if self.path != "/v1/completions":
+            self._error(404, f"no route {self.path}")
+            return
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+            if not 0 <= length <= MAX_BODY_BYTES:
+                raise BadRequest(f"body length {length} outside [0, {MAX_BODY_BYTES}]")
+            ids, max_tokens, stream = parse_completion(self.rfile.read(length), self.tokenizer, self.vocab_size)
+        except (BadRequest, ValueError) as exc:
+            self._error(400, str(exc))
+            return
+        try:
+            job = self.loop.submit(ids, max_tokens)
+        except RuntimeError as exc:
+            self._error(503, str(exc))
+            return
+        if stream:
+            self._stream(job)
+        else:
+            self._complete(job)
 
-        def do_POST(self) -> None:
-            if self.path != "/v1/completions":
-                self._error(404, f"no route {self.path}")
-                return
-            try:
-                length = int(self.headers.get("Content-Length") or 0)
-                if not 0 <= length <= MAX_BODY_BYTES:
-                    raise BadRequest(f"body length {length} outside [0, {MAX_BODY_BYTES}]")
-                ids, max_tokens, stream = parse_completion(self.rfile.read(length), tokenizer, vocab_size)
-            except (BadRequest, ValueError) as exc:
-                self._error(400, str(exc))
-                return
-            try:
-                job = loop.submit(ids, max_tokens)
-            except RuntimeError as exc:
-                self._error(503, str(exc))
-                return
-            if stream:
-                self._stream(job)
-            else:
-                self._complete(job)
+    def _complete(self, job: CompletionJob) -> None:
+        ids = list(_iter_tokens(job))
+        if job.request.error:
+            self._error(503 if self.loop.broken else 400, job.request.error)
+            return
+        choice = {"index": 0, "text": self.tokenizer.decode(ids), "token_ids": ids, "logprobs": None,
+                  "finish_reason": _finish_reason(job.request)}
+        self._json(200, _envelope(job, self.model_name, choice) | {"usage": _usage(job.request)})
 
-        def _complete(self, job: CompletionJob) -> None:
-            ids = list(_iter_tokens(job))
-            if job.request.error:
-                self._error(400, job.request.error)
-                return
-            choice = {"index": 0, "text": tokenizer.decode(ids), "token_ids": ids, "logprobs": None,
-                      "finish_reason": _finish_reason(job.request)}
-            self._json(200, _envelope(job, model_name, choice) | {"usage": _usage(job.request)})
+    def _stream(self, job: CompletionJob) -> None:
+        try:
+            self._stream_events(job)
+        except (BrokenPipeError, ConnectionResetError):
+            log.info("client of %s went away; the request still finishes and caches its KV", job.request.rid)
 
-        def _stream(self, job: CompletionJob) -> None:
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Cache-Control", "no-cache")
-            self.send_header("Connection", "close")
-            self.end_headers()
-            self.close_connection = True
-            decoder = tokenizer.decoder()
-            for token in _iter_tokens(job):
-                text = decoder.decode(bytes([token]) if token < 256 else b"")
-                self._event(_envelope(job, model_name, {"index": 0, "text": text, "token_ids": [token],
-                                                        "logprobs": None, "finish_reason": None}))
-            if job.request.error:
-                self._event({"error": {"message": job.request.error, "type": "invalid_request_error"}})
-            else:
-                final = {"index": 0, "text": decoder.decode(b"", final=True), "token_ids": [], "logprobs": None,
-                         "finish_reason": _finish_reason(job.request)}
-                self._event(_envelope(job, model_name, final) | {"usage": _usage(job.request)})
-            self.wfile.write(b"data: [DONE]\n\n")
-            self.wfile.flush()
+    def _stream_events(self, job: CompletionJob) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.close_connection = True
+        decoder = self.tokenizer.decoder()
+        for token in _iter_tokens(job):
+            text = decoder.decode(bytes([token]) if token < 256 else b"")
+            chunk = {"index": 0, "text": text, "token_ids": [token], "logprobs": None, "finish_reason": None}
+            self._event(_envelope(job, self.model_name, chunk))
+        if job.request.error:
+            self._event({"error": {"message": job.request.error, "type": "invalid_request_error"}})
+        else:
+            final = {"index": 0, "text": decoder.decode(b"", final=True), "token_ids": [], "logprobs": None,
+                     "finish_reason": _finish_reason(job.request)}
+            self._event(_envelope(job, self.model_name, final) | {"usage": _usage(job.request)})
+        self.wfile.write(b"data: [DONE]\n\n")
+        self.wfile.flush()
 
-        def _event(self, payload: dict) -> None:
-            self.wfile.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
-            self.wfile.flush()
+    def _event(self, payload: dict) -> None:
+        self.wfile.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+        self.wfile.flush()
 
-        def _json(self, status: int, payload: dict) -> None:
-            self._send(status, json.dumps(payload).encode(), "application/json")
+    def _json(self, status: int, payload: dict) -> None:
+        self._send(status, json.dumps(payload).encode(), "application/json")
 
-        def _error(self, status: int, message: str) -> None:
-            self._json(status, {"error": {"message": message, "type": "invalid_request_error", "code": status}})
+    def _error(self, status: int, message: str) -> None:
+        self._json(status, {"error": {"message": message, "type": "invalid_request_error", "code": status}})
 
-        def _send(self, status: int, body: bytes, content_type: str) -> None:
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    def _send(self, status: int, body: bytes, content_type: str) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
 
-    return Handler
+    @property
+    def vocab_size(self) -> int:
+        return self.loop.engine.model.config.vocab_size
+
+
+def make_handler(loop: EngineLoop, model_name: str) -> type[CompletionHandler]:
+    return type("BoundCompletionHandler", (CompletionHandler,), {"loop": loop, "model_name": model_name})
 
 
 def _iter_tokens(job: CompletionJob):

@@ -148,15 +148,16 @@ class TraceReplayer:
         tokens = prompt + req.output_tokens() if self.config.include_output else prompt
         cache.inc_lock_ref(last_node)
         try:
-            hits.cached = self._insert(tokens, prefix)
+            hits.cached = self._insert(RadixKey(tokens) if self.config.include_output else key, prefix)
         finally:
             cache.dec_lock_ref(last_node)
         cache.flush()
         self.result.requests.append(hits)
         return hits
 
-    def _insert(self, tokens: list[int], prefix: torch.Tensor) -> bool:
+    def _insert(self, key: RadixKey, prefix: torch.Tensor) -> bool:
         """Allocate and fill slots for the uncached suffix, then insert; False when L1 has no room."""
+        tokens = key.token_ids
         page = self.config.page_size
         num_new = len(tokens) - len(prefix)
         num_alloc = -(-num_new // page) * page
@@ -168,7 +169,7 @@ class TraceReplayer:
             values = torch.full((num_alloc,), -1.0, dtype=torch.float64)
             values[:num_new] = torch.tensor(tokens[len(prefix):], dtype=torch.float64)
             self.cache.device_pool.write_tokens(new_slots, values.view(1, 1, -1, 1, 1).expand(2, 1, -1, 1, 1))
-        owned = self.cache.insert(RadixKey(tokens), torch.cat([prefix, new_slots]))
+        owned = self.cache.insert(key, torch.cat([prefix, new_slots]))
         leftover = new_slots[owned - len(prefix):]
         if len(leftover):
             self.cache.device_pool.free(leftover)

@@ -11,7 +11,7 @@ owned by it alone, and every allocated slot is owned by a node, an in-flight ope
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -75,6 +75,17 @@ class PendingLoad:
         """Block until the KV is in L1; False if the copy failed (its slots hold no valid KV)."""
         self.handle.wait()
         return self.handle.error is None
+
+
+@dataclass
+class _WriteBackBatch:
+    """Write-backs of one eviction pass: copied in one batch, then the evicted device slots are freed."""
+
+    device_slots: list[torch.Tensor] = field(default_factory=list)
+    host_slots: list[torch.Tensor] = field(default_factory=list)
+    protected: list[TreeNode] = field(default_factory=list)  # host_ref held until the copy ends
+    backed_up: list[TreeNode] = field(default_factory=list)  # every node given host slots
+    evicted_slots: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass
@@ -168,25 +179,29 @@ class HiRadixCache:
         Lock contract: locks the path in L1 and protects it in L2 until the write is acknowledged.
         Returns False when L2 has no room even after evicting from it (the node stays L1-only).
         """
-        path = []
-        walk = node
-        while walk is not self.tree.root and walk.host_value is None:
-            path.append(walk)
-            walk = walk.parent
-        path.reverse()
+        path = self._unbacked_path(node)
         if not path:
             return True
         num_tokens = sum(len(n) for n in path)
+        self.tree.inc_host_ref(node)  # making room in L2 must not drop the backup this path extends
         host_slots = self._alloc_host(num_tokens)
         if host_slots is None:
+            self.tree.dec_host_ref(node)
             self.stats.write_skipped_tokens += num_tokens
             return False
         device_slots = torch.cat([n.device_value for n in path])
         self._assign_host_values(path, host_slots)
         self.tree.inc_lock_ref(node)
-        self.tree.inc_host_ref(node)
         self.transfer.write(device_slots, host_slots, PendingWrite(node, host_slots, num_tokens))
         return True
+
+    def _unbacked_path(self, node: TreeNode) -> list[TreeNode]:
+        """``node`` and its ancestors without an L2 copy, root side first (host nodes form a rooted subtree)."""
+        path = []
+        while node is not self.tree.root and node.host_value is None:
+            path.append(node)
+            node = node.parent
+        return path[::-1]
 
     @staticmethod
     def _assign_host_values(path: list[TreeNode], host_slots: torch.Tensor) -> None:
@@ -291,17 +306,18 @@ class HiRadixCache:
         too_small = num_tokens < self.config.load_back_threshold
         if too_small or (mem_quota is not None and num_tokens > mem_quota):
             return LoadResult(self._path_indices(device_part), last_device)
-        self.tree.inc_lock_ref(last_device)  # eviction for room must not take the prefix we extend
+        # Locked from here to the ack: making room in L1 must not evict the prefix we extend, and the
+        # write-backs that eviction may cause must not evict from L2 the nodes we load.
+        self.tree.inc_lock_ref(last_node)
         device_slots = self._alloc_device(num_tokens)
-        self.tree.dec_lock_ref(last_device)
         if device_slots is None:
+            self.tree.dec_lock_ref(last_node)
             return LoadResult(self._path_indices(device_part), last_device)
         host_slots = torch.cat([n.host_value for n in host_only])
         offset = 0
         for n in host_only:
             self.tree.set_device_value(n, device_slots[offset:offset + len(n)])
             offset += len(n)
-        self.tree.inc_lock_ref(last_node)
         self.tree.inc_host_ref(last_node)
         pending = PendingLoad(last_node, device_slots, handle=None)  # type: ignore[arg-type]
         pending.handle = self.transfer.load(host_slots, device_slots, pending)
@@ -317,22 +333,24 @@ class HiRadixCache:
         """Free at least ``num_tokens`` L1 slots if that many are evictable; returns the number freed.
 
         Backed-up nodes drop their device slots and stay host-only; others are deleted, or under
-        write_back copied to L2 first (waiting for the copy). Lock contract: skips locked nodes.
+        write_back copied to L2 first (one batch copy, waited for). Lock contract: skips locked nodes.
         """
-        freed, write_back = 0, []
+        freed, batch = 0, _WriteBackBatch()
+        write_back = self.config.write_policy == "write_back" and self.transfer is not None
         order = eviction_order(self.tree.device_leaves(), self.priority, self._next_device_candidate)
         for node in order:
             if freed >= num_tokens:
                 break
+            if write_back and node.host_value is None:
+                self._reserve_write_back(node, batch)
             freed += len(node)
-            if node.host_value is not None:
-                self.device_pool.free(self.tree.clear_device_value(node))
-            elif self.config.write_policy == "write_back" and self._reserve_write_back(node):
-                write_back.append(node)
-            else:
-                self.device_pool.free(self.tree.clear_device_value(node))
+            # freed only after the batch copy: a write-back may still read these slots
+            batch.evicted_slots.append(self.tree.clear_device_value(node))
+            if node.host_value is None:
                 self.tree.remove_leaf(node)
-        self._finish_write_back(write_back)
+        self._finish_write_back(batch)
+        if batch.evicted_slots:
+            self.device_pool.free(torch.cat(batch.evicted_slots))
         self.stats.evicted_device_tokens += freed
         return freed
 
@@ -340,34 +358,41 @@ class HiRadixCache:
         parent = node.parent
         return parent if parent is not None and self.tree.is_device_leaf(parent) else None
 
-    def _reserve_write_back(self, node: TreeNode) -> bool:
-        """Give an evicted write_back node host slots and protect it until its copy is done."""
-        host_slots = self._alloc_host(len(node))
-        if host_slots is None:
-            self.stats.write_skipped_tokens += len(node)
-            return False
-        node.host_value = host_slots
+    def _reserve_write_back(self, node: TreeNode, batch: "_WriteBackBatch") -> None:
+        """Give ``node`` and its ancestors not yet in L2 host slots, protected until the batch copy ends."""
+        path = self._unbacked_path(node)
+        num_tokens = sum(len(n) for n in path)
         self.tree.inc_host_ref(node)
-        return True
-
-    def _finish_write_back(self, nodes: list[TreeNode]) -> None:
-        if not nodes:
+        host_slots = self._alloc_host(num_tokens)
+        if host_slots is None:
+            self.tree.dec_host_ref(node)
+            self.stats.write_skipped_tokens += num_tokens
             return
-        device_slots = torch.cat([n.device_value for n in nodes])
-        error = self.transfer.write_now(device_slots, torch.cat([n.host_value for n in nodes]))
-        for n in nodes:
+        batch.device_slots.append(torch.cat([n.device_value for n in path]))
+        batch.host_slots.append(host_slots)
+        self._assign_host_values(path, host_slots)
+        batch.protected.append(node)
+        batch.backed_up.extend(path)
+
+    def _finish_write_back(self, batch: "_WriteBackBatch") -> None:
+        if not batch.protected:
+            return
+        device_slots = torch.cat(batch.device_slots)
+        error = self.transfer.write_now(device_slots, torch.cat(batch.host_slots))
+        for n in batch.protected:
             self.tree.dec_host_ref(n)
-            self.device_pool.free(self.tree.clear_device_value(n))
         if error is not None:
             self.stats.failed_copies += 1
-            for n in nodes:
-                self.host_pool.free(n.host_value)
+            self.host_pool.free(torch.cat(batch.host_slots))
+            # deepest first, so a node is childless by the time it is removed
+            for n in sorted(batch.backed_up, key=lambda n: -len(self.tree.path_to_root(n))):
                 n.host_value = None
-                self.tree.remove_leaf(n)
+                if n.device_value is None:
+                    self.tree.remove_leaf(n)
             return
         self.stats.written_tokens += len(device_slots)
         if self.storage is not None:
-            for n in nodes:
+            for n in batch.protected:
                 self.storage.backup(n)
 
     def evict_host(self, num_tokens: int) -> int:
@@ -490,6 +515,17 @@ class HiRadixCache:
 
 def _check_ownership(tier: str, pool: DeviceKVPool | HostKVPool, owned: list[torch.Tensor]) -> None:
     slots = torch.cat(owned) if owned else _EMPTY
+    if slots.dtype != torch.int64:
+        raise AssertionError(f"{tier} slots of dtype {slots.dtype}, expected int64")
+    if len(slots) and (slots.min() < 0 or slots.max() >= pool.num_slots):
+        raise AssertionError(f"{tier} slots outside [0, {pool.num_slots})")
+    if pool.page_size > 1:  # every owner holds whole aligned pages, so pages are freed whole
+        if any(len(v) % pool.page_size for v in owned):
+            raise AssertionError(f"{tier} slots owned in partial pages")
+        rows = slots.view(-1, pool.page_size)
+        aligned = rows[:, :1] - rows[:, :1] % pool.page_size + torch.arange(pool.page_size)
+        if not torch.equal(rows, aligned):
+            raise AssertionError(f"{tier} slots not in whole aligned pages")
     counts = torch.bincount(slots, minlength=pool.num_slots) if len(slots) else torch.zeros(
         pool.num_slots, dtype=torch.int64)
     if (counts > 1).any():

@@ -1,0 +1,70 @@
+"""CacheConfig: every bad value is a ValueError naming the field and the value."""
+
+import pytest
+import torch
+
+from tierkv.config import CacheConfig
+from tierkv.pools import DeviceKVPool, KVSpec
+from tierkv.hicache import HiRadixCache
+
+
+def test_defaults_are_valid():
+    cfg = CacheConfig()
+    assert cfg.eviction_policy == "lru" and cfg.write_threshold == 1
+    assert CacheConfig(write_policy="write_through_selective").write_threshold == 2
+    assert CacheConfig(write_policy="write_back").write_threshold is None
+
+
+@pytest.mark.parametrize("field,value", [
+    ("eviction_policy", "random"),
+    ("eviction_policy", None),
+    ("write_policy", "write_around"),
+    ("io_backend", "dma"),
+    ("host_layout", "page_last"),
+    ("page_size", 0),
+    ("page_size", -4),
+    ("page_size", 2.0),
+    ("page_size", True),
+    ("hicache_ratio", 0),
+    ("hicache_ratio", -1.5),
+    ("hicache_ratio", "2"),
+    ("hicache_size_gb", 0),
+    ("hicache_size_gb", -3),
+    ("hicache_size_gb", "8"),
+    ("load_back_threshold", -1),
+    ("load_back_threshold", 1.5),
+])
+def test_bad_value_is_a_value_error_naming_it(field, value):
+    with pytest.raises(ValueError) as err:
+        CacheConfig(**{field: value})
+    assert repr(value) in str(err.value)
+
+
+def test_config_is_frozen():
+    with pytest.raises(AttributeError):
+        CacheConfig().page_size = 4  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    (dict(num_layers=0, kv_heads=1, head_dim=1), "num_layers"),
+    (dict(num_layers=1, kv_heads=0, head_dim=1), "kv_heads"),
+    (dict(num_layers=1, kv_heads=1, head_dim=-2), "-2"),
+    (dict(num_layers=1, attention="gqa"), "'gqa'"),
+    (dict(num_layers=1, attention="mla", kv_lora_rank=0), "kv_lora_rank"),
+    (dict(num_layers=1, attention="mla", kv_lora_rank=4, rope_dim=-1), "rope_dim"),
+    (dict(num_layers=1, kv_heads=1, head_dim=1, dtype="float17"), "float17"),
+    (dict(num_layers=1, kv_heads=1, head_dim=1, dtype=torch.complex64), "complex64"),
+])
+def test_bad_kv_spec_is_a_value_error(kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        KVSpec(**kwargs)
+
+
+def test_cache_rejects_mismatched_sizes():
+    spec = KVSpec(num_layers=1, kv_heads=1, head_dim=2)
+    with pytest.raises(ValueError, match="page_size 4"):
+        HiRadixCache(DeviceKVPool(spec, 16, 4, "cpu"), CacheConfig(page_size=1))
+    with pytest.raises(ValueError, match="hicache_ratio=0.5"):
+        HiRadixCache(DeviceKVPool(spec, 16, 1, "cpu"), CacheConfig(hicache_ratio=0.5))
+    with pytest.raises(ValueError, match="not larger"):
+        HiRadixCache(DeviceKVPool(spec, 16, 1, "cpu"), CacheConfig(hicache_size_gb=1e-7))

@@ -1,0 +1,427 @@
+"""The two-tier cache: KV bytes survive L1 -> L2 -> L1, write policies, load back, eviction, counters."""
+
+import threading
+
+import pytest
+import torch
+
+from tierkv.config import CacheConfig
+from tierkv.hicache import HiRadixCache
+from tierkv.pools import HOST_LAYOUTS, DeviceKVPool, KVSpec
+from tierkv.radix import RadixKey
+
+SPECS = {
+    "mha": dict(num_layers=2, kv_heads=2, head_dim=8),
+    "mla": dict(num_layers=2, attention="mla", kv_lora_rank=12, rope_dim=4),
+}
+
+
+def make_cache(device_tokens=64, page_size=1, attention="mha", dtype=torch.float16, **cfg):
+    spec = KVSpec(**SPECS[attention], dtype=dtype)
+    pool = DeviceKVPool(spec, device_tokens, page_size, "cpu")
+    return HiRadixCache(pool, CacheConfig(page_size=page_size, **cfg))
+
+
+@pytest.fixture
+def caches():
+    made = []
+
+    def factory(**kwargs):
+        made.append(make_cache(**kwargs))
+        return made[-1]
+
+    yield factory
+    for cache in made:
+        cache.close()
+
+
+def random_bits(pool, num_tokens, seed):
+    """KV of random bit patterns (NaNs and infinities included): equality below is bit for bit."""
+    s = pool.spec
+    shape = (s.num_kv, s.num_layers, num_tokens, s.heads, s.dim * s.dtype.itemsize)
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, shape, dtype=torch.uint8, generator=g).view(s.dtype)
+
+
+def put(cache, tokens, seed=0, extra_key=None):
+    """Run a 'request': allocate slots, write its KV, insert it; returns the KV the tree now holds."""
+    slots = cache.alloc_device(len(tokens) + (-len(tokens)) % cache.config.page_size)
+    kv = random_bits(cache.device_pool, len(slots), seed)
+    cache.device_pool.write_tokens(slots, kv)
+    owned = cache.insert(RadixKey(tokens, extra_key), slots)
+    if owned < len(slots):
+        cache.device_pool.free(slots[owned:])
+    return kv[:, :, :owned]
+
+
+def same_bits(a, b):
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def device_kv(cache, key):
+    match = cache.match_prefix(key)
+    return match, cache.device_pool.read_tokens(match.device_indices)
+
+
+# ---- the bytes round trip --------------------------------------------------------------------------
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("io_backend", ["kernel", "direct"])
+@pytest.mark.parametrize("layout", HOST_LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("attention", ["mha", "mla"])
+def test_kv_round_trip_l1_l2_l1_is_bit_exact(caches, attention, dtype, layout, io_backend, page_size):
+    cache = caches(device_tokens=6 * page_size, page_size=page_size, attention=attention, dtype=dtype,
+                   host_layout=layout, io_backend=io_backend, load_back_threshold=0)
+    g = torch.Generator().manual_seed(page_size)
+    tokens = torch.randint(0, 50_000, (3 * page_size + page_size // 2,), generator=g).tolist()
+    kv = put(cache, tokens, seed=7)
+    original_slots = cache.match_prefix(RadixKey(tokens)).device_indices
+    cache.flush()  # the write-through to L2 completes
+    assert cache.evict(cache.device_pool.num_slots) == 3 * page_size
+    cache.device_pool.buffer.zero_()
+    held = cache.device_pool.alloc(cache.device_pool.num_free_slots)
+    others = held[~torch.isin(held, original_slots)][: 3 * page_size]
+    cache.device_pool.free(others)  # only slots other than the originals are free for the load
+    held = held[~torch.isin(held, others)]
+    match = cache.match_prefix(RadixKey(tokens))
+    assert len(match.device_indices) == 0 and match.host_hit_length == 3 * page_size
+    load = cache.init_load_back(match.last_host_node)
+    assert load.pending is not None and load.pending.wait()
+    assert not set(load.device_indices.tolist()) & set(original_slots.tolist())
+    assert same_bits(cache.device_pool.read_tokens(load.device_indices), kv)
+    cache.step()
+    cache.check_integrity(caller_device_slots=held)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_write_back_round_trip_is_bit_exact(caches, page_size):
+    cache = caches(device_tokens=8 * page_size, page_size=page_size, write_policy="write_back",
+                   load_back_threshold=0)
+    tokens = list(range(5 * page_size))
+    kv = put(cache, tokens, seed=3)
+    assert cache.host_pool.num_free_slots == cache.host_pool.num_slots  # nothing copied at insert
+    cache.evict(cache.device_pool.num_slots)
+    held = cache.device_pool.alloc(3 * page_size)  # the load lands elsewhere than the originals
+    load = cache.init_load_back(cache.match_prefix(RadixKey(tokens)).last_host_node)
+    assert load.pending.wait()
+    assert same_bits(cache.device_pool.read_tokens(load.device_indices), kv)
+    cache.step()
+    cache.check_integrity(caller_device_slots=held)
+
+
+# ---- write policies --------------------------------------------------------------------------------
+def test_write_through_backs_up_on_first_insert(caches):
+    cache = caches(write_policy="write_through")
+    put(cache, list(range(10)))
+    node = cache.match_prefix(RadixKey(list(range(10)))).last_device_node
+    assert node.host_value is not None and node.lock_ref == 1  # locked until the write is acked
+    cache.flush()
+    assert node.lock_ref == 0 and cache.stats.written_tokens == 10
+    cache.check_integrity()
+
+
+def test_write_through_selective_backs_up_on_the_second_hit(caches):
+    cache = caches(write_policy="write_through_selective")
+    tokens = list(range(10))
+    put(cache, tokens)
+    cache.flush()
+    node = cache.match_prefix(RadixKey(tokens)).last_device_node
+    assert node.host_value is None and cache.stats.written_tokens == 0
+    match = cache.match_prefix(RadixKey(tokens + [99]))
+    cache.inc_lock_ref(match.last_device_node)
+    slots = torch.cat([match.device_indices, cache.alloc_device(1)])
+    cache.insert(RadixKey(tokens + [99]), slots)  # a follow-up request: the prefix is hit again
+    cache.dec_lock_ref(match.last_device_node)
+    cache.flush()
+    assert node.host_value is not None and cache.stats.written_tokens == 10
+    assert node.children and next(iter(node.children.values())).host_value is None  # hit once so far
+    cache.check_integrity()
+
+
+def test_write_back_copies_only_at_eviction(caches):
+    cache = caches(write_policy="write_back")
+    put(cache, list(range(10)))
+    cache.flush()
+    assert cache.stats.written_tokens == 0
+    assert cache.evict(10) == 10
+    assert cache.stats.written_tokens == 10
+    match = cache.match_prefix(RadixKey(list(range(10))))
+    assert match.host_hit_length == 10
+    cache.check_integrity()
+
+
+def test_write_back_evicts_whole_chains_and_keeps_the_host_tree_rooted(caches):
+    cache = caches(write_policy="write_back")
+    put(cache, list(range(4)), seed=1)
+    put(cache, list(range(8)), seed=2)  # a child of the first
+    assert cache.evict(8) == 8  # child, then its parent in the same call
+    assert cache.device_pool.num_free_slots == cache.device_pool.num_slots
+    cache.check_integrity()
+    assert cache.match_prefix(RadixKey(list(range(8)))).host_hit_length == 8
+
+
+def test_write_back_with_full_host_deletes_instead(caches):
+    cache = caches(device_tokens=8, write_policy="write_back", hicache_ratio=1.5)  # host: 12 tokens
+    put(cache, list(range(8)))
+    lock = cache.host_pool.alloc(8)  # someone else holds most of L2
+    assert cache.evict(8) == 8
+    assert cache.stats.write_skipped_tokens == 8 and list(cache.tree.nodes()) == []
+    cache.check_integrity(caller_host_slots=lock)
+
+
+# ---- load back -------------------------------------------------------------------------------------
+def _host_only(cache, tokens, seed=0):
+    kv = put(cache, tokens, seed)
+    cache.flush()
+    cache.evict(cache.device_pool.num_slots)
+    return kv
+
+
+def test_load_back_threshold_skips_short_loads(caches):
+    cache = caches(load_back_threshold=10)
+    _host_only(cache, list(range(9)))
+    match = cache.match_prefix(RadixKey(list(range(9))))
+    load = cache.init_load_back(match.last_host_node)
+    assert load.pending is None and load.loaded_tokens == 0 and len(load.device_indices) == 0
+    assert cache.device_pool.num_free_slots == cache.device_pool.num_slots
+    cache.check_integrity()
+
+
+def test_mem_quota_skips_loads_over_it(caches):
+    cache = caches(load_back_threshold=0)
+    _host_only(cache, list(range(12)))
+    node = cache.match_prefix(RadixKey(list(range(12)))).last_host_node
+    assert cache.init_load_back(node, mem_quota=11).pending is None
+    load = cache.init_load_back(node, mem_quota=12)
+    assert load.pending.wait() and load.loaded_tokens == 12
+    cache.step()
+    cache.check_integrity()
+
+
+def test_load_back_extends_a_device_prefix(caches):
+    cache = caches(load_back_threshold=0)
+    kv_a = put(cache, list(range(6)), seed=1)
+    kv_b = put(cache, list(range(10)), seed=2)
+    cache.flush()
+    leaf = cache.match_prefix(RadixKey(list(range(10)))).last_device_node
+    cache.device_pool.free(cache.tree.clear_device_value(leaf))  # only the tail leaves L1
+    match = cache.match_prefix(RadixKey(list(range(10))))
+    assert len(match.device_indices) == 6 and match.host_hit_length == 4
+    load = cache.init_load_back(match.last_host_node)
+    assert load.loaded_tokens == 4 and len(load.device_indices) == 10 and load.pending.wait()
+    got = cache.device_pool.read_tokens(load.device_indices)
+    assert same_bits(got[:, :, :6], kv_a) and same_bits(got[:, :, 6:], kv_b[:, :, 6:])
+    cache.step()
+    cache.check_integrity()
+
+
+def test_load_back_into_a_full_l1_evicts_first(caches):
+    cache = caches(device_tokens=16, load_back_threshold=0)
+    kv = _host_only(cache, list(range(12)), seed=4)
+    put(cache, list(range(100, 116)), seed=5)
+    cache.flush()  # L1 is full of an unlocked sequence
+    assert cache.device_pool.num_free_slots == 0
+    load = cache.init_load_back(cache.match_prefix(RadixKey(list(range(12)))).last_host_node)
+    assert load.pending is not None and load.pending.wait()
+    assert same_bits(cache.device_pool.read_tokens(load.device_indices), kv)
+    assert cache.stats.evicted_device_tokens >= 12 + 12
+    cache.step()
+    cache.check_integrity()
+
+
+def test_load_back_is_all_or_nothing(caches):
+    cache = caches(device_tokens=16, load_back_threshold=0)
+    _host_only(cache, list(range(12)))
+    put(cache, list(range(100, 108)))
+    busy = cache.match_prefix(RadixKey(list(range(100, 108)))).last_device_node
+    cache.inc_lock_ref(busy)  # a running request holds 8 of the 16 slots
+    held = cache.device_pool.alloc(4)  # and a caller holds 4 more: 4 left, 12 needed
+    match = cache.match_prefix(RadixKey(list(range(12))))
+    load = cache.init_load_back(match.last_host_node)
+    assert load.pending is None and len(load.device_indices) == 0
+    assert all(n.device_value is None for n in cache.tree.path_to_root(match.last_host_node))
+    assert cache.device_pool.num_free_slots == 4
+    cache.check_integrity(caller_device_slots=held)
+    cache.dec_lock_ref(busy)
+
+
+def test_loaded_nodes_stay_locked_until_the_load_is_acknowledged(caches):
+    cache = caches(load_back_threshold=0)
+    kv = _host_only(cache, list(range(12)), seed=6)
+    gate = threading.Event()
+    cache.transfer.delay_hook = lambda kind: gate.wait(5)
+    load = cache.init_load_back(cache.match_prefix(RadixKey(list(range(12)))).last_host_node)
+    assert load.last_node.lock_ref == 1 and cache.protected_size == 12
+    assert cache.evict(12) == 0  # the loading node is not evictable
+    assert cache.evict_host(12) == 0  # nor are its host slots
+    cache.step()
+    assert load.last_node.lock_ref == 1  # the copy has not finished: still locked after a step
+    gate.set()
+    assert load.pending.wait()
+    cache.step()
+    assert load.last_node.lock_ref == 0 and cache.evictable_size == 12
+    assert same_bits(cache.device_pool.read_tokens(load.device_indices), kv)
+    cache.check_integrity()
+
+
+def test_load_back_under_write_back_keeps_the_host_path_it_loads(caches):
+    """Making room in L1 may write back and so evict from L2: never the nodes being loaded."""
+    cache = caches(device_tokens=16, write_policy="write_back", hicache_ratio=2.0, load_back_threshold=0)
+    kv = put(cache, list(range(8)), seed=8)
+    cache.evict(16)  # A: host-only, oldest
+    put(cache, list(range(200, 216)), seed=9)
+    cache.evict(16)  # C: host-only; L2 holds 24 of 32
+    put(cache, list(range(100, 116)), seed=10)  # B fills L1, not backed up
+    match = cache.match_prefix(RadixKey(list(range(8))))
+    cache.match_prefix(RadixKey(list(range(200, 216))))  # A is now L2's least recently used
+    load = cache.init_load_back(match.last_host_node)
+    cache.check_integrity()
+    if load.pending is not None:
+        assert load.pending.wait()
+        assert same_bits(cache.device_pool.read_tokens(load.device_indices), kv)
+    cache.step()
+    cache.check_integrity()
+
+
+# ---- L2 pressure -----------------------------------------------------------------------------------
+def test_full_l2_evicts_from_l2_before_writing(caches):
+    cache = caches(device_tokens=16, hicache_ratio=2.0)  # host: 32 tokens
+    for i in range(3):
+        _host_only(cache, list(range(100 * i, 100 * i + 12)), seed=i)
+    assert cache.stats.evicted_host_tokens >= 12  # the third write needed room
+    assert cache.host_pool.allocator.num_used_slots <= 32
+    assert cache.match_prefix(RadixKey(list(range(12)))).host_hit_length == 0  # LRU victim
+    assert cache.match_prefix(RadixKey(list(range(200, 212)))).host_hit_length == 12
+    cache.check_integrity()
+
+
+def test_write_stays_l1_only_when_l2_cannot_make_room(caches):
+    cache = caches(device_tokens=16, hicache_ratio=2.0)
+    held = cache.host_pool.alloc(28)  # L2 space nobody can evict
+    put(cache, list(range(8)))
+    cache.flush()
+    node = cache.match_prefix(RadixKey(list(range(8)))).last_device_node
+    assert node.host_value is None and cache.stats.write_skipped_tokens == 8
+    assert cache.evict(8) == 8 and list(cache.tree.nodes()) == []  # not backed up: deleted
+    cache.check_integrity(caller_host_slots=held)
+
+
+def test_evict_host_drops_backups_of_l1_nodes_and_deletes_host_only_ones(caches):
+    cache = caches(device_tokens=32)
+    _host_only(cache, list(range(8)), seed=1)
+    put(cache, list(range(50, 58)), seed=2)
+    cache.flush()
+    assert cache.evict_host(64) == 16
+    assert cache.match_prefix(RadixKey(list(range(8)))).host_hit_length == 0
+    match = cache.match_prefix(RadixKey(list(range(50, 58))))
+    assert len(match.device_indices) == 8 and match.last_device_node.host_value is None
+    cache.check_integrity()
+
+
+# ---- eviction accounting ---------------------------------------------------------------------------
+def test_evict_frees_whole_nodes_and_skips_locked_ones(caches):
+    cache = caches(device_tokens=64)
+    put(cache, list(range(10)), seed=1)
+    put(cache, list(range(20, 30)), seed=2)
+    cache.flush()
+    locked = cache.match_prefix(RadixKey(list(range(20, 30)))).last_device_node
+    cache.inc_lock_ref(locked)
+    assert cache.evict(3) == 10  # node granularity
+    assert cache.evict(100) == 0  # the rest is locked
+    assert cache.evictable_size == 0 and cache.protected_size == 10
+    cache.dec_lock_ref(locked)
+    cache.check_integrity()
+
+
+def test_insert_frees_slots_duplicating_cached_kv(caches):
+    cache = caches(device_tokens=32)
+    kv = put(cache, list(range(10)), seed=1)
+    free_before = cache.device_pool.num_free_slots
+    slots = cache.device_pool.alloc(12)
+    assert cache.insert(RadixKey(list(range(12))), slots) == 12
+    assert cache.device_pool.num_free_slots == free_before - 2  # the 10 duplicate slots went back
+    match = cache.match_prefix(RadixKey(list(range(12))))
+    assert same_bits(cache.device_pool.read_tokens(match.device_indices[:10]), kv)
+    cache.flush()
+    cache.check_integrity()
+
+
+def test_extra_keys_are_separate_caches(caches):
+    cache = caches()
+    kv_a = put(cache, list(range(8)), seed=1, extra_key="lora-a")
+    kv_b = put(cache, list(range(8)), seed=2, extra_key="lora-b")
+    _, got_a = device_kv(cache, RadixKey(list(range(8)), "lora-a"))
+    _, got_b = device_kv(cache, RadixKey(list(range(8)), "lora-b"))
+    assert same_bits(got_a, kv_a) and same_bits(got_b, kv_b)
+    assert len(cache.match_prefix(RadixKey(list(range(8)))).device_indices) == 0
+
+
+def test_bigram_cache_round_trip(caches):
+    cache = caches(bigram=True, load_back_threshold=0)
+    tokens = list(range(9))
+    kv = _host_only(cache, tokens, seed=3)  # 8 pairs
+    load = cache.init_load_back(cache.match_prefix(RadixKey(tokens)).last_host_node)
+    assert load.pending.wait() and len(load.device_indices) == 8
+    assert same_bits(cache.device_pool.read_tokens(load.device_indices), kv)
+    cache.step()
+    cache.check_integrity()
+
+
+# ---- reset, counters, L1-only ----------------------------------------------------------------------
+def test_stats_count_hits_evictions_writes_and_loads(caches):
+    cache = caches(load_back_threshold=0)
+    _host_only(cache, list(range(10)))
+    put(cache, list(range(50, 56)))
+    cache.flush()
+    cache.match_prefix(RadixKey(list(range(50, 56))))
+    load = cache.init_load_back(cache.match_prefix(RadixKey(list(range(10)))).last_host_node)
+    load.pending.wait()
+    cache.step()
+    s = cache.stats
+    assert s.device_hit_tokens == 6 and s.host_hit_tokens == 10
+    assert s.written_tokens == 16 and s.loaded_tokens == 10 and s.evicted_device_tokens == 10
+    assert cache.evict_host(100) == 16 and cache.stats.evicted_host_tokens == 16
+
+
+def test_reset_drops_everything(caches):
+    cache = caches()
+    put(cache, list(range(10)))
+    _host_only(cache, list(range(20, 30)))
+    cache.reset()
+    assert list(cache.tree.nodes()) == []
+    assert cache.device_pool.num_free_slots == cache.device_pool.num_slots
+    assert cache.host_pool.num_free_slots == cache.host_pool.num_slots
+    assert cache.stats.written_tokens == 0
+    assert cache.match_prefix(RadixKey(list(range(10)))).host_hit_length == 0
+    cache.check_integrity()
+
+
+def test_l1_only_cache_deletes_on_eviction(caches):
+    cache = caches(enable_host=False)
+    assert cache.host_pool is None and cache.transfer is None
+    put(cache, list(range(10)))
+    assert cache.evict(10) == 10 and list(cache.tree.nodes()) == []
+    cache.check_integrity()
+
+
+# ---- the cache's integrity check really checks -------------------------------------------------------
+@pytest.mark.parametrize("how", ["leak", "double_owner", "freed_but_owned", "host_leak", "misaligned"])
+def test_check_integrity_catches_slot_ownership_errors(caches, how):
+    cache = caches(page_size=2, device_tokens=32)
+    put(cache, list(range(8)))
+    put(cache, list(range(20, 28)))
+    cache.flush()
+    cache.check_integrity()
+    nodes = sorted(cache.tree.nodes(), key=lambda n: n.id)
+    if how == "leak":
+        cache.device_pool.alloc(2)
+    elif how == "double_owner":
+        nodes[1].device_value = nodes[0].device_value.clone()
+    elif how == "freed_but_owned":
+        cache.device_pool.free(nodes[0].device_value)
+    elif how == "host_leak":
+        cache.host_pool.alloc(2)
+    elif how == "misaligned":
+        nodes[0].device_value = nodes[0].device_value.roll(1)
+    with pytest.raises(AssertionError):
+        cache.check_integrity()

@@ -1,0 +1,173 @@
+"""KV pools: shapes and dtypes, the slot allocator, host sizing and layouts, page byte access."""
+
+import pytest
+import torch
+
+from tierkv.pools import HOST_LAYOUTS, DeviceKVPool, HostKVPool, KVSpec, SlotAllocator, host_pool_tokens
+
+MHA = KVSpec(num_layers=3, kv_heads=2, head_dim=4, dtype=torch.float16)
+MLA = KVSpec(num_layers=3, attention="mla", kv_lora_rank=6, rope_dim=2, dtype=torch.bfloat16)
+
+
+def test_mha_shapes_and_bytes():
+    pool = DeviceKVPool(MHA, 32, 4, "cpu")
+    assert pool.k_buffer(1).shape == (32, 2, 4) and pool.v_buffer(2).shape == (32, 2, 4)
+    assert pool.k_buffer(0).dtype == torch.float16
+    assert MHA.bytes_per_token == 2 * 3 * 2 * 4 * 2
+    assert pool.size_bytes == 32 * MHA.bytes_per_token
+    assert pool.page_nbytes == 4 * MHA.bytes_per_token
+
+
+def test_mla_shapes_and_bytes():
+    pool = DeviceKVPool(MLA, 16, 1, "cpu")
+    assert pool.latent_buffer(2).shape == (16, 1, 8)
+    assert pool.latent_buffer(0).dtype == torch.bfloat16
+    assert MLA.bytes_per_token == 3 * 8 * 2
+    with pytest.raises(ValueError, match="latent"):
+        pool.v_buffer(0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8,
+                                   torch.uint8, torch.float8_e4m3fn, "bfloat16", "torch.float32"])
+def test_any_real_dtype(dtype):
+    spec = KVSpec(num_layers=1, kv_heads=1, head_dim=2, dtype=dtype)
+    pool = DeviceKVPool(spec, 4, 1, "cpu")
+    assert pool.buffer.dtype == spec.dtype
+    assert spec.bytes_per_token == 2 * 2 * spec.dtype.itemsize
+
+
+@pytest.mark.parametrize("dtype", ["float17", torch.complex64, torch.bool, 3])
+def test_wrong_dtype_is_a_value_error_naming_it(dtype):
+    with pytest.raises(ValueError, match="dtype"):
+        KVSpec(num_layers=1, kv_heads=1, head_dim=2, dtype=dtype)
+
+
+def test_allocator_hands_out_whole_pages_until_full():
+    alloc = SlotAllocator(16, 4)
+    a = alloc.alloc(8)
+    assert a.tolist() == list(range(8))
+    b = alloc.alloc(8)
+    assert alloc.alloc(4) is None
+    assert alloc.num_free_slots == 0 and alloc.num_used_slots == 16
+    alloc.free(a)
+    assert alloc.num_free_slots == 8
+    assert sorted(alloc.alloc(8).tolist()) == list(range(8))
+    with pytest.raises(ValueError, match="multiple"):
+        alloc.alloc(3)
+    alloc.free(b)
+
+
+def test_allocator_double_free_is_an_error():
+    alloc = SlotAllocator(8, 2)
+    slots = alloc.alloc(4)
+    alloc.free(slots)
+    with pytest.raises(ValueError, match="double free"):
+        alloc.free(slots)
+    other = alloc.alloc(2)
+    with pytest.raises(ValueError, match="double free"):
+        alloc.free(torch.cat([other, other]))
+
+
+def test_allocator_rejects_partial_or_foreign_pages():
+    alloc = SlotAllocator(8, 4)
+    alloc.alloc(8)
+    with pytest.raises(ValueError, match="whole"):
+        alloc.free(torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="aligned"):
+        alloc.free(torch.tensor([1, 2, 3, 4]))
+    with pytest.raises(ValueError, match="range"):
+        SlotAllocator(8, 1).free(torch.tensor([8]))
+
+
+def test_allocator_sizes_are_validated():
+    with pytest.raises(ValueError, match="page_size"):
+        SlotAllocator(8, 0)
+    with pytest.raises(ValueError, match="num_slots"):
+        SlotAllocator(2, 4)
+    with pytest.raises(ValueError, match="smaller than one page"):
+        DeviceKVPool(MHA, 2, 4, "cpu")
+
+
+def test_host_size_by_ratio_and_by_gb():
+    assert host_pool_tokens(100, 1000, 4, ratio=2.5) == 248  # cut to whole pages
+    # size_gb overrides the ratio
+    assert host_pool_tokens(100, 1000, 1, ratio=0.5, size_gb=0.001) == 1000
+
+
+def test_host_not_larger_than_device_is_an_error_with_the_numbers():
+    with pytest.raises(ValueError) as err:
+        host_pool_tokens(100, 1000, 1, ratio=1.0)
+    assert "100 tokens" in str(err.value) and "hicache_ratio=1.0" in str(err.value)
+    with pytest.raises(ValueError) as err:
+        host_pool_tokens(100, 1000, 1, size_gb=0.00005)
+    assert "50 tokens" in str(err.value) and "100 tokens" in str(err.value)
+    for bad in (0, -1.0, "2"):
+        with pytest.raises(ValueError, match=repr(bad).replace("-", "\\-")):
+            host_pool_tokens(100, 1000, 1, ratio=bad)
+        with pytest.raises(ValueError, match=repr(bad).replace("-", "\\-")):
+            host_pool_tokens(100, 1000, 1, size_gb=bad)
+
+
+def test_unknown_host_layout_is_an_error():
+    with pytest.raises(ValueError, match="'page_last'"):
+        HostKVPool(MHA, 8, 1, "page_last")
+
+
+def _random_kv(spec: KVSpec, n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    shape = (spec.num_kv, spec.num_layers, n, spec.heads, spec.dim)
+    return torch.randn(shape, generator=g).to(spec.dtype)
+
+
+@pytest.mark.parametrize("layout", HOST_LAYOUTS)
+@pytest.mark.parametrize("spec", [MHA, MLA], ids=["mha", "mla"])
+def test_host_layouts_store_tokens_where_expected(layout, spec):
+    pool = HostKVPool(spec, 16, 4, layout, pin_memory=False)
+    slots = torch.tensor([8, 9, 10, 11, 0, 1, 2, 3])
+    kv = _random_kv(spec, 8)
+    pool.write_tokens(slots, kv)
+    assert torch.equal(pool.read_tokens(slots), kv)
+    assert torch.equal(pool.read_tokens(slots[4:]), kv[:, :, 4:])
+    # the raw buffer's layout: token 8 of layer 1, K, sits where the layout says
+    expected = kv[0, 1, 0]
+    if layout == "layer_first":
+        assert torch.equal(pool.buffer[0, 1, 8], expected)
+    elif layout == "page_first":
+        assert torch.equal(pool.buffer[8, 0, 1], expected)
+    else:
+        assert torch.equal(pool.buffer[2, 0, 1, 0], expected)
+
+
+@pytest.mark.parametrize("layout", HOST_LAYOUTS)
+def test_page_bytes_read_page_write_page(layout):
+    pool = HostKVPool(MHA, 16, 4, layout, pin_memory=False)
+    kv = _random_kv(MHA, 16, seed=1)
+    pool.write_tokens(torch.arange(16), kv)
+    data = pool.read_page(2).clone()
+    assert data.dtype == torch.uint8 and data.numel() == pool.page_nbytes
+    view = pool.page_bytes(2)
+    if layout == "layer_first":
+        assert view is None
+    else:
+        assert torch.equal(view, data)
+    pool.write_page(0, data)
+    assert torch.equal(pool.read_tokens(torch.arange(4)), kv[:, :, 8:12])
+    with pytest.raises(ValueError, match="bytes"):
+        pool.write_page(0, data[:-1])
+
+
+def test_layer_first_and_page_first_direct_share_page_bytes():
+    """Both order a page's bytes [kv, layer, token, head, dim]; page_first (token outermost) differs, which
+    is why the storage namespace names the layout."""
+    a = HostKVPool(MLA, 8, 2, "layer_first", pin_memory=False)
+    b = HostKVPool(MLA, 8, 2, "page_first_direct", pin_memory=False)
+    kv = _random_kv(MLA, 8, seed=2)
+    a.write_tokens(torch.arange(8), kv)
+    for page in range(4):
+        b.write_page(page, a.read_page(page))
+    assert torch.equal(b.read_tokens(torch.arange(8)), kv)
+
+
+def test_pools_start_zeroed():
+    pool = HostKVPool(MHA, 8, 1, "page_first", pin_memory=False)
+    assert int(pool.buffer.count_nonzero()) == 0

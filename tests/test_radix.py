@@ -1,0 +1,282 @@
+"""The radix tree alone: keys, namespaces, page alignment, splits, bigrams, locks and accounting."""
+
+import pytest
+
+from tierkv.radix import RadixKey, RadixTree
+
+
+def _insert(tree: RadixTree, tokens, extra_key=None, start=1000):
+    return tree.insert(RadixKey(tokens, extra_key), list(range(start, start + len(tokens))))
+
+
+def test_insert_then_match_returns_inserted_values():
+    tree = RadixTree()
+    _insert(tree, [1, 2, 3, 4])
+    path = tree.match(RadixKey([1, 2, 3, 4, 5]))
+    assert path.num_tokens == 4
+    assert [v for n in path.nodes for v in n.device_value] == [1000, 1001, 1002, 1003]
+    tree.check_integrity()
+
+
+def test_extra_keys_never_share_nodes():
+    tree = RadixTree()
+    _insert(tree, [1, 2, 3], extra_key="a", start=0)
+    _insert(tree, [1, 2, 3], extra_key="b", start=10)
+    _insert(tree, [1, 2, 3], start=20)
+    assert tree.match(RadixKey([1, 2, 3], "a")).nodes[0].device_value == [0, 1, 2]
+    assert tree.match(RadixKey([1, 2, 3], "b")).nodes[0].device_value == [10, 11, 12]
+    assert tree.match(RadixKey([1, 2, 3])).nodes[0].device_value == [20, 21, 22]
+    assert tree.match(RadixKey([1, 2, 3], "c")).num_tokens == 0
+    assert len(list(tree.nodes())) == 3
+    tree.check_integrity()
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_match_and_insert_are_page_aligned(page_size):
+    tree = RadixTree(page_size)
+    tokens = list(range(3 * page_size + page_size // 2))
+    result = _insert(tree, tokens)
+    assert result.new_node is not None and len(result.new_node) == 3 * page_size
+    # a query diverging inside the third page matches only two whole pages
+    query = tokens[: 2 * page_size] + [-1] * page_size
+    assert tree.match(RadixKey(query)).num_tokens == 2 * page_size
+    tree.check_integrity()
+    for node in tree.nodes():
+        assert len(node.key) % page_size == 0
+
+
+def test_page_size_16_divergence_inside_a_page_splits_at_the_page_start():
+    tree = RadixTree(16)
+    a = list(range(64))
+    b = a[:40] + [999] * 24
+    _insert(tree, a, start=0)
+    result = _insert(tree, b, start=100)
+    assert result.prefix_len == 32  # 40 rounded down to whole pages
+    assert sorted(len(n) for n in tree.nodes()) == [32, 32, 32]
+    tree.check_integrity()
+
+
+def test_split_on_partial_match_keeps_values_and_refs():
+    tree = RadixTree()
+    leaf = _insert(tree, [1, 2, 3, 4, 5, 6], start=0).new_node
+    tree.inc_lock_ref(leaf)
+    leaf.host_value = list(range(50, 56))
+    tree.inc_host_ref(leaf)
+    path = tree.match(RadixKey([1, 2, 3, 9]))
+    assert path.num_tokens == 3
+    top = path.nodes[0]
+    assert top.device_value == [0, 1, 2] and leaf.device_value == [3, 4, 5]
+    assert top.host_value == [50, 51, 52] and leaf.host_value == [53, 54, 55]
+    assert top.lock_ref == leaf.lock_ref == 1 and top.host_ref == leaf.host_ref == 1
+    assert leaf.parent is top
+    assert tree.protected_size == 6 and tree.evictable_size == 0
+    tree.check_integrity()
+    tree.dec_lock_ref(leaf)
+    tree.dec_host_ref(leaf)
+    assert tree.protected_size == 0 and tree.evictable_size == 6
+    tree.check_integrity()
+
+
+def test_split_divides_hash_values_by_page():
+    tree = RadixTree(2)
+    leaf = _insert(tree, [1, 2, 3, 4, 5, 6], start=0).new_node
+    leaf.hash_values = ["h0", "h1", "h2"]
+    top = tree.match(RadixKey([1, 2, 3, 4, 7, 8])).nodes[0]
+    assert top.hash_values == ["h0", "h1"] and leaf.hash_values == ["h2"]
+    tree.check_integrity()
+
+
+def test_insert_reports_shared_and_new_parts():
+    tree = RadixTree()
+    _insert(tree, [1, 2, 3], start=0)
+    result = _insert(tree, [1, 2, 3, 4, 5], start=10)
+    assert result.prefix_len == 3
+    assert [(s, e) for _, s, e in result.shared] == [(0, 3)]
+    assert result.new_node.device_value == [13, 14]
+    assert tree.evictable_size == 5
+
+
+def test_insert_revives_a_node_without_device_value():
+    tree = RadixTree()
+    node = _insert(tree, [1, 2, 3], start=0).new_node
+    node.host_value = [7, 8, 9]
+    tree.clear_device_value(node)
+    assert tree.evictable_size == 0
+    result = _insert(tree, [1, 2, 3], start=20)
+    assert result.revived == [node] and node.device_value == [20, 21, 22]
+    assert tree.evictable_size == 3
+    tree.check_integrity()
+
+
+def test_bigram_mode_keys_by_token_pairs():
+    tree = RadixTree(bigram=True)
+    result = tree.insert(RadixKey([1, 2, 3, 4]), [10, 11, 12])
+    assert result.new_node.key == [(1, 2), (2, 3), (3, 4)]
+    assert tree.match(RadixKey([1, 2, 3, 5])).num_tokens == 2
+    # same tokens as pairs starting elsewhere do not match
+    assert tree.match(RadixKey([2, 3, 4])).num_tokens == 0
+    tree.check_integrity()
+
+
+def test_bad_keys_and_page_size_are_rejected():
+    with pytest.raises(ValueError, match="0"):
+        RadixTree(0)
+    tree = RadixTree()
+    with pytest.raises(TypeError):
+        tree.match([1, 2, 3])
+    with pytest.raises(TypeError):
+        tree.match(RadixKey([1, "x"]))
+
+
+def test_lock_ref_moves_tokens_between_evictable_and_protected():
+    tree = RadixTree()
+    a = _insert(tree, [1, 2, 3, 4]).new_node
+    b = _insert(tree, [1, 2, 3, 4, 5, 6]).new_node
+    assert (tree.evictable_size, tree.protected_size) == (6, 0)
+    tree.inc_lock_ref(b)
+    assert (tree.evictable_size, tree.protected_size) == (0, 6)
+    tree.inc_lock_ref(a)
+    assert a.lock_ref == 2 and b.lock_ref == 1
+    tree.dec_lock_ref(b)
+    assert (tree.evictable_size, tree.protected_size) == (2, 4)
+    tree.dec_lock_ref(a)
+    assert (tree.evictable_size, tree.protected_size) == (6, 0)
+    with pytest.raises(RuntimeError, match="unlocked"):
+        tree.dec_lock_ref(a)
+    tree.check_integrity()
+
+
+def test_locked_node_keeps_its_device_value():
+    tree = RadixTree()
+    node = _insert(tree, [1, 2]).new_node
+    tree.inc_lock_ref(node)
+    with pytest.raises(RuntimeError, match="locked"):
+        tree.clear_device_value(node)
+    assert not tree.is_device_leaf(node)
+    assert tree.device_leaves() == []
+
+
+def test_host_ref_protects_host_leaves():
+    tree = RadixTree()
+    node = _insert(tree, [1, 2]).new_node
+    node.host_value = [5, 6]
+    assert tree.host_leaves() == [node]
+    tree.inc_host_ref(node)
+    assert tree.host_leaves() == []
+    tree.dec_host_ref(node)
+    assert tree.host_leaves() == [node]
+    with pytest.raises(RuntimeError, match="unprotected"):
+        tree.dec_host_ref(node)
+
+
+def test_host_only_locked_node_is_not_a_host_leaf():
+    tree = RadixTree()
+    node = _insert(tree, [1, 2]).new_node
+    node.host_value = [5, 6]
+    tree.clear_device_value(node)
+    tree.inc_lock_ref(node)
+    assert tree.host_leaves() == []
+
+
+def test_device_leaves_are_the_frontier():
+    tree = RadixTree()
+    _insert(tree, [1, 2, 3])
+    leaf = _insert(tree, [1, 2, 3, 4]).new_node
+    other = _insert(tree, [1, 2, 5]).new_node
+    assert {n.id for n in tree.device_leaves()} == {leaf.id, other.id}
+
+
+def test_remove_leaf_refuses_nodes_with_values_or_children():
+    tree = RadixTree()
+    parent = _insert(tree, [1, 2]).new_node
+    child = _insert(tree, [1, 2, 3]).new_node
+    with pytest.raises(RuntimeError):
+        tree.remove_leaf(child)  # still holds a device value
+    tree.clear_device_value(child)
+    tree.remove_leaf(child)
+    tree.clear_device_value(parent)
+    tree.remove_leaf(parent)
+    assert list(tree.nodes()) == []
+    assert tree.evictable_size == 0
+    tree.check_integrity()
+
+
+def test_hit_and_access_times_follow_matches():
+    tree = RadixTree()
+    node = _insert(tree, [1, 2]).new_node
+    before = node.last_access_time
+    tree.match(RadixKey([1, 2]))
+    assert node.last_access_time > before
+    t = node.last_access_time
+    tree.match(RadixKey([1, 2]), touch=False)
+    assert node.last_access_time == t
+
+
+def _broken(tree: RadixTree, how: str) -> None:
+    leaf = next(n for n in tree.nodes() if not n.children)
+    if how == "value_length":
+        leaf.device_value = leaf.device_value[:-1]
+    elif how == "accounting":
+        tree.evictable_size += 1
+    elif how == "child_key":
+        parent = leaf.parent
+        parent.children[("bogus",)] = parent.children.pop(tree.child_key(leaf.key, leaf.extra_key))
+    elif how == "no_value":
+        leaf.device_value = None
+        tree.evictable_size -= len(leaf.key)
+    elif how == "evicted_parent":
+        parent = leaf.parent
+        tree.evictable_size -= len(parent.device_value)
+        parent.device_value = None
+        parent.host_value = list(range(len(parent.key)))
+    elif how == "lock_below_children":
+        leaf.lock_ref = 1
+        tree.evictable_size -= len(leaf.key)
+        tree.protected_size += len(leaf.key)
+    elif how == "page_alignment":
+        leaf.key = leaf.key[:-1]
+        leaf.device_value = leaf.device_value[:-1]
+        tree.evictable_size -= 1
+    elif how == "host_child":
+        leaf.host_value = list(range(len(leaf.key)))
+    elif how == "negative_ref":
+        leaf.host_ref = -1
+
+
+@pytest.mark.parametrize("how", ["value_length", "accounting", "child_key", "no_value", "evicted_parent",
+                                 "lock_below_children", "page_alignment", "host_child", "negative_ref"])
+def test_check_integrity_catches_a_broken_tree(how):
+    tree = RadixTree(2)
+    _insert(tree, [1, 2, 3, 4])
+    _insert(tree, [1, 2, 3, 4, 5, 6, 7, 8])
+    tree.check_integrity()
+    _broken(tree, how)
+    with pytest.raises(AssertionError, match="radix integrity"):
+        tree.check_integrity()
+
+
+def test_reset_empties_the_tree():
+    tree = RadixTree()
+    _insert(tree, [1, 2, 3])
+    tree.reset()
+    assert list(tree.nodes()) == [] and tree.evictable_size == 0
+    assert tree.match(RadixKey([1, 2, 3])).num_tokens == 0
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_match_walks_every_level(page_size):
+    """Regression: match once stopped after the first node below the root."""
+    tree = RadixTree(page_size)
+    p = page_size
+    _insert(tree, list(range(2 * p)), start=0)
+    _insert(tree, list(range(4 * p)), start=100)
+    _insert(tree, list(range(6 * p)), start=200)
+    path = tree.match(RadixKey(list(range(6 * p)) + [-1] * p))
+    assert path.num_tokens == 6 * p and len(path.nodes) == 3
+    values = [v for n in path.nodes for v in n.device_value]
+    assert values == list(range(2 * p)) + list(range(100 + 2 * p, 100 + 4 * p)) + list(
+        range(200 + 4 * p, 200 + 6 * p))
+    # a partial match two levels down splits the deepest node only
+    path = tree.match(RadixKey(list(range(5 * p)) + [-1] * p))
+    assert path.num_tokens == 5 * p and len(path.nodes) == 3
+    tree.check_integrity()

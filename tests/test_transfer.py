@@ -1,0 +1,137 @@
+"""L1 <-> L2 copies: both io backends, every host layout, asynchronous handles and ack queues."""
+
+import logging
+import threading
+
+import pytest
+import torch
+
+from tierkv.pools import HOST_LAYOUTS, DeviceKVPool, HostKVPool, KVSpec
+from tierkv.transfer import TransferController, copy_pages, page_runs, resolve_host_layout
+
+SPEC = KVSpec(num_layers=2, kv_heads=2, head_dim=3, dtype=torch.float32)
+
+
+def _pools(layout: str, page_size: int = 2, spec: KVSpec = SPEC):
+    device = DeviceKVPool(spec, 32, page_size, "cpu")
+    host = HostKVPool(spec, 64, page_size, layout, pin_memory=False)
+    return device, host
+
+
+def _fill(pool, slots, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    s = pool.spec
+    kv = torch.randn((s.num_kv, s.num_layers, len(slots), s.heads, s.dim), generator=g).to(s.dtype)
+    pool.write_tokens(slots, kv)
+    return kv
+
+
+def test_page_runs_merge_consecutive_pages_on_both_sides():
+    assert page_runs([0, 1, 2, 7, 8, 3], [5, 6, 7, 1, 2, 3]) == [(0, 5, 3), (7, 1, 2), (3, 3, 1)]
+    assert page_runs([], []) == []
+
+
+# many scattered pages take the gather/scatter path, few runs the run path: cover both
+@pytest.mark.parametrize("pattern", ["runs", "scattered"])
+@pytest.mark.parametrize("io_backend", ["kernel", "direct"])
+@pytest.mark.parametrize("layout", HOST_LAYOUTS)
+def test_copy_pages_round_trip(layout, io_backend, pattern):
+    device, host = _pools(layout)
+    if pattern == "runs":
+        src, dst = torch.arange(4, 12), torch.arange(20, 28)
+    else:
+        src = torch.tensor([6, 7, 0, 1, 12, 13, 2, 3, 30, 31, 18, 19, 8, 9, 26, 27, 4, 5, 22, 23])
+        dst = torch.tensor([40, 41, 2, 3, 16, 17, 60, 61, 8, 9, 50, 51, 10, 11, 30, 31, 0, 1, 4, 5])
+    kv = _fill(device, src)
+    pd = device.allocator.slots_to_pages
+    ph = host.allocator.slots_to_pages
+    copy_pages(device, pd(src), host, ph(dst), io_backend)
+    assert torch.equal(host.read_tokens(dst), kv)
+    back = torch.arange(len(src)).flip(0).view(-1, 2).flip(1).reshape(-1)  # other slots, reversed pages
+    copy_pages(host, ph(dst), device, pd(back), io_backend)
+    assert torch.equal(device.read_tokens(back), kv)
+
+
+@pytest.mark.parametrize("io_backend", ["kernel", "direct"])
+@pytest.mark.parametrize("layout", HOST_LAYOUTS)
+def test_controller_write_then_load_acks_in_order(layout, io_backend):
+    device, host = _pools(resolve_host_layout(layout, io_backend))
+    tc = TransferController(device, host, io_backend)
+    try:
+        src = torch.arange(8)
+        kv = _fill(device, src, seed=3)
+        h1 = tc.write(src[:4], torch.arange(10, 14), payload="w1")
+        h2 = tc.write(src[4:], torch.arange(20, 24), payload="w2")
+        assert h1.wait(5) and h2.wait(5)
+        assert tc.num_done(tc.writes) == 2
+        assert [p for _, p in tc.pop_done(tc.writes, 2)] == ["w1", "w2"]
+        h3 = tc.load(torch.cat([torch.arange(20, 24), torch.arange(10, 14)]), torch.arange(16, 24), "l1")
+        tc.synchronize()
+        assert h3.done() and h3.error is None
+        assert [p for _, p in tc.pop_done(tc.loads, 1)] == ["l1"]
+        assert torch.equal(device.read_tokens(torch.arange(16, 24)), torch.cat([kv[:, :, 4:], kv[:, :, :4]], 2))
+    finally:
+        tc.shutdown()
+
+
+def test_acks_stop_at_the_first_pending_copy():
+    device, host = _pools("layer_first")
+    tc = TransferController(device, host)
+    gate = threading.Event()
+    tc.delay_hook = lambda kind: gate.wait(5)
+    try:
+        tc.write(torch.arange(2), torch.arange(2), "a")
+        tc.write(torch.arange(2, 4), torch.arange(2, 4), "b")
+        assert tc.num_done(tc.writes) == 0
+        gate.set()
+        tc.synchronize()
+        assert tc.num_done(tc.writes) == 2
+    finally:
+        tc.shutdown()
+
+
+def test_failed_copy_is_reported_on_its_handle():
+    device, host = _pools("layer_first")
+    tc = TransferController(device, host)
+
+    def fail(kind):
+        raise OSError("injected")
+
+    tc.delay_hook = fail
+    try:
+        handle = tc.write(torch.arange(2), torch.arange(2))
+        assert handle.wait(5)
+        assert isinstance(handle.error, OSError)
+        ok = tc.write_now(torch.arange(2), torch.arange(2))
+        assert ok is None  # write_now runs on the caller's thread, without the hook
+    finally:
+        tc.shutdown()
+
+
+def test_mismatched_lengths_are_rejected():
+    device, host = _pools("layer_first")
+    tc = TransferController(device, host)
+    try:
+        with pytest.raises(ValueError, match="slots"):
+            tc.write(torch.arange(4), torch.arange(2))
+    finally:
+        tc.shutdown()
+
+
+def test_direct_with_page_first_becomes_page_first_direct_with_a_warning(caplog):
+    with caplog.at_level(logging.WARNING, logger="tierkv.transfer"):
+        assert resolve_host_layout("page_first", "direct") == "page_first_direct"
+    assert any("page_first_direct" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tierkv.transfer"):
+        assert resolve_host_layout("page_first", "kernel") == "page_first"
+        assert resolve_host_layout("layer_first", "direct") == "layer_first"
+    assert not caplog.records
+
+
+def test_unknown_io_backend_is_rejected():
+    with pytest.raises(ValueError, match="'dma'"):
+        resolve_host_layout("layer_first", "dma")
+    device, host = _pools("layer_first")
+    with pytest.raises(ValueError, match="'dma'"):
+        TransferController(device, host, "dma")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 
@@ -42,6 +43,13 @@ class FakeStore(PageStore):
         self.hang.wait()
         if self.fail:
             raise ConnectionError(f"fake store: {op} failed")
+
+    def wait_for_calls(self, num_calls: int, timeout_s: float = 10.0) -> None:
+        """Block until ``num_calls`` calls have entered the store (a worker is now inside it)."""
+        deadline = time.monotonic() + timeout_s
+        while len(self.calls) < num_calls:
+            assert time.monotonic() < deadline, f"only {len(self.calls)} store calls"
+            time.sleep(0.001)
 
     def batch_exists(self, keys: list[str]) -> int:
         self._enter("exists")
@@ -100,15 +108,16 @@ def compute_and_insert(cache: HiRadixCache, key: RadixKey, seed: int, kv: torch.
                        ) -> torch.Tensor:
     """Play a request's prefill: write KV (``kv`` or random) for all of ``key`` into L1, insert it."""
     spec, pool = cache.device_pool.spec, cache.device_pool
-    slots = cache.alloc_device(len(key))
+    num_tokens = len(cache.tree.elements(key))  # one fewer than the ids in bigram mode
+    slots = cache.alloc_device(num_tokens)
     assert slots is not None
     if kv is None:
         gen = torch.Generator().manual_seed(seed)
-        kv = torch.randn(spec.num_kv, spec.num_layers, len(key), spec.heads, spec.dim,
+        kv = torch.randn(spec.num_kv, spec.num_layers, num_tokens, spec.heads, spec.dim,
                          generator=gen).to(spec.dtype)
     pool.write_tokens(slots, kv)
     owned = cache.insert(key, slots)
-    assert owned == len(key)
+    assert owned == num_tokens
     return kv
 
 
@@ -140,7 +149,3 @@ def load_hit(cache: HiRadixCache, key: RadixKey) -> torch.Tensor:
         spec = cache.device_pool.spec
         return torch.empty(spec.num_kv, spec.num_layers, 0, spec.heads, spec.dim, dtype=spec.dtype)
     return cache.device_pool.read_tokens(indices)
-
-
-def check(cache: HiRadixCache) -> None:
-    cache.check_integrity()

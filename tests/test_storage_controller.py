@@ -25,8 +25,8 @@ def test_config_defaults_and_json():
 def test_config_backend_keys_pass_through():
     cfg = StorageConfig.from_json('{"dir": "/tmp/x", "prefetch_threshold": 32, '
                                   '"hicache_storage_pass_prefix_keys": true}', backend_keys=["dir"])
-    assert dict(cfg.backend_config) == {"dir": "/tmp/x", "hicache_storage_pass_prefix_keys": True}
-    assert cfg.prefetch_threshold == 32
+    assert dict(cfg.backend_config) == {"dir": "/tmp/x"}
+    assert cfg.prefetch_threshold == 32 and cfg.hicache_storage_pass_prefix_keys
 
 
 @pytest.mark.parametrize("text, message", [
@@ -45,9 +45,12 @@ def test_config_errors_name_the_key(text, message):
         StorageConfig.from_json(text)
 
 
-def test_config_is_frozen():
+def test_config_is_frozen_and_picklable():
+    import pickle
     with pytest.raises(AttributeError):
         StorageConfig().prefetch_threshold = 1  # type: ignore[misc]
+    cfg = StorageConfig(backend_config={"dir": "/x"})
+    assert pickle.loads(pickle.dumps(cfg)) == cfg
 
 
 # ---- prefetch -----------------------------------------------------------------------------------
@@ -341,4 +344,102 @@ def test_progress_counts_layout_and_zero_is_no_news():
     assert cache.check_prefetch_progress("a") and cache.check_prefetch_progress("b")
     assert cache.match_prefix(key).host_hit_length == 2 * PS
     cache.check_integrity()
+    cache.close()
+
+
+def test_prefetch_under_a_device_only_prefix():
+    """write_back keeps a recomputed prefix L1-only: the prefetch starts at the root and that node
+    adopts the fetched pages as its L2 backup."""
+    cache = make_cache(page_size=PS, write_policy="write_back")
+    attach_fake(cache)
+    key = RadixKey(random_tokens(6 * PS, seed=15))
+    kv = compute_and_insert(cache, key, seed=16)
+    cache.evict(cache.device_pool.num_slots)
+    cache.flush()
+    cache.evict_host(cache.host_pool.num_slots)
+    compute_and_insert(cache, RadixKey(key.token_ids[: 2 * PS]), seed=0, kv=kv[:, :, : 2 * PS])
+    m = cache.match_prefix(key)
+    assert m.last_host_node.host_value is None and len(m.device_indices) == 2 * PS
+    assert cache.prefetch_from_storage("r", m.last_host_node, key)
+    cache.flush()
+    assert cache.check_prefetch_progress("r")
+    assert all(n.host_value is not None for n in cache.tree.nodes())
+    cache.check_integrity()
+    assert torch.equal(load_hit(cache, key), kv)
+    cache.close()
+
+
+def test_bigram_keys_round_trip():
+    cache = make_cache(page_size=PS, bigram=True)
+    attach_fake(cache)
+    key = RadixKey(random_tokens(4 * PS + 1, seed=17))  # 4 pages of token pairs
+    kv = compute_and_insert(cache, key, seed=18)
+    drop_l1_l2(cache)
+    started, got = fetch_and_load(cache, key)
+    assert started and torch.equal(got, kv)
+    cache.close()
+
+
+def test_two_ranks_agree_on_the_slowest():
+    """Two caches stand for two TP ranks; rank 1's store lost pages 3+. With counts agreed by MIN both
+    insert the same 3 pages and end with identical trees."""
+    ranks, stores = [], []
+    key = RadixKey(random_tokens(8 * PS, seed=19))
+    for rank in range(2):
+        cache = make_cache(page_size=PS)
+        stores.append(attach_fake(cache, prefetch_stop_policy="wait_complete"))
+        compute_and_insert(cache, key, seed=20 + rank)
+        drop_l1_l2(cache)
+        ranks.append(cache)
+    for k in list(stores[1].blobs)[3:]:
+        del stores[1].blobs[k]
+    for cache in ranks:
+        assert cache.prefetch_from_storage("r", cache.tree.root, key)
+    for cache in ranks:
+        cache.storage.wait_idle()
+    agreed = [min(a, b) for a, b in zip(*(c.local_progress() for c in ranks))]
+    for cache in ranks:
+        cache.apply_progress(agreed)
+        assert cache.check_prefetch_progress("r")
+        cache.check_integrity()
+    shapes = [[(len(n), n.hash_values) for n in c.tree.nodes()] for c in ranks]
+    assert shapes[0] == shapes[1] and sum(s[0] for s in shapes[0]) == 3 * PS
+    for cache in ranks:
+        cache.close()
+
+
+def test_reset_drops_everything_in_all_tiers():
+    cache, store, key, kv = _stored_cache(num_pages=4)
+    store.hang.clear()
+    assert cache.prefetch_from_storage("r", cache.tree.root, key)
+    store.hang.set()
+    cache.reset()
+    assert not store.blobs and not cache.storage.prefetches and cache.storage.owned_host_slots() == []
+    cache.check_integrity()
+    started, got = fetch_and_load(cache, key)
+    assert got.shape[2] == 0
+    cache.close()
+
+
+def test_open_storage_from_spec_and_json(tmp_path):
+    from tierkv.storage.controller import open_storage
+    cache = make_cache(page_size=PS)
+    controller = open_storage(cache, f"file://{tmp_path}", '{"prefetch_threshold": 32, "fsync": true}',
+                              "spec-model")
+    assert controller is cache.storage and controller.config.prefetch_threshold == 32
+    assert controller.store.fsync
+    with pytest.raises(ValueError, match="redis_only"):
+        open_storage(make_cache(page_size=PS), "memory", '{"redis_only": 1}', "m")
+    cache.close()
+
+
+def test_match_walks_the_whole_path():
+    """Regression: RadixTree.match stopped after the first level of the tree."""
+    cache = make_cache(page_size=PS)
+    key = RadixKey(random_tokens(4 * PS, seed=21))
+    compute_and_insert(cache, RadixKey(key.token_ids[: 2 * PS]), seed=1)
+    slots = cache.alloc_device(2 * PS)
+    cache.insert(key, torch.cat([cache.match_prefix(key).device_indices, slots]))
+    assert len(cache.tree.root.children) == 1
+    assert len(cache.match_prefix(key).device_indices) == 4 * PS
     cache.close()

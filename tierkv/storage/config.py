@@ -8,7 +8,6 @@ a backend key only when the caller names it as one (``backend_keys``): anything 
 from __future__ import annotations
 
 import json
-import types
 from dataclasses import dataclass, field, fields
 from typing import Any, Iterable, Mapping
 
@@ -20,8 +19,12 @@ HASH_ALGORITHMS = ("sha256", "xxh3_128")
 class StorageConfig:
     """Policies of the L3 tier. Errors are ValueErrors naming the field and the bad value.
 
-    ``hash_algorithm`` None keeps the namespace's own. ``hicache_storage_pass_prefix_keys`` is accepted for the seed's configs; chained page hashes already
-    name their whole prefix, so it only reaches the backend (in ``backend_config``) when set.
+    Timeouts are seconds (the seed's names keep no unit suffix). ``hash_algorithm`` None keeps the
+    namespace's own. ``hicache_storage_pass_prefix_keys`` is accepted so the seed's configs parse; it
+    changes nothing here, since a chained page hash already names its whole prefix.
+    ``prefetch_max_tokens_in_flight`` is the rate limit; ``backup_max_pending_tokens`` caps the backup
+    queue (later backups are dropped, costing only a future L3 miss); ``io_wait_timeout_s`` bounds every
+    wait on storage threads (flush, reset, close).
     """
 
     prefetch_threshold: int = 256
@@ -53,7 +56,7 @@ class StorageConfig:
             raise ValueError(f"hash_algorithm {self.hash_algorithm!r} is not one of {HASH_ALGORITHMS}")
         if not isinstance(self.backend_config, Mapping):
             raise ValueError(f"backend_config must be a mapping, got {self.backend_config!r}")
-        object.__setattr__(self, "backend_config", types.MappingProxyType(dict(self.backend_config)))
+        object.__setattr__(self, "backend_config", dict(self.backend_config))  # a private copy; picklable
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], backend_keys: Iterable[str] = ()) -> "StorageConfig":
@@ -68,8 +71,6 @@ class StorageConfig:
                 backend[key] = value
             elif key != "backend_config":
                 raise ValueError(f"unknown storage config key {key!r}; known: {sorted(own | allowed_backend)}")
-        if mine.get("hicache_storage_pass_prefix_keys"):
-            backend["hicache_storage_pass_prefix_keys"] = True
         return cls(**mine, backend_config=backend)
 
     @classmethod

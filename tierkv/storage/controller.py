@@ -27,6 +27,7 @@ from tierkv.radix import RadixKey, TreeNode
 from tierkv.storage.backup import Backup
 from tierkv.storage.base import PageStore
 from tierkv.storage.config import StorageConfig
+from tierkv.storage.factory import BACKEND_OPTIONS, open_store, parse_spec
 from tierkv.storage.prefetch import NUM_COUNTS, Prefetch
 from tierkv.storage.worker import IOWorker
 
@@ -58,6 +59,18 @@ def resolve_namespace(namespace: HashNamespace | str, algorithm: str | None) -> 
     if not isinstance(namespace, HashNamespace):
         raise ValueError(f"namespace must be a HashNamespace or a str, got {namespace!r}")
     return namespace if algorithm is None else dataclasses.replace(namespace, algorithm=algorithm)
+
+
+def open_storage(cache: "HiRadixCache", spec: str, extra_config: str | None,
+                 namespace: HashNamespace | str) -> "StorageController":
+    """Open the backend ``spec`` names (``file:///dir``, ``redis://host:port/db``, ...) with the backend keys
+    of the extra-config JSON, and attach it to ``cache`` with the rest of that JSON as its StorageConfig."""
+    backend, _ = parse_spec(spec)
+    config = StorageConfig.from_json(extra_config, backend_keys=BACKEND_OPTIONS[backend])
+    ns = resolve_namespace(namespace, config.hash_algorithm)
+    store = open_store(spec, ns.name(), cache.host_pool.page_nbytes, dict(config.backend_config))
+    cache.attach_storage(store, config, ns)
+    return cache.storage
 
 
 class StorageController:
@@ -101,7 +114,10 @@ class StorageController:
 
     # ---- prefetch -----------------------------------------------------------------------------
     def prefetch(self, request_id: str, last_host_node: TreeNode, key: RadixKey) -> bool:
-        """Start prefetching ``key`` beyond ``last_host_node``; see HiRadixCache.prefetch_from_storage."""
+        """Start prefetching ``key`` beyond ``last_host_node``; see HiRadixCache.prefetch_from_storage.
+
+        Lock contract: one host_ref on the deepest L2-backed node of the path, held until the prefetch ends.
+        """
         if request_id in self.prefetches:
             raise ValueError(f"request {request_id!r} already has a prefetch")
         elems = self.tree.elements(key)
@@ -140,7 +156,7 @@ class StorageController:
         return sum(len(p.host_slots) for p in self._counted())
 
     def check_prefetch(self, request_id: str) -> bool:
-        """See HiRadixCache.check_prefetch_progress."""
+        """See HiRadixCache.check_prefetch_progress. Lock contract: on ending, releases the host_ref."""
         prefetch = self.prefetches.get(request_id)
         if prefetch is None:
             return True
@@ -154,7 +170,7 @@ class StorageController:
         return True
 
     def release(self, request_id: str) -> None:
-        """See HiRadixCache.release_prefetch."""
+        """See HiRadixCache.release_prefetch. Lock contract: releases the host_ref of a running prefetch."""
         prefetch = self.prefetches.pop(request_id, None)
         if prefetch is not None and prefetch.state == "running":
             self.stats.prefetch_aborted += 1

@@ -6,6 +6,7 @@ import json
 import os
 import random
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -17,16 +18,21 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tierkv.config import CacheConfig
-from tierkv.hicache import HiRadixCache, PendingLoad
+from tierkv.hashing import HashNamespace
+from tierkv.hicache import HiRadixCache, MatchResult, PendingLoad
 from tierkv.pools.kv import DeviceKVPool
 from tierkv.pools.spec import KVSpec
 from tierkv.radix import RadixKey, TreeNode
+from tierkv.storage.base import PageStore
+from tierkv.storage.config import StorageConfig
+from tierkv.storage.factory import open_store
 from tierkv.tp import TPGroup, tree_digest
 
 FULL_SPEC = KVSpec(num_layers=2, kv_heads=4, head_dim=8, dtype=torch.float32)
 VOCAB = 500
 DEVICE_TOKENS = 128
 COPY_DELAYS_S = (0.0, 0.0, 0.0005, 0.002, 0.004)
+STORE_DELAYS_S = (0.0, 0.0, 0.001, 0.003)
 
 
 # ---- single process ----------------------------------------------------------------------------------
@@ -120,26 +126,81 @@ class _Request:
     finish_step: int
 
 
+class DelayedStore(PageStore):
+    """Forwards to ``inner`` after a random pause, so each rank's storage workers finish at other times."""
+
+    name = "delayed"
+
+    def __init__(self, inner: PageStore, delays_s: tuple[float, ...], seed: int) -> None:
+        super().__init__(inner.namespace, inner.page_nbytes)
+        self.inner, self.delays_s = inner, delays_s
+        self._rng, self._lock = random.Random(seed), threading.Lock()  # two worker threads draw
+
+    def _pause(self) -> None:
+        with self._lock:
+            delay_s = self._rng.choice(self.delays_s)
+        time.sleep(delay_s)
+
+    def batch_exists(self, keys: list[str]) -> int:
+        self._pause()
+        return self.inner.batch_exists(keys)
+
+    def batch_get(self, keys: list[str], targets: list[torch.Tensor]) -> list[bool]:
+        self._pause()
+        return self.inner.batch_get(keys, targets)
+
+    def batch_set(self, keys: list[str], values: list[torch.Tensor]) -> list[bool]:
+        self._pause()
+        return self.inner.batch_set(keys, values)
+
+    def clear(self) -> None:
+        self.inner.clear()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
 class _Workload:
-    """A seeded scheduler loop: requests share prefixes, hold their locks a few steps, then insert."""
+    """A seeded scheduler loop: requests share prefixes, may wait for an L3 prefetch, hold their locks
+    a few steps, then insert. ``storage`` (StorageConfig fields) adds a file L3 under ``store_dir``."""
 
     def __init__(self, rank: int, world_size: int, tp: TPGroup, seed: int, page_size: int,
                  write_policy: str, host_layout: str = "layer_first", io_backend: str = "kernel",
-                 eviction_policy: str = "lru") -> None:
+                 eviction_policy: str = "lru", storage: dict | None = None, store_dir: str = "") -> None:
         self.rank, self.tp = rank, tp
         self.spec = FULL_SPEC.shard(rank, world_size)
         config = CacheConfig(page_size=page_size, write_policy=write_policy, host_layout=host_layout,
-                             io_backend=io_backend, eviction_policy=eviction_policy, load_back_threshold=4)
+                             io_backend=io_backend, eviction_policy=eviction_policy, load_back_threshold=4,
+                             hicache_ratio=3.0)
         self.cache = HiRadixCache(DeviceKVPool(self.spec, DEVICE_TOKENS, page_size, "cpu"), config, tp=tp)
+        if storage is not None:
+            namespace = HashNamespace.for_spec("tp-test", self.spec, self.cache.host_pool.layout, rank,
+                                               world_size)
+            inner = open_store(f"file:{store_dir}", namespace.name(), self.cache.host_pool.page_nbytes)
+            store = DelayedStore(inner, STORE_DELAYS_S, seed=300 + rank)
+            self.cache.attach_storage(store, StorageConfig(**storage), namespace)
         self.page_size = page_size
         self.wl = random.Random(seed)  # identical on every rank: the scheduler's decisions
         self.docs = [[self.wl.randrange(VOCAB) for _ in range(self.wl.randint(16, 80))] for _ in range(6)]
         self.running: list[_Request] = []
+        self.waiting: list[tuple[str, RadixKey, int]] = []  # requests whose L3 prefetch runs
+        self.num_requests = 0
         self.kv_checks = 0
 
     def step(self, step: int) -> None:
+        """One scheduler step's decisions (the caller then runs ``cache.step()``)."""
+        for waiting in list(self.waiting):
+            request_id, key, ready_step = waiting
+            if step < ready_step:  # its turn in the batch has not come yet
+                continue
+            if self.wl.random() < 0.05:  # the request was aborted
+                self.cache.release_prefetch(request_id)
+                self.waiting.remove(waiting)
+            elif self.cache.check_prefetch_progress(request_id):
+                self.waiting.remove(waiting)
+                self._admit(key, self.cache.match_prefix(key), step)
         op = self.wl.random()
-        if op < 0.6 and len(self.running) < 4:
+        if op < 0.6 and len(self.running) + len(self.waiting) < 4:
             self._start(step)
         elif op < 0.7:
             self.cache.evict(self.wl.randint(1, 48))
@@ -154,6 +215,15 @@ class _Workload:
         tokens += [self.wl.randrange(VOCAB) for _ in range(self.wl.randint(0, 24))]
         key = RadixKey(tokens, self.wl.choice([None, None, "tenant-b"]))
         m = self.cache.match_prefix(key)
+        request_id = f"r{self.num_requests}"
+        self.num_requests += 1
+        if self.cache.prefetch_from_storage(request_id, m.last_host_node, key):
+            self.waiting.append((request_id, key, step + self.wl.randint(1, 4)))
+        else:
+            self._admit(key, m, step)
+
+    def _admit(self, key: RadixKey, m: MatchResult, step: int) -> None:
+        tokens = list(key.token_ids)
         prefix, last, pending = m.device_indices, m.last_device_node, None
         if m.host_hit_length:
             loaded = self.cache.init_load_back(m.last_host_node)
@@ -173,6 +243,10 @@ class _Workload:
     def _finish(self, req: _Request) -> None:
         if req.pending is not None:
             assert req.pending.wait()
+        # The forward waits for every load issued before it (the load stream on a GPU): a device hit
+        # may include nodes another request's load is still filling.
+        for queued in list(self.cache.transfer.loads):
+            queued.handle.wait()
         n = len(req.key)
         got = self.cache.device_pool.read_tokens(req.slots)[:, :, :n]
         assert torch.equal(got, expected_kv(list(req.key.token_ids), 0, self.rank, self.spec.kv_heads))
@@ -186,6 +260,8 @@ class _Workload:
         return torch.cat([r.own for r in self.running]) if self.running else torch.empty(0, dtype=torch.int64)
 
     def finish(self) -> None:
+        for request_id, _, _ in self.waiting:
+            self.cache.release_prefetch(request_id)
         for req in list(self.running):
             self._finish(req)
         self.cache.flush()
@@ -208,7 +284,7 @@ def _rank_main(rank: int, world_size: int, port: int, out_dir: str, options: dic
     try:
         tp = TPGroup.from_default_group()
         assert (tp.rank, tp.world_size) == (rank, world_size)
-        run = _Workload(rank, world_size, tp, seed=1234, **options)
+        run = _Workload(rank, world_size, tp, seed=1234, store_dir=os.path.join(out_dir, "l3"), **options)
         delays = random.Random(100 + rank)  # only the copy worker thread draws from it
         run.cache.transfer.delay_hook = lambda kind: time.sleep(delays.choice(COPY_DELAYS_S))
         racer = random.Random(200 + rank)
@@ -220,6 +296,7 @@ def _rank_main(rank: int, world_size: int, port: int, out_dir: str, options: dic
             run.step(step)
             if (skip_agreement and rank == 0) or racer.random() < 0.4:  # this rank's copies all finished
                 run.cache.transfer.synchronize()
+            time.sleep(0.001)  # the forward pass, while storage I/O goes on
             before = tp.collectives
             run.cache.step()
             assert tp.collectives == before + 1, "a step must run exactly one collective"
@@ -228,8 +305,9 @@ def _rank_main(rank: int, world_size: int, port: int, out_dir: str, options: dic
         run.finish()
         tp.check_same_tree(run.cache.tree, include_slots=True)
         behind = sum(local != agreed for local, agreed in agreed_log)
+        storage_stats = vars(run.cache.storage.stats) if run.cache.storage is not None else {}
         summary = {"steps_behind": behind, "kv_checks": run.kv_checks, "stats": vars(run.cache.stats),
-                   "digest": tree_digest(run.cache.tree)}
+                   "storage_stats": storage_stats, "digest": tree_digest(run.cache.tree)}
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(summary))
     finally:
         dist.destroy_process_group()
@@ -262,9 +340,12 @@ def _start_ranks(world_size: int, out_dir: Path, options: dict, num_steps: int,
 
 
 @pytest.mark.parametrize("world_size,options", [
-    (2, dict(page_size=1, write_policy="write_through")),
+    (2, dict(page_size=1, write_policy="write_through",
+             storage=dict(prefetch_threshold=8, prefetch_stop_policy="best_effort"))),
     (4, dict(page_size=4, write_policy="write_through_selective", host_layout="page_first",
-             io_backend="direct", eviction_policy="lfu")),
+             io_backend="direct", eviction_policy="lfu",
+             storage=dict(prefetch_threshold=8, prefetch_stop_policy="timeout", prefetch_timeout_base=0.002,
+                          prefetch_timeout_per_ki_token=0.01, prefetch_batch_pages=2))),
 ])
 def test_ranks_with_different_delays_keep_identical_trees(tmp_path: Path, world_size: int,
                                                            options: dict) -> None:
@@ -272,9 +353,11 @@ def test_ranks_with_different_delays_keep_identical_trees(tmp_path: Path, world_
     summaries = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(world_size)]
     assert len({s["digest"] for s in summaries}) == 1
     assert all(s["stats"] == summaries[0]["stats"] for s in summaries)
-    # The workload really exercised the tiers, and some rank really was ahead of the agreed counts.
-    stats = summaries[0]["stats"]
+    assert all(s["storage_stats"] == summaries[0]["storage_stats"] for s in summaries)
+    # The workload really exercised every tier, and some rank really was ahead of the agreed counts.
+    stats, storage = summaries[0]["stats"], summaries[0]["storage_stats"]
     assert stats["written_tokens"] > 0 and stats["loaded_tokens"] > 0 and stats["evicted_device_tokens"] > 0
+    assert storage["backed_up_tokens"] > 0 and storage["prefetched_tokens"] > 0, storage
     assert summaries[0]["kv_checks"] > 20
     assert sum(s["steps_behind"] for s in summaries) > 0
 

@@ -120,8 +120,9 @@ def _digest_words(digest: str) -> list[int]:
 
 
 def _node_record(node: TreeNode, include_slots: bool) -> tuple:
+    num_hashes = None if node.hash_values is None else len(node.hash_values)
     record = (repr(node.key), node.extra_key, node.device_value is not None, node.host_value is not None,
-              repr(node.hash_values), node.lock_ref, node.host_ref, node.hit_count, node.last_access_time,
+              num_hashes, node.lock_ref, node.host_ref, node.hit_count, node.last_access_time,
               node.creation_time, node.priority)
     if include_slots:
         record += tuple(None if v is None else v.tolist() for v in (node.device_value, node.host_value))
@@ -131,9 +132,10 @@ def _node_record(node: TreeNode, include_slots: bool) -> tuple:
 def tree_digest(tree: RadixTree, include_slots: bool = False) -> str:
     """A stable hash of what every TP rank's tree must agree on.
 
-    Covers structure, keys and namespaces, which tiers hold each node, page hashes, lock and host refs,
-    hit counts, logical access/creation ticks, priorities and the size accounting. Node ids and (by
-    default) slot numbers are left out: they are process-local names, not decisions.
+    Covers structure, keys and namespaces, which tiers hold each node, whether it has page hashes, lock
+    and host refs, hit counts, logical access/creation ticks, priorities and the size accounting. Left
+    out: node ids and (by default) slot numbers, process-local names rather than decisions, and the page
+    hash values themselves, which differ by design (each rank's namespace names its TP shard).
     """
     h = hashlib.blake2b(digest_size=16)
     h.update(repr((tree.page_size, tree.bigram, tree._tick, tree.evictable_size,

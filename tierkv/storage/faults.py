@@ -173,6 +173,9 @@ class FaultyStore(PageStore):
         target[:] = data[HEADER_SIZE:]
         return True
 
+    def _drop(self, key: str) -> None:
+        self.inner._drop(key)  # the corrupt frame lives in the inner store; a later backup rewrites it
+
     def batch_set(self, keys: list[str], values: list[torch.Tensor]) -> list[bool]:
         views = self._check_batch(keys, values)
         ok = self._batch_faults("set", len(keys))

@@ -260,3 +260,34 @@ def test_faults_come_from_the_storage_extra_config_json():
                               "m")
     assert isinstance(controller.store, FaultyStore) and controller.store.config.error_rate == 0.5
     cache.close()
+
+
+@pytest.mark.parametrize("kind", ["error", "partial", "corrupt_get", "corrupt_set"])
+def test_real_replay_with_faults_keeps_exact_kv_and_accounting(tmp_path, monkeypatch, kind):
+    """`tierkv replay`'s own driver (with --verify: every reused prefix's KV checked) over a faulty L3."""
+    import json
+    from pathlib import Path
+
+    import tierkv.bench.replay as replay_module
+    from tierkv.bench.replay import ReplayConfig, replay
+    from tierkv.bench.trace import load_trace
+    from tests.test_replay import reference_hits
+
+    from tierkv.storage.controller import open_storage
+
+    stores = []
+
+    def open_faulty_storage(cache, spec, extra, namespace):
+        values = {**json.loads(extra), "faults": {**FAULTS[kind], "seed": 4}}
+        controller = open_storage(cache, spec, json.dumps(values), namespace)
+        stores.append(controller.store)
+        return controller
+
+    monkeypatch.setattr(replay_module, "open_storage", open_faulty_storage)
+    requests = load_trace(Path(__file__).parent / "fixtures" / "conversation_200.jsonl", limit=60).requests
+    result = replay(requests, ReplayConfig(l1_tokens=8_192, l2_tokens=16_384, l3="memory", verify=True))
+    assert len(result.requests) == len(requests) and result.uncached_requests == 0
+    assert result.prefetched_l3_l2_tokens == result.tier_hits()["l3"] > 0  # L3 hits are what L3 delivered
+    unbounded = reference_hits(requests, page_size=16)
+    assert all(r.hit_tokens <= bound for r, bound in zip(result.requests, unbounded))
+    assert stores[0].injected[kind] > 0

@@ -56,6 +56,35 @@ class StoreStats:
         return self.set_bytes / self.set_seconds / 1e9 if self.set_seconds else 0.0
 
 
+class Backoff:
+    """Retry window after failures of a remote store: doubles per failure up to 64x, resets on success."""
+
+    MAX_FACTOR = 64
+
+    def __init__(self, base_s: float) -> None:
+        if base_s <= 0:
+            raise ValueError(f"retry_backoff_s must be > 0, got {base_s!r}")
+        self.base_s = base_s
+        self._lock = threading.Lock()
+        self._retry_at = 0.0
+        self._failures = 0
+
+    def ready(self) -> bool:
+        """False while inside the window: the caller answers a miss without touching the network."""
+        with self._lock:
+            return time.monotonic() >= self._retry_at
+
+    def failed(self) -> None:
+        with self._lock:
+            self._failures += 1
+            factor = min(2 ** (self._failures - 1), self.MAX_FACTOR)
+            self._retry_at = time.monotonic() + self.base_s * factor
+
+    def succeeded(self) -> None:
+        with self._lock:
+            self._failures, self._retry_at = 0, 0.0
+
+
 def check_key(key: str) -> str:
     """Return ``key`` if it is a lowercase hex page hash; ValueError naming it otherwise."""
     if not isinstance(key, str) or not _KEY_RE.fullmatch(key):
@@ -114,14 +143,18 @@ class PageStore(ABC):
     # Helpers for implementations.
 
     def _verified(self, key: str, header: bytes | memoryview, payload: memoryview) -> bool:
-        """True if the stored page checks out; otherwise log, count it corrupt and return False."""
+        """True if the stored page checks out; otherwise log, count, remove it and return False."""
         try:
             self.format.verify(key, header, payload)
         except PageFormatError as err:
             log.warning("%s store: dropping corrupt page: %s", self.name, err)
             self._count(corrupt_pages=1)
+            self._drop(key)
             return False
         return True
+
+    def _drop(self, key: str) -> None:
+        """Best-effort removal of a corrupt page: backups skip pages that exist, so it would stay."""
 
     def _error(self, what: str, err: BaseException) -> None:
         log.warning("%s store: %s failed: %s: %s", self.name, what, type(err).__name__, err)

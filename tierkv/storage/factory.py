@@ -20,7 +20,7 @@ BACKEND_OPTIONS: dict[str, dict[str, type]] = {
               "timeout_s": float, "batch_pages": int, "retry_backoff_s": float},
     "mooncake": {"master": str, "metadata_server": str, "local_hostname": str, "protocol": str,
                  "device_name": str, "global_segment_size": int, "local_buffer_size": int,
-                 "key_prefix": str, "replica_num": int},
+                 "key_prefix": str, "replica_num": int, "retry_backoff_s": float},
 }
 _ALIASES = {"valkey": "redis"}
 

@@ -141,6 +141,14 @@ class FileStore(PageStore):
             except OSError as err:
                 self._error(f"fsync {directory}", err)
 
+    def _drop(self, key: str) -> None:
+        try:
+            os.unlink(self.path(key))
+        except FileNotFoundError:
+            pass
+        except OSError as err:
+            self._error(f"remove corrupt page {key}", err)
+
     def clear(self) -> None:
         shutil.rmtree(self.directory, ignore_errors=True)
         os.makedirs(self.directory, exist_ok=True)

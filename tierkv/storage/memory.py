@@ -63,6 +63,10 @@ class MemoryStore(PageStore):
                 self._count(set_pages=1, set_bytes=self.page_nbytes)
         return [True] * len(keys)
 
+    def _drop(self, key: str) -> None:
+        with self._lock:
+            self.blobs.pop(self._slot(key), None)
+
     def clear(self) -> None:
         with self._lock:
             for slot in [s for s in self.blobs if s.startswith(self._prefix)]:

@@ -8,19 +8,14 @@ calls in the backoff window answer at once without touching the network, then th
 
 from __future__ import annotations
 
-import threading
-import time
-
 import numpy as np
 import redis
 import torch
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from tierkv.storage.base import PageStore, check_key
+from tierkv.storage.base import Backoff, PageStore, check_key
 from tierkv.storage.page_format import HEADER_SIZE
-
-_MAX_BACKOFF_FACTOR = 64
 
 
 class RedisStore(PageStore):
@@ -33,9 +28,8 @@ class RedisStore(PageStore):
                  key_prefix: str = "tierkv:", timeout_s: float = 5.0, batch_pages: int = 8,
                  retry_backoff_s: float = 0.5) -> None:
         super().__init__(namespace, page_nbytes)
-        for field, value in (("timeout_s", timeout_s), ("retry_backoff_s", retry_backoff_s)):
-            if value <= 0:
-                raise ValueError(f"redis {field} must be > 0, got {value!r}")
+        if timeout_s <= 0:
+            raise ValueError(f"redis timeout_s must be > 0, got {timeout_s!r}")
         if any(c in key_prefix for c in "*?[]\\"):
             raise ValueError(f"redis key_prefix {key_prefix!r} must not contain glob characters *?[]\\")
         if batch_pages < 1:
@@ -43,38 +37,24 @@ class RedisStore(PageStore):
         self.address = f"{host}:{port}/{db}"
         self.key_prefix = f"{key_prefix}{self.namespace_tag}:"
         self.batch_pages = batch_pages
-        self.retry_backoff_s = retry_backoff_s
+        self.backoff = Backoff(retry_backoff_s)
         # No library-level retries: a dead server must cost one timeout, then our own backoff.
         self.client = redis.Redis(host=host, port=port, db=db, username=username, password=password,
                                   socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
                                   retry=Retry(NoBackoff(), 0), retry_on_error=[], health_check_interval=0)
-        self._backoff_lock = threading.Lock()
-        self._retry_at = 0.0
-        self._failures = 0
 
     def redis_key(self, key: str) -> str:
         return self.key_prefix + check_key(key)
 
-    # Connection health: one shared backoff window for all threads.
-
     def _available(self) -> bool:
-        with self._backoff_lock:
-            if time.monotonic() >= self._retry_at:
-                return True
+        if self.backoff.ready():
+            return True
         self._count(errors=1)
         return False
 
     def _failed(self, what: str, err: BaseException) -> None:
         self._error(f"{what} on {self.address}", err)
-        with self._backoff_lock:
-            self._failures += 1
-            factor = min(2 ** (self._failures - 1), _MAX_BACKOFF_FACTOR)
-            self._retry_at = time.monotonic() + self.retry_backoff_s * factor
-
-    def _succeeded(self) -> None:
-        if self._failures:
-            with self._backoff_lock:
-                self._failures, self._retry_at = 0, 0.0
+        self.backoff.failed()
 
     def _pipelined(self, what: str, command: str, args: list[tuple]) -> list | None:
         """Run ``command`` once per args tuple, ``batch_pages`` per round trip; None on failure."""
@@ -90,7 +70,7 @@ class RedisStore(PageStore):
         except (redis.RedisError, OSError) as err:
             self._failed(what, err)
             return None
-        self._succeeded()
+        self.backoff.succeeded()
         return replies
 
     def batch_exists(self, keys: list[str]) -> int:
@@ -133,6 +113,12 @@ class RedisStore(PageStore):
             self._count(set_pages=len(args), set_bytes=len(args) * self.page_nbytes)
             return [True] * len(args)
 
+    def _drop(self, key: str) -> None:
+        try:
+            self.client.delete(self.redis_key(key))
+        except (redis.RedisError, OSError) as err:
+            self._failed("remove corrupt page", err)
+
     def clear(self) -> None:
         """Delete this namespace's pages (SCAN on the prefix); a connection failure is counted, not raised."""
         if not self._available():
@@ -149,7 +135,7 @@ class RedisStore(PageStore):
         except (redis.RedisError, OSError) as err:
             self._failed("clear", err)
             return
-        self._succeeded()
+        self.backoff.succeeded()
 
     def close(self) -> None:
         try:

@@ -1,0 +1,235 @@
+"""Page store on Mooncake Store (``mooncake-transfer-engine``, TCP or RDMA) via its Python client.
+
+Each page is one object: the 48-byte header then the payload, written from and read into two buffers
+(``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``), so the payload moves straight
+between the host pool's memory and the store. Objects are put-if-absent: a page's key names its
+whole prefix, so its bytes never change, and a repeated put keeps the first copy. A page that fails
+verification is removed so a later backup can write it again.
+
+RDMA needs the host pool registered (:meth:`register_host_buffer`); TCP works without. The client is
+set up on first use; a failed setup or an unreachable master counts an error, answers a miss and backs
+off like the redis store.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import threading
+
+import numpy as np
+import torch
+
+from tierkv.storage.base import Backoff, PageStore, check_key, page_view
+from tierkv.storage.page_format import HEADER_SIZE
+
+_NOT_FOUND = -704  # OBJECT_NOT_FOUND in Mooncake's error codes
+_BUFFER_TOO_SMALL = -600  # the stored object is larger than a page blob: not one of our pages
+_CHUNK_PAGES = 64
+_CONNECT_TIMEOUT_S = 2.0
+
+
+class MooncakeStore(PageStore):
+    """A namespace of pages in a Mooncake Store cluster reached through ``master`` (``host:port``)."""
+
+    name = "mooncake"
+
+    def __init__(self, namespace: str, page_nbytes: int, master: str,
+                 metadata_server: str = "P2PHANDSHAKE", local_hostname: str = "127.0.0.1",
+                 protocol: str = "tcp", device_name: str = "", global_segment_size: int = 1 << 30,
+                 local_buffer_size: int = 64 << 20, key_prefix: str = "tierkv:", replica_num: int = 1,
+                 retry_backoff_s: float = 0.5) -> None:
+        super().__init__(namespace, page_nbytes)
+        if protocol not in ("tcp", "rdma"):
+            raise ValueError(f"mooncake protocol {protocol!r} is not one of ('tcp', 'rdma')")
+        for field, value in (("global_segment_size", global_segment_size),
+                             ("local_buffer_size", local_buffer_size), ("replica_num", replica_num)):
+            if value < 1:
+                raise ValueError(f"mooncake {field} must be >= 1, got {value!r}")
+        self.master = master
+        self.key_prefix = f"{key_prefix}{self.namespace_tag}:"
+        self._setup_args = (local_hostname, metadata_server, global_segment_size, local_buffer_size,
+                            protocol, device_name, master)
+        self.replica_num = replica_num
+        self.backoff = Backoff(retry_backoff_s)
+        self.client = None
+        self._setup_lock = threading.Lock()
+        self._registered: list[torch.Tensor] = []
+        # One header arena per direction (one reader and one writer thread may run at once).
+        self._get_headers = torch.zeros(_CHUNK_PAGES, HEADER_SIZE, dtype=torch.uint8)
+        self._set_headers = torch.zeros(_CHUNK_PAGES, HEADER_SIZE, dtype=torch.uint8)
+        self._get_lock, self._set_lock = threading.Lock(), threading.Lock()
+
+    def object_key(self, key: str) -> str:
+        return self.key_prefix + check_key(key)
+
+    def _connect(self):
+        """The set-up client, or None (counted) while backing off or if the master cannot be reached."""
+        if not self.backoff.ready():
+            self._count(errors=1)
+            return None
+        if self.client is not None:
+            return self.client
+        with self._setup_lock:
+            if self.client is None:
+                self.client = self._setup()
+        return self.client
+
+    def _master_reachable(self) -> None:
+        """Raise OSError fast if the master does not accept TCP (its client retries for ~90 s)."""
+        host, _, port = self.master.rpartition(":")
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=_CONNECT_TIMEOUT_S):
+            pass
+
+    def _setup(self):
+        try:
+            self._master_reachable()
+            # Without it the TCP transport binds to the machine's public address.
+            os.environ.setdefault("MC_TCP_BIND_ADDRESS", self._setup_args[0].split(":")[0])
+            from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+            client = MooncakeDistributedStore()
+            rc = client.setup(*self._setup_args)
+            if rc != 0:
+                raise ConnectionError(f"setup returned {rc}")
+            for tensor in (self._get_headers, self._set_headers, *self._registered):
+                self._register(client, tensor)
+        except (ImportError, OSError, RuntimeError, ValueError) as err:
+            self._error(f"setup against master {self.master}", err)
+            self.backoff.failed()
+            return None
+        self._replicate = ReplicateConfig()
+        self._replicate.replica_num = self.replica_num
+        self.backoff.succeeded()
+        return client
+
+    @staticmethod
+    def _register(client, tensor: torch.Tensor) -> None:
+        rc = client.register_buffer(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+        if rc != 0:
+            raise ConnectionError(f"register_buffer returned {rc}")
+
+    def register_host_buffer(self, buffer: torch.Tensor) -> None:
+        """Register the host pool's memory with the transfer engine (needed for RDMA, cheap for TCP)."""
+        self._registered.append(buffer)
+        if self.client is not None:
+            self._register(self.client, buffer)
+
+    def _failed(self, what: str, err: BaseException) -> None:
+        self._error(f"{what} via master {self.master}", err)
+        self.backoff.failed()
+
+    def _judge(self, what: str, codes: list[int], ok_codes: tuple[int, ...]) -> None:
+        """Back off when every key failed in transport (an RPC error, not a miss); count each failure."""
+        failures = [c for c in codes if c < 0 and c not in ok_codes]
+        if failures:
+            self._error(f"{what} of {len(failures)}/{len(codes)} pages via master {self.master}",
+                        ConnectionError(f"error codes {sorted(set(failures))}"))
+            self._count(errors=len(failures) - 1)
+        if codes and len(failures) == len(codes):
+            self.backoff.failed()
+        else:
+            self.backoff.succeeded()
+
+    def batch_exists(self, keys: list[str]) -> int:
+        self._count(exists_calls=1)
+        names = [self.object_key(k) for k in keys]
+        client = self._connect() if names else None
+        if client is None:
+            return 0
+        try:
+            present = client.batch_is_exist(names)
+        except RuntimeError as err:
+            self._failed("exists", err)
+            return 0
+        self._judge("exists", present, ())
+        for i, p in enumerate(present):
+            if p != 1:
+                return i
+        return len(present)
+
+    def batch_get(self, keys: list[str], targets: list[torch.Tensor]) -> list[bool]:
+        views = self._check_batch(keys, targets)
+        found: list[bool] = []
+        with self._timed("get"), self._get_lock:
+            for start in range(0, len(keys), _CHUNK_PAGES):
+                found += self._get_chunk(keys[start:start + _CHUNK_PAGES], targets[start:start + _CHUNK_PAGES],
+                                         views[start:start + _CHUNK_PAGES])
+        return found
+
+    def _get_chunk(self, keys: list[str], targets: list[torch.Tensor], views: list[memoryview]) -> list[bool]:
+        client = self._connect()
+        if client is None:
+            return [False] * len(keys)
+        headers = self._get_headers
+        try:
+            sizes = client.batch_get_into_multi_buffers(
+                [self.object_key(k) for k in keys],
+                [[headers[i].data_ptr(), t.data_ptr()] for i, t in enumerate(targets)],
+                [[HEADER_SIZE, self.page_nbytes]] * len(keys))
+        except RuntimeError as err:
+            self._failed("get", err)
+            return [False] * len(keys)
+        self._judge("get", sizes, (_NOT_FOUND, _BUFFER_TOO_SMALL))
+        found = []
+        for i, (key, view, size) in enumerate(zip(keys, views, sizes)):
+            header = memoryview(headers[i].numpy())
+            if size < 0 and size != _BUFFER_TOO_SMALL:
+                ok = False
+            else:
+                ok = self._verified(key, header, view[:max(0, size - HEADER_SIZE)])
+            if ok:
+                self._count(get_pages=1, get_bytes=self.page_nbytes)
+            found.append(ok)
+        return found
+
+    def _drop(self, key: str) -> None:
+        client = self.client
+        if client is not None and client.remove(self.object_key(key), True) not in (0, _NOT_FOUND):
+            self._count(errors=1)
+
+    def batch_set(self, keys: list[str], values: list[torch.Tensor]) -> list[bool]:
+        views = self._check_batch(keys, values)
+        done: list[bool] = []
+        with self._timed("set"), self._set_lock:
+            for start in range(0, len(keys), _CHUNK_PAGES):
+                done += self._set_chunk(keys[start:start + _CHUNK_PAGES], values[start:start + _CHUNK_PAGES],
+                                        views[start:start + _CHUNK_PAGES])
+        return done
+
+    def _set_chunk(self, keys: list[str], values: list[torch.Tensor], views: list[memoryview]) -> list[bool]:
+        client = self._connect()
+        if client is None:
+            return [False] * len(keys)
+        headers = self._set_headers
+        for i, (key, view) in enumerate(zip(keys, views)):
+            headers[i].numpy()[:] = np.frombuffer(self.format.header(key, view), dtype=np.uint8)
+        try:
+            codes = client.batch_put_from_multi_buffers(
+                [self.object_key(k) for k in keys],
+                [[headers[i].data_ptr(), v.data_ptr()] for i, v in enumerate(values)],
+                [[HEADER_SIZE, self.page_nbytes]] * len(keys), self._replicate)
+        except RuntimeError as err:
+            self._failed("set", err)
+            return [False] * len(keys)
+        self._judge("put", codes, ())
+        done = [code == 0 for code in codes]
+        self._count(set_pages=sum(done), set_bytes=sum(done) * self.page_nbytes)
+        return done
+
+    def clear(self) -> None:
+        client = self._connect()
+        if client is None:
+            return
+        try:
+            client.remove_by_regex("^" + re.escape(self.key_prefix), True)
+        except RuntimeError as err:
+            self._failed("clear", err)
+
+    def close(self) -> None:
+        client, self.client = self.client, None
+        if client is not None:
+            try:
+                client.close()
+            except RuntimeError:
+                pass

@@ -240,6 +240,13 @@ def test_duplicate_request_id_is_an_error():
     with pytest.raises(ValueError, match="already has a prefetch"):
         cache.prefetch_from_storage("r", cache.tree.root, key)
     cache.flush()
+    assert cache.check_prefetch_progress("r")
+    other = RadixKey(random_tokens(2 * PS, seed=22))
+    assert cache.prefetch_from_storage("s", cache.tree.root, other)
+    cache.flush()  # revoked: nothing stored under it
+    assert cache.prefetch_from_storage("s", cache.tree.root, other)  # the id is free again
+    cache.flush()
+    cache.check_integrity()
     cache.close()
 
 

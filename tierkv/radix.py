@@ -129,17 +129,27 @@ class RadixTree:
 
     # ---- keys ---------------------------------------------------------------------------------------
     def elements(self, key: RadixKey) -> list:
-        """Key elements the tree stores: tokens, or token pairs in bigram mode, cut to whole pages."""
+        """Key elements the tree stores: tokens, or token pairs in bigram mode, cut to whole pages.
+
+        The result is remembered on ``key`` (a scheduler matches, then inserts, the same key), so the
+        64-bit check, the dearest part for long prompts, runs once per key. Callers must not mutate it.
+        """
         if not isinstance(key, RadixKey):
             raise TypeError(f"key must be a RadixKey, got {type(key).__name__}")
+        shape = (self.page_size, self.bigram, len(key.token_ids))
+        memo = key.__dict__.get("_elements")
+        if memo is not None and memo[0] == shape:
+            return memo[1]
         try:
             array("q", key.token_ids)  # C-speed check that every id is a 64-bit int
         except (TypeError, OverflowError) as exc:
             raise TypeError(f"token ids must be 64-bit ints: {exc}") from None
-        ids = list(key.token_ids)
+        ids = key.token_ids if isinstance(key.token_ids, list) else list(key.token_ids)
         elems: list = list(zip(ids, ids[1:])) if self.bigram else ids
         cut = len(elems) - len(elems) % self.page_size
-        return elems[:cut]
+        elems = elems[:cut]  # a copy: later changes to token_ids cannot reach the tree
+        object.__setattr__(key, "_elements", (shape, elems))
+        return elems
 
     def child_key(self, elems: list, extra_key: str | None) -> Hashable:
         first = elems[0] if self.page_size == 1 else tuple(elems[: self.page_size])

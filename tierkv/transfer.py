@@ -11,7 +11,7 @@ import queue
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -32,15 +32,18 @@ def resolve_host_layout(layout: str, io_backend: str) -> str:
     return layout
 
 
-def page_runs(src_pages: list[int], dst_pages: list[int]) -> list[tuple[int, int, int]]:
+def page_runs(src_pages: Sequence[int] | torch.Tensor, dst_pages: Sequence[int] | torch.Tensor
+              ) -> list[tuple[int, int, int]]:
     """Split a page mapping into (src_start, dst_start, count) runs contiguous on both sides."""
-    runs: list[tuple[int, int, int]] = []
-    for s, d in zip(src_pages, dst_pages):
-        if runs and s == runs[-1][0] + runs[-1][2] and d == runs[-1][1] + runs[-1][2]:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((s, d, 1))
-    return runs
+    src = torch.as_tensor(src_pages, dtype=torch.int64)
+    dst = torch.as_tensor(dst_pages, dtype=torch.int64)
+    if len(src) == 0:
+        return []
+    # vectorised: a Python loop over pages cost more than the copies themselves for small KV
+    breaks = torch.nonzero((src[1:] - src[:-1] != 1) | (dst[1:] - dst[:-1] != 1)).flatten() + 1
+    starts = torch.cat([breaks.new_zeros(1), breaks])
+    counts = torch.diff(starts, append=starts.new_tensor([len(src)]))
+    return list(zip(src[starts].tolist(), dst[starts].tolist(), counts.tolist()))
 
 
 def copy_pages(src: PagedKVBuffer, src_pages: torch.Tensor, dst: PagedKVBuffer, dst_pages: torch.Tensor,
@@ -55,7 +58,7 @@ def copy_pages(src: PagedKVBuffer, src_pages: torch.Tensor, dst: PagedKVBuffer, 
         for s, d in zip(src_pages.tolist(), dst_pages.tolist()):
             dst.page_range(d, 1).copy_(src.page_range(s, 1), non_blocking=non_blocking)
         return
-    runs = page_runs(src_pages.tolist(), dst_pages.tolist())
+    runs = page_runs(src_pages, dst_pages)
     if len(runs) <= max(4, len(src_pages) // 8) or src.device != dst.device:
         for s, d, n in runs:
             dst.page_range(d, n).copy_(src.page_range(s, n), non_blocking=non_blocking)

@@ -1,0 +1,76 @@
+import json
+from pathlib import Path
+
+import pytest
+
+from tierkv.bench.trace import BLOCK_TOKENS, TraceError, load_trace, parse_line, parse_lines
+
+FIXTURE = Path(__file__).parent / "fixtures" / "conversation_200.jsonl"
+
+
+def line(**fields):
+    base = {"timestamp": 0, "input_length": 1000, "output_length": 5, "hash_ids": [7, 9]}
+    base.update(fields)
+    return json.dumps({k: v for k, v in base.items() if v is not None})
+
+
+def test_expansion_is_cut_to_input_length_and_deterministic():
+    req = parse_line(line(), 1, 0)
+    tokens = req.prompt_tokens()
+    assert len(tokens) == 1000
+    assert tokens[:BLOCK_TOKENS] == list(range(7 * 512, 8 * 512))
+    assert tokens[BLOCK_TOKENS:] == list(range(9 * 512, 9 * 512 + 1000 - 512))
+    assert parse_line(line(), 5, 3).prompt_tokens() == tokens
+    assert req.block_token_counts() == [512, 488]
+
+
+def test_equal_ids_share_tokens_and_different_ids_do_not():
+    a = parse_line(line(hash_ids=[1, 2, 3], input_length=1300), 1, 0).prompt_tokens()
+    b = parse_line(line(hash_ids=[1, 2, 4], input_length=1536), 2, 1).prompt_tokens()
+    assert a[:1024] == b[:1024]
+    assert not set(a[1024:]) & set(b[1024:])
+
+
+def test_output_tokens_are_unique_per_request_and_disjoint_from_prompts():
+    r0 = parse_line(line(hash_ids=[0, 1]), 1, 0)
+    r1 = parse_line(line(hash_ids=[0, 1]), 2, 1)
+    assert len(r0.output_tokens()) == 5
+    assert not set(r0.output_tokens()) & set(r1.output_tokens())
+    assert not set(r0.output_tokens()) & set(r0.prompt_tokens())
+
+
+@pytest.mark.parametrize("text, reason", [
+    ("{not json", "malformed JSON"),
+    ("[1, 2]", "expected a JSON object"),
+    (line(input_length=None), "missing field 'input_length'"),
+    (line(hash_ids=None), "missing field 'hash_ids'"),
+    (line(timestamp=None), "missing field 'timestamp'"),
+    (line(input_length=-3), "'input_length' must be >= 1"),
+    (line(output_length=-1), "'output_length' must be >= 0"),
+    (line(input_length="12"), "must be an int"),
+    (line(hash_ids=[1, 2, 3]), "len(hash_ids) is 3 but input_length 1000"),
+    (line(hash_ids=[1, "x"]), "list of ints"),
+])
+def test_bad_line_names_its_line_number(text, reason):
+    with pytest.raises(TraceError) as info:
+        parse_lines([line(), "", text, line()])
+    assert info.value.line_no == 3
+    assert str(info.value).startswith("trace line 3: ")
+    assert reason in str(info.value)
+
+
+def test_skip_bad_counts_and_skips():
+    trace = parse_lines([line(), "{oops", line(input_length=-1), line(hash_ids=[1])], skip_bad=True)
+    assert [r.line_no for r in trace.requests] == [1]
+    assert [e.line_no for e in trace.bad_lines] == [2, 3, 4]
+    assert [r.index for r in trace.requests] == [0]
+
+
+def test_limit_and_fixture():
+    trace = load_trace(FIXTURE, limit=10)
+    assert len(trace.requests) == 10
+    full = load_trace(FIXTURE)
+    assert len(full.requests) == 200 and not full.bad_lines
+    assert full.prompt_tokens == 873_883
+    with pytest.raises(ValueError, match="limit"):
+        parse_lines([], limit=-1)

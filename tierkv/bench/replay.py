@@ -1,0 +1,242 @@
+"""Drive the real :class:`HiRadixCache` with a trace, one request at a time, counting hits per tier.
+
+Per request, as a scheduler would: match the prompt; prefetch the part past the L2 hit from L3 (when an
+L3 is attached, waiting for completion so the count is deterministic); load the host part back into L1;
+lock the prefix; allocate L1 slots for the uncached suffix (evicting as needed); write the suffix's KV;
+insert the sequence; unlock; then retire all copies (``flush``), so every write-through has landed before
+the next request and a replay is deterministic.
+
+Hits are exact token counts: L1 = the device part of the match; L2 = host tokens actually loaded back;
+L3 = prefetched tokens actually loaded back. A host hit that is not loaded (under the load-back threshold
+or no room in L1) is recomputed and counts as a miss.
+
+The pools are real but tiny: one layer, one head, head dim 1, float64, so a token's KV is 16 bytes and
+holds the token id itself. ``verify`` reads every reused prefix back from L1 and checks it is exactly the
+prompt's token ids, which catches any wrong KV delivered by a load back or an L3 prefetch.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from tierkv.bench.trace import TraceRequest
+from tierkv.config import CacheConfig
+from tierkv.hicache import HiRadixCache, MatchResult
+from tierkv.pools import DeviceKVPool, HostKVPool, KVSpec
+from tierkv.radix import RadixKey
+from tierkv.storage.controller import open_storage
+
+REPLAY_KV_SPEC = KVSpec(num_layers=1, kv_heads=1, head_dim=1, dtype=torch.float64)
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    """Sizes and policies of one replayed cache. ``l2_tokens=None`` is an L1-only radix cache."""
+
+    l1_tokens: int
+    l2_tokens: int | None = None
+    page_size: int = 16
+    eviction_policy: str = "lru"
+    write_policy: str = "write_through"
+    l3: str = "none"
+    include_output: bool = False
+    verify: bool = False
+    load_back_threshold: int = 10
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.page_size, int) or self.page_size < 1:
+            raise ValueError(f"page_size must be a positive int, got {self.page_size!r}")
+        if not isinstance(self.l1_tokens, int) or self.l1_tokens < self.page_size:
+            raise ValueError(f"l1_tokens must be an int >= page_size ({self.page_size}), got {self.l1_tokens!r}")
+        if self.l2_tokens is not None and (not isinstance(self.l2_tokens, int) or self.l2_tokens <= self.l1_tokens):
+            raise ValueError(f"l2_tokens must be an int > l1_tokens ({self.l1_tokens}), got {self.l2_tokens!r}")
+        if self.l3 != "none" and self.l2_tokens is None:
+            raise ValueError(f"l3 {self.l3!r} needs an L2 tier (l2_tokens), got l2_tokens=None")
+        CacheConfig(page_size=self.page_size, eviction_policy=self.eviction_policy,
+                    write_policy=self.write_policy, load_back_threshold=self.load_back_threshold)
+
+    def cache_config(self) -> CacheConfig:
+        return CacheConfig(page_size=self.page_size, eviction_policy=self.eviction_policy,
+                           write_policy=self.write_policy, load_back_threshold=self.load_back_threshold,
+                           enable_host=self.l2_tokens is not None)
+
+    @property
+    def total_tokens(self) -> int:
+        """L1 plus L2 capacity: what the tiers can hold at most without L3."""
+        return self.l1_tokens + (self.l2_tokens or 0)
+
+
+@dataclass
+class RequestHits:
+    """Token counts of one replayed request. ``cached`` is False when L1 had no room for it at all."""
+
+    prompt_tokens: int
+    l1: int = 0
+    l2: int = 0
+    l3: int = 0
+    cached: bool = True
+
+    @property
+    def hit_tokens(self) -> int:
+        return self.l1 + self.l2 + self.l3
+
+
+@dataclass
+class ReplayResult:
+    """Per-request hits of one replay plus the cache's movement counters (in tokens)."""
+
+    config: ReplayConfig
+    requests: list[RequestHits] = field(default_factory=list)
+    written_l1_l2_tokens: int = 0
+    loaded_l2_l1_tokens: int = 0
+    backed_up_l2_l3_tokens: int = 0
+    prefetched_l3_l2_tokens: int = 0
+    uncached_requests: int = 0
+    wall_s: float = 0.0
+
+    def tier_hits(self) -> dict[str, int]:
+        return {t: sum(getattr(r, t) for r in self.requests) for t in ("l1", "l2", "l3")}
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(r.prompt_tokens for r in self.requests)
+
+    @property
+    def hit_ratio(self) -> float:
+        total = self.prompt_tokens
+        return sum(self.tier_hits().values()) / total if total else 0.0
+
+
+class TraceReplayer:
+    """One cache (tiers per :class:`ReplayConfig`) fed request by request. Call :meth:`close` at the end."""
+
+    def __init__(self, config: ReplayConfig) -> None:
+        self.config = config
+        device_pool = DeviceKVPool(REPLAY_KV_SPEC, config.l1_tokens, config.page_size, "cpu")
+        host_pool = None
+        if config.l2_tokens is not None:
+            host_pool = HostKVPool(REPLAY_KV_SPEC, config.l2_tokens, config.page_size, "page_first")
+        self.cache = HiRadixCache(device_pool, config.cache_config(), host_pool=host_pool)
+        self.storage = None
+        if config.l3 != "none":
+            self.storage = L3Tier(self.cache, config.l3)
+        self.result = ReplayResult(config)
+
+    def serve(self, req: TraceRequest) -> RequestHits:
+        """Replay one request. Lock contract: holds a lock on its prefix only while inserting."""
+        cache = self.cache
+        prompt = req.prompt_tokens()
+        key = RadixKey(prompt)
+        match = cache.match_prefix(key)
+        hits = RequestHits(req.input_length, l1=len(match.device_indices))
+        l3_tokens = 0
+        if self.storage is not None:
+            match, l3_tokens = self.storage.prefetch(req.index, key, match)
+        load = cache.init_load_back(match.last_host_node)
+        prefix, last_node = match.device_indices, match.last_device_node
+        if load.pending is not None and load.pending.wait():
+            hits.l2, hits.l3 = load.loaded_tokens - l3_tokens, l3_tokens
+            prefix, last_node = load.device_indices, load.last_node
+        # a failed load's slots are dropped by the next step; its tokens are recomputed
+        if self.config.verify:
+            self._verify(prefix, prompt)
+        tokens = prompt + req.output_tokens() if self.config.include_output else prompt
+        cache.inc_lock_ref(last_node)
+        try:
+            hits.cached = self._insert(RadixKey(tokens) if self.config.include_output else key, prefix)
+        finally:
+            cache.dec_lock_ref(last_node)
+        cache.flush()
+        self.result.requests.append(hits)
+        return hits
+
+    def _insert(self, key: RadixKey, prefix: torch.Tensor) -> bool:
+        """Allocate and fill slots for the uncached suffix, then insert; False when L1 has no room."""
+        tokens = key.token_ids
+        page = self.config.page_size
+        num_new = len(tokens) - len(prefix)
+        num_alloc = -(-num_new // page) * page
+        new_slots = self.cache.alloc_device(num_alloc) if num_alloc else prefix[:0]
+        if new_slots is None:
+            self.result.uncached_requests += 1
+            return False
+        if self.config.verify and num_alloc:
+            values = torch.full((num_alloc,), -1.0, dtype=torch.float64)
+            values[:num_new] = torch.tensor(tokens[len(prefix):], dtype=torch.float64)
+            self.cache.device_pool.write_tokens(new_slots, values.view(1, 1, -1, 1, 1).expand(2, 1, -1, 1, 1))
+        owned = self.cache.insert(key, torch.cat([prefix, new_slots]))
+        leftover = new_slots[owned - len(prefix):]
+        if len(leftover):
+            self.cache.device_pool.free(leftover)
+        return True
+
+    def _verify(self, prefix: torch.Tensor, prompt: list[int]) -> None:
+        if not len(prefix):
+            return
+        kv = self.cache.device_pool.read_tokens(prefix)
+        expected = torch.tensor(prompt[:len(prefix)], dtype=torch.float64)
+        if not (torch.equal(kv[0, 0, :, 0, 0], expected) and torch.equal(kv[1, 0, :, 0, 0], expected)):
+            bad = torch.nonzero(kv[0, 0, :, 0, 0] != expected).flatten()[:4].tolist()
+            raise AssertionError(f"reused KV differs from the prompt at positions {bad}")
+
+    def finish(self) -> ReplayResult:
+        """Flush, collect the movement counters and close the cache."""
+        self.cache.flush()
+        stats, result = self.cache.stats, self.result
+        result.written_l1_l2_tokens = stats.written_tokens
+        result.loaded_l2_l1_tokens = stats.loaded_tokens
+        if self.storage is not None:
+            result.backed_up_l2_l3_tokens, result.prefetched_l3_l2_tokens = self.storage.moved_tokens()
+        self.cache.close()
+        return result
+
+
+class L3Tier:
+    """The L3 side of a replay: one prefetch per request, waited for to completion (wait_complete)."""
+
+    def __init__(self, cache: HiRadixCache, spec: str) -> None:
+        # xxh3 page hashes: the replay hashes every page it backs up, and sha256 would dominate its time
+        extra = json.dumps({"prefetch_stop_policy": "wait_complete", "hash_algorithm": "xxh3_128"})
+        self.cache = cache
+        self.controller = open_storage(cache, spec, extra, namespace="tierkv-replay")
+
+    def prefetch(self, request_index: int, key: RadixKey, match: MatchResult) -> tuple[MatchResult, int]:
+        """Fetch what L3 holds past the L2 hit into L2; the new match and the tokens it added.
+
+        Lock contract: the prefetch protects its L2 anchor until it ends, which is before returning.
+        """
+        request_id = f"replay-{request_index}"
+        if not self.cache.prefetch_from_storage(request_id, match.last_host_node, key):
+            return match, 0
+        while not self.cache.check_prefetch_progress(request_id):
+            time.sleep(0.0002)  # the prefetch worker reads the store; progress is agreed in step()
+            self.cache.step()
+        again = self.cache.match_prefix(key)
+        before = len(match.device_indices) + match.host_hit_length
+        return again, len(again.device_indices) + again.host_hit_length - before
+
+    def moved_tokens(self) -> tuple[int, int]:
+        """Tokens written L2 -> L3 and read L3 -> L2."""
+        stats = self.controller.stats
+        return stats.backed_up_tokens, stats.prefetched_tokens
+
+
+def replay(requests: list[TraceRequest], config: ReplayConfig,
+           on_request: Callable[[int], None] | None = None) -> ReplayResult:
+    """Replay ``requests`` through a fresh cache; ``on_request(i)`` is called after each (progress bars)."""
+    start = time.perf_counter()
+    replayer = TraceReplayer(config)
+    try:
+        for i, req in enumerate(requests):
+            replayer.serve(req)
+            if on_request is not None:
+                on_request(i)
+    finally:
+        result = replayer.finish()
+    result.wall_s = time.perf_counter() - start
+    return result

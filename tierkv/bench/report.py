@@ -1,0 +1,306 @@
+"""Run a replay with its baselines, and present it: rich table, JSON, plots, capacity sweep.
+
+Baselines, all on the same requests:
+- no cache: every prompt token is prefilled;
+- L1-only: a plain radix cache (the same HiRadixCache with no host tier) whose L1 holds
+  ``l1_tokens + l2_tokens``: all the memory the tiered run has in L1 and L2 together, as if it were one
+  tier. It shows what the tiers give up in hit ratio for putting most of the capacity in cheaper memory;
+- optimal: Belady's MIN (:mod:`tierkv.bench.optimal`) at the same total capacity ``l1_tokens +
+  l2_tokens``, or unbounded when an L3 tier is attached (L3 stores have no capacity limit here). No
+  cache of that capacity replaying this trace can hit more tokens.
+
+Byte counts use the modelled KV size (``kv_bytes_per_token``, by default the named model's), not the
+replay's tiny pools: they say what the run would move on a real server.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from tierkv.bench.optimal import OptimalResult, belady_min
+from tierkv.bench.replay import ReplayConfig, ReplayResult, replay
+from tierkv.bench.trace import Trace
+from tierkv.bench.ttft import TTFTModel
+
+_SIZE_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9}
+
+
+def parse_size(text: str) -> int:
+    """Tokens from ``"500000"``, ``"250k"``, ``"1.5M"`` or ``"2G"`` (decimal multiples)."""
+    s = str(text).strip().lower()
+    scale = _SIZE_SUFFIXES.get(s[-1:], 1)
+    number = s[:-1] if scale != 1 else s
+    try:
+        value = float(number) * scale
+    except ValueError:
+        raise ValueError(f"bad token count {text!r}: expected e.g. 500000, 250k, 1.5M") from None
+    if value < 0 or value != int(value):
+        raise ValueError(f"bad token count {text!r}: must be a whole number >= 0")
+    return int(value)
+
+
+def parse_sizes(text: str) -> list[int]:
+    """A comma-separated list of :func:`parse_size` values."""
+    sizes = [parse_size(part) for part in text.split(",") if part.strip()]
+    if not sizes:
+        raise ValueError(f"bad size list {text!r}: expected e.g. 250k,1M,3M")
+    return sizes
+
+
+def summarise(values: list[float]) -> dict[str, float]:
+    """Mean, p50 and p99 (nearest-rank) of ``values``."""
+    if not values:
+        return {"mean": 0.0, "p50": 0.0, "p99": 0.0}
+    ordered = sorted(values)
+
+    def rank(q: float) -> float:
+        return ordered[min(len(ordered) - 1, max(0, int(-(-q * len(ordered) // 1)) - 1))]
+
+    return {"mean": sum(ordered) / len(ordered), "p50": rank(0.5), "p99": rank(0.99)}
+
+
+@dataclass
+class RunOutcome:
+    """Everything one ``tierkv replay`` run measured, before it is turned into a report."""
+
+    trace: Trace
+    tiered: ReplayResult
+    l1_only: ReplayResult | None
+    optimal: OptimalResult
+    ideal: OptimalResult
+    wall_s: float
+
+
+def run_all(trace: Trace, config: ReplayConfig, baselines: bool = True, console: Console | None = None
+            ) -> RunOutcome:
+    """Replay the tiered cache, the L1-only baseline and MIN, with a progress bar on ``console``."""
+    start = time.perf_counter()
+    requests = trace.requests
+    with Progress(TextColumn("{task.description:<10}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=console or Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("tiered", total=len(requests))
+        tiered = replay(requests, config, lambda i: bar.advance(task))
+        l1_only = None
+        if baselines:
+            task = bar.add_task("L1-only", total=len(requests))
+            flat = replace(config, l1_tokens=config.total_tokens, l2_tokens=None, l3="none")
+            l1_only = replay(requests, flat, lambda i: bar.advance(task))
+        bar.add_task("optimal", total=None)
+        capacity = None if config.l3 != "none" else config.total_tokens
+        optimal = belady_min(requests, capacity, config.page_size)
+        ideal = optimal if capacity is None else belady_min(requests, None, config.page_size)
+    return RunOutcome(trace, tiered, l1_only, optimal, ideal, time.perf_counter() - start)
+
+
+def _ttfts(model: TTFTModel, result: ReplayResult) -> list[float]:
+    return [model.ttft_s(r.prompt_tokens, r.l1, r.l2, r.l3) for r in result.requests]
+
+
+def build_report(run: RunOutcome, model: TTFTModel, trace_path: str = "") -> dict:
+    """The JSON report: headline numbers of the tiered run, then the config and the baselines."""
+    tiered, reqs = run.tiered, run.trace.requests
+    hits = tiered.tier_hits()
+    b = model.bytes_per_token
+    no_cache = [model.ttft_s(r.input_length) for r in reqs]
+    report = {
+        "trace": trace_path,
+        "requests": len(reqs),
+        "bad_lines": len(run.trace.bad_lines),
+        "prompt_tokens": tiered.prompt_tokens,
+        "hit_tokens": hits,
+        "hit_ratio": tiered.hit_ratio,
+        "optimal_hit_ratio": run.optimal.hit_ratio,
+        "optimal_capacity_tokens": run.optimal.capacity_tokens,
+        "ideal_hit_ratio": run.ideal.hit_ratio,
+        "no_cache_ttft_s": summarise(no_cache)["mean"],
+        "ttft_s": summarise(_ttfts(model, tiered)),
+        "bytes_moved": {"l1_l2": (tiered.written_l1_l2_tokens + tiered.loaded_l2_l1_tokens) * b,
+                        "l2_l3": (tiered.backed_up_l2_l3_tokens + tiered.prefetched_l3_l2_tokens) * b},
+        "tokens_moved": {"l1_to_l2": tiered.written_l1_l2_tokens, "l2_to_l1": tiered.loaded_l2_l1_tokens,
+                         "l2_to_l3": tiered.backed_up_l2_l3_tokens, "l3_to_l2": tiered.prefetched_l3_l2_tokens},
+        "uncached_requests": tiered.uncached_requests,
+        "replay_wall_s": tiered.wall_s,
+        "wall_s": run.wall_s,
+        "config": asdict(tiered.config),
+        "model": {**asdict(model.model), "kv_bytes_per_token": b, "effective_flops": model.effective_flops,
+                  "l2_link": asdict(model.l2_link), "l3_link": asdict(model.l3_link)},
+        "baselines": {"no_cache": {"hit_ratio": 0.0, "ttft_s": summarise(no_cache)}},
+    }
+    if run.l1_only is not None:
+        report["baselines"]["l1_only"] = {
+            "capacity_tokens": run.l1_only.config.l1_tokens, "hit_ratio": run.l1_only.hit_ratio,
+            "hit_tokens": run.l1_only.tier_hits()["l1"], "uncached_requests": run.l1_only.uncached_requests,
+            "ttft_s": summarise(_ttfts(model, run.l1_only)), "wall_s": run.l1_only.wall_s}
+    report["baselines"]["optimal"] = {
+        "capacity_tokens": run.optimal.capacity_tokens, "hit_ratio": run.optimal.hit_ratio,
+        "hit_tokens": run.optimal.hit_tokens,
+        "ttft_s": summarise([model.ttft_s(r.input_length, h) for r, h in
+                             zip(reqs, run.optimal.per_request_hit_tokens)])}
+    return report
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.2f} %"
+
+
+def _ms(x: float) -> str:
+    return f"{1000 * x:.1f}"
+
+
+def print_report(report: dict, console: Console | None = None) -> None:
+    """A table with one row per configuration: hits per tier, hit ratio, modelled TTFT."""
+    console = console or _stdout_console()
+    cfg = report["config"]
+    l3 = cfg["l3"]
+    title = (f"{report['requests']} requests, {report['prompt_tokens']:,} prompt tokens; "
+             f"L1 {cfg['l1_tokens']:,} + L2 {cfg['l2_tokens'] or 0:,} tokens, L3 {l3}; page {cfg['page_size']}, "
+             f"{cfg['eviction_policy']}, {cfg['write_policy']}; model {report['model']['name']}")
+    table = Table(title=title, title_justify="left")
+    for col in ("cache", "capacity (tokens)", "L1 hit", "L2 hit", "L3 hit", "hit ratio",
+                "TTFT mean ms", "p50 ms", "p99 ms"):
+        table.add_column(col, justify="left" if col == "cache" else "right")
+    base = report["baselines"]
+    nc = base["no_cache"]["ttft_s"]
+    table.add_row("no cache", "0", "", "", "", _pct(0), _ms(nc["mean"]), _ms(nc["p50"]), _ms(nc["p99"]))
+    if "l1_only" in base:
+        b = base["l1_only"]
+        t = b["ttft_s"]
+        table.add_row("L1-only radix", f"{b['capacity_tokens']:,}", f"{b['hit_tokens']:,}", "", "",
+                      _pct(b["hit_ratio"]), _ms(t["mean"]), _ms(t["p50"]), _ms(t["p99"]))
+    h, t = report["hit_tokens"], report["ttft_s"]
+    cap = f"{cfg['l1_tokens'] + (cfg['l2_tokens'] or 0):,}" + (" + L3" if l3 != "none" else "")
+    table.add_row("tiered (tierkv)", cap, f"{h['l1']:,}", f"{h['l2']:,}", f"{h['l3']:,}",
+                  _pct(report["hit_ratio"]), _ms(t["mean"]), _ms(t["p50"]), _ms(t["p99"]), style="bold")
+    o = base["optimal"]
+    ocap = "unbounded" if o["capacity_tokens"] is None else f"{o['capacity_tokens']:,}"
+    table.add_row("optimal (MIN)", ocap, f"{o['hit_tokens']:,}", "", "", _pct(o["hit_ratio"]),
+                  _ms(o["ttft_s"]["mean"]), _ms(o["ttft_s"]["p50"]), _ms(o["ttft_s"]["p99"]))
+    console.print(table)
+    moved = report["bytes_moved"]
+    console.print(f"bytes moved: L1<->L2 {moved['l1_l2'] / 2**30:,.1f} GiB, L2<->L3 {moved['l2_l3'] / 2**30:,.1f} GiB "
+                  f"(at {report['model']['kv_bytes_per_token']:,} B/token); ideal (infinite cache) hit ratio "
+                  f"{_pct(report['ideal_hit_ratio'])}; requests too large for L1: {report['uncached_requests']}; "
+                  f"bad lines skipped: {report['bad_lines']}; wall {report['wall_s']:.1f} s")
+    if "sweep" in report:
+        print_sweep(report["sweep"], console)
+
+
+def _stdout_console() -> Console:
+    """Wide enough for the table when stdout is a file or a pipe (rich would assume 80 columns)."""
+    console = Console()
+    return console if console.is_terminal else Console(width=150)
+
+
+def write_json(report: dict, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+
+
+# ---- capacity sweep -----------------------------------------------------------------------------------
+def sweep_config(config: ReplayConfig, total_tokens: int) -> ReplayConfig:
+    """The tiered config at ``total_tokens`` of L1 + L2, split in the ratio of ``config`` (L3 off)."""
+    page = config.page_size
+    if config.l2_tokens is None:
+        return replace(config, l1_tokens=max(page, total_tokens // page * page), l3="none")
+    l1 = max(page, total_tokens * config.l1_tokens // config.total_tokens // page * page)
+    l2 = max(l1 + page, (total_tokens - l1) // page * page)
+    return replace(config, l1_tokens=l1, l2_tokens=l2, l3="none")
+
+
+def run_sweep(trace: Trace, config: ReplayConfig, sizes: list[int], console: Console | None = None
+              ) -> list[dict]:
+    """Hit ratio against total capacity: tiered (same L1:L2 split), L1-only and MIN at each size."""
+    points = []
+    requests = trace.requests
+    with Progress(TextColumn("{task.description:<16}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=console or Console(stderr=True), transient=True) as bar:
+        for total in sizes:
+            tiered_cfg = sweep_config(config, total)
+            task = bar.add_task(f"sweep {total:,}", total=2 * len(requests))
+            tiered = replay(requests, tiered_cfg, lambda i: bar.advance(task))
+            flat = replay(requests, replace(tiered_cfg, l1_tokens=tiered_cfg.total_tokens, l2_tokens=None),
+                          lambda i: bar.advance(task))
+            opt = belady_min(requests, tiered_cfg.total_tokens, config.page_size)
+            points.append({"capacity_tokens": tiered_cfg.total_tokens, "l1_tokens": tiered_cfg.l1_tokens,
+                           "l2_tokens": tiered_cfg.l2_tokens, "tiered_hit_ratio": tiered.hit_ratio,
+                           "l1_only_hit_ratio": flat.hit_ratio, "optimal_hit_ratio": opt.hit_ratio})
+    return points
+
+
+def print_sweep(points: list[dict], console: Console | None = None) -> None:
+    table = Table(title="hit ratio vs total capacity (L1 + L2, no L3)", title_justify="left")
+    for col in ("capacity (tokens)", "L1", "L2", "tiered", "L1-only", "optimal (MIN)"):
+        table.add_column(col, justify="right")
+    for p in points:
+        table.add_row(f"{p['capacity_tokens']:,}", f"{p['l1_tokens']:,}", f"{p['l2_tokens'] or 0:,}",
+                      _pct(p["tiered_hit_ratio"]), _pct(p["l1_only_hit_ratio"]), _pct(p["optimal_hit_ratio"]))
+    (console or _stdout_console()).print(table)
+
+
+# ---- plots ------------------------------------------------------------------------------------------------
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_sweep(points: list[dict], path: str | Path) -> None:
+    """Hit ratio against capacity (log x) for tiered, L1-only and MIN."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    xs = [p["capacity_tokens"] for p in points]
+    for key, label, style in (("optimal_hit_ratio", "optimal (Belady MIN)", "k--"),
+                              ("l1_only_hit_ratio", "L1-only radix cache", "o-"),
+                              ("tiered_hit_ratio", "tiered L1+L2 (tierkv)", "s-")):
+        ax.plot(xs, [100 * p[key] for p in points], style, label=label)
+    ax.set_xscale("log")
+    ax.set_xlabel("total cache capacity (tokens)")
+    ax.set_ylabel("hit ratio (% of prompt tokens)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_report(report: dict, path: str | Path) -> None:
+    """Hit tokens per tier for each configuration, and modelled TTFT (mean, p50, p99)."""
+    plt = _pyplot()
+    base = report["baselines"]
+    names, tiers = ["no cache"], [(0, 0, 0)]
+    if "l1_only" in base:
+        names.append("L1-only")
+        tiers.append((base["l1_only"]["hit_ratio"], 0, 0))
+    total = report["prompt_tokens"] or 1
+    h = report["hit_tokens"]
+    names += ["tiered", "optimal"]
+    tiers += [(h["l1"] / total, h["l2"] / total, h["l3"] / total), (base["optimal"]["hit_ratio"], 0, 0)]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.5))
+    bottom = [0.0] * len(names)
+    for i, tier in enumerate(("L1", "L2", "L3")):
+        vals = [100 * t[i] for t in tiers]
+        ax1.bar(names, vals, bottom=bottom, label=tier)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax1.set_ylabel("hit ratio (% of prompt tokens)")
+    ax1.legend()
+    ttfts = [base["no_cache"]["ttft_s"]] + ([base["l1_only"]["ttft_s"]] if "l1_only" in base else [])
+    ttfts += [report["ttft_s"], base["optimal"]["ttft_s"]]
+    width = 0.27
+    for j, stat in enumerate(("mean", "p50", "p99")):
+        ax2.bar([i + (j - 1) * width for i in range(len(names))], [1000 * t[stat] for t in ttfts], width, label=stat)
+    ax2.set_xticks(range(len(names)), names)
+    ax2.set_ylabel(f"modelled TTFT (ms), {report['model']['name']}")
+    ax2.legend()
+    fig.suptitle(f"{report['requests']} requests: {Path(report['trace']).name}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

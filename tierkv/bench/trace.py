@@ -1,0 +1,142 @@
+"""Mooncake-format request traces: parsing with line-numbered errors, and deterministic token expansion.
+
+One JSON object a line: ``timestamp`` (ms), ``input_length``, ``output_length`` and ``hash_ids``, one id
+per 512-token block of the prompt, each id standing for the block *and everything before it*.
+
+Expansion: block id ``b`` becomes the token ids ``b * 512 + i`` for ``i`` in ``0..511`` and the prompt is
+cut to ``input_length``. Equal ids give equal tokens, different ids give disjoint tokens, so two prompts
+share a token prefix exactly as far as they share block ids (then a partial block, if its id matches).
+Generated tokens (``--include-output``) are unique per request and never collide with prompt tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+BLOCK_TOKENS = 512
+# Output tokens live above every prompt token: prompt ids stay below 2**40 for ids < 2**31.
+_OUTPUT_BASE = 1 << 40
+_OUTPUT_STRIDE = 1 << 22  # > any plausible output_length, so requests never share output tokens
+
+
+class TraceError(ValueError):
+    """A bad trace line; the message names the file's line number."""
+
+    def __init__(self, line_no: int, reason: str) -> None:
+        super().__init__(f"trace line {line_no}: {reason}")
+        self.line_no = line_no
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    """One request of the trace. ``index`` counts accepted requests from 0; ``line_no`` counts from 1."""
+
+    index: int
+    line_no: int
+    timestamp_ms: int
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+    def prompt_tokens(self) -> list[int]:
+        """The prompt's token ids: each block id expanded to 512 ids, cut to ``input_length``."""
+        tokens: list[int] = []
+        for block_id in self.hash_ids:
+            start = block_id * BLOCK_TOKENS
+            tokens.extend(range(start, start + BLOCK_TOKENS))
+        del tokens[self.input_length:]
+        return tokens
+
+    def output_tokens(self) -> list[int]:
+        """Stand-ins for the generated tokens: unique to this request."""
+        start = _OUTPUT_BASE + self.index * _OUTPUT_STRIDE
+        return list(range(start, start + self.output_length))
+
+    def block_token_counts(self) -> list[int]:
+        """Prompt tokens of each block: 512, except the last, which may be partial."""
+        counts = [BLOCK_TOKENS] * len(self.hash_ids)
+        if counts:
+            counts[-1] = self.input_length - BLOCK_TOKENS * (len(counts) - 1)
+        return counts
+
+
+@dataclass
+class Trace:
+    """Accepted requests, in file order, and the bad lines skipped (only with ``skip_bad``)."""
+
+    requests: list[TraceRequest]
+    bad_lines: list[TraceError] = field(default_factory=list)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(r.input_length for r in self.requests)
+
+
+def _int_field(obj: dict, name: str, line_no: int, minimum: int) -> int:
+    if name not in obj:
+        raise TraceError(line_no, f"missing field {name!r}")
+    value = obj[name]
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TraceError(line_no, f"field {name!r} must be an int, got {value!r}")
+    if value < minimum:
+        raise TraceError(line_no, f"field {name!r} must be >= {minimum}, got {value}")
+    return value
+
+
+def parse_line(text: str, line_no: int, index: int) -> TraceRequest:
+    """Parse one trace line; raises :class:`TraceError` naming ``line_no`` on any defect."""
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise TraceError(line_no, f"malformed JSON ({exc.msg} at column {exc.colno})") from None
+    if not isinstance(obj, dict):
+        raise TraceError(line_no, f"expected a JSON object, got {type(obj).__name__}")
+    timestamp_ms = _int_field(obj, "timestamp", line_no, 0)
+    input_length = _int_field(obj, "input_length", line_no, 1)
+    output_length = _int_field(obj, "output_length", line_no, 0)
+    if "hash_ids" not in obj:
+        raise TraceError(line_no, "missing field 'hash_ids'")
+    hash_ids = obj["hash_ids"]
+    if not isinstance(hash_ids, list) or not all(
+            isinstance(h, int) and not isinstance(h, bool) and 0 <= h < 2**31 for h in hash_ids):
+        raise TraceError(line_no, "field 'hash_ids' must be a list of ints in [0, 2**31)")
+    expected = math.ceil(input_length / BLOCK_TOKENS)
+    if len(hash_ids) != expected:
+        raise TraceError(line_no, f"len(hash_ids) is {len(hash_ids)} but input_length {input_length} "
+                                  f"needs ceil({input_length}/{BLOCK_TOKENS}) = {expected}")
+    if output_length >= _OUTPUT_STRIDE:
+        raise TraceError(line_no, f"output_length {output_length} is over {_OUTPUT_STRIDE - 1}")
+    return TraceRequest(index, line_no, timestamp_ms, input_length, output_length, tuple(hash_ids))
+
+
+def parse_lines(lines: Iterable[str], limit: int | None = None, skip_bad: bool = False) -> Trace:
+    """Parse trace lines (blank lines ignored); the first ``limit`` accepted requests at most.
+
+    A bad line raises :class:`TraceError`, or with ``skip_bad`` is recorded in ``Trace.bad_lines``.
+    """
+    if limit is not None and (not isinstance(limit, int) or limit < 0):
+        raise ValueError(f"limit must be an int >= 0, got {limit!r}")
+    trace = Trace([])
+    for line_no, text in enumerate(lines, start=1):
+        if limit is not None and len(trace.requests) >= limit:
+            break
+        if not text.strip():
+            continue
+        try:
+            trace.requests.append(parse_line(text, line_no, len(trace.requests)))
+        except TraceError as exc:
+            if not skip_bad:
+                raise
+            trace.bad_lines.append(exc)
+    return trace
+
+
+def load_trace(path: str | Path, limit: int | None = None, skip_bad: bool = False) -> Trace:
+    """Read a JSONL trace file; see :func:`parse_lines`."""
+    with open(path, encoding="utf-8") as f:
+        return parse_lines(f, limit, skip_bad)

@@ -1,0 +1,139 @@
+"""Command line: ``tierkv replay`` (trace replay with baselines), ``tierkv bench``, ``tierkv serve``.
+
+``serve`` and ``bench engine`` live in the engine package and are imported only when asked for, so the
+replay works without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from rich.console import Console
+
+from tierkv.config import WRITE_POLICIES
+from tierkv.eviction import POLICIES
+
+DEFAULT_L1_TOKENS = "500k"  # ~61 GiB of Llama-3-8B KV: what one 80 GB GPU keeps for KV
+DEFAULT_L2_TOKENS = "4M"  # 8x L1: ~0.5 TiB of host memory
+
+
+def _replay_parser(sub: argparse._SubParsersAction) -> None:
+    from tierkv.bench.ttft import GPU_PEAK_FLOPS, MODELS
+
+    p = sub.add_parser("replay", help="replay a Mooncake-format trace through L1/L2/L3 with baselines",
+                       description="Replay a request trace through the real hierarchical cache and report "
+                                   "hits per tier, the L1-only and no-cache baselines, the offline optimum "
+                                   "(Belady MIN) and a modelled TTFT.")
+    p.add_argument("trace", help="JSONL trace (timestamp, input_length, output_length, hash_ids)")
+    p.add_argument("--l1-tokens", default=DEFAULT_L1_TOKENS, help="L1 (device) capacity; 250k, 1M, ...")
+    p.add_argument("--l2-tokens", default=DEFAULT_L2_TOKENS, help="L2 (host) capacity; 0 for no L2")
+    p.add_argument("--l3", default="none", help="none | file:DIR | redis://HOST:PORT[/DB] | other store spec")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--policy", default="lru", choices=sorted(POLICIES), help="eviction policy")
+    p.add_argument("--write-policy", default="write_through", choices=sorted(WRITE_POLICIES))
+    p.add_argument("--model", default="llama-3-8b", choices=sorted(MODELS), help="model for the TTFT model")
+    p.add_argument("--kv-bytes-per-token", type=int, default=None,
+                   help="KV bytes per token for transfer times and bytes moved (default: the model's)")
+    p.add_argument("--gpu", default="h100", choices=sorted(GPU_PEAK_FLOPS), help="GPU peak FLOP/s")
+    p.add_argument("--mfu", type=float, default=0.5, help="model FLOP utilisation of prefill")
+    p.add_argument("--l2-gbps", type=float, default=40.0, help="L2->L1 bandwidth, GB/s")
+    p.add_argument("--l2-latency-us", type=float, default=10.0, help="L2->L1 latency per batch, us")
+    p.add_argument("--l3-gbps", type=float, default=6.0, help="L3->L2 bandwidth, GB/s")
+    p.add_argument("--l3-latency-us", type=float, default=100.0, help="L3->L2 latency per batch, us")
+    p.add_argument("--json", metavar="OUT", help="write the report as JSON")
+    p.add_argument("--plot", metavar="OUT.png", help="plot hits and TTFT (or the sweep, with --sweep)")
+    p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    p.add_argument("--sweep", metavar="SIZES", help="also sweep total capacity, e.g. 250k,1M,3M,10M")
+    p.add_argument("--include-output", action="store_true", help="insert generated tokens too")
+    p.add_argument("--skip-bad", action="store_true", help="skip (and count) bad trace lines")
+    p.add_argument("--no-baselines", action="store_true", help="skip the L1-only replay")
+    p.add_argument("--verify", action="store_true", help="check every reused prefix's KV (slower)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tierkv", description="hierarchical prefix KV cache tools")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _replay_parser(sub)
+    sub.add_parser("bench", help="benchmarks: `tierkv bench engine ...` (the engine's)", add_help=False)
+    sub.add_parser("serve", help="serve a model with the tiered cache (the engine's)", add_help=False)
+    return parser
+
+
+def _dispatch(func_name: str, argv: list[str], what: str) -> int:
+    """Call ``tierkv.engine.cli.<func_name>(argv)``, importing the engine only now."""
+    try:
+        module = importlib.import_module("tierkv.engine.cli")
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("tierkv.engine", "tierkv.engine.cli"):
+            raise
+        print(f"tierkv: `{what}` needs the engine (tierkv.engine.cli), which this build does not have",
+              file=sys.stderr)
+        return 2
+    func = getattr(module, func_name, None)
+    if func is None:
+        print(f"tierkv: `{what}` needs tierkv.engine.cli.{func_name}, which this build does not have",
+              file=sys.stderr)
+        return 2
+    return int(func(argv) or 0)
+
+
+def _model_from_args(args: argparse.Namespace):
+    from tierkv.bench.ttft import GPU_PEAK_FLOPS, Link, TTFTModel, get_model
+
+    if not 0 < args.mfu <= 1:
+        raise ValueError(f"--mfu must be in (0, 1], got {args.mfu!r}")
+    return TTFTModel(get_model(args.model), GPU_PEAK_FLOPS[args.gpu] * args.mfu, args.kv_bytes_per_token,
+                     Link(args.l2_gbps * 1e9, args.l2_latency_us * 1e-6),
+                     Link(args.l3_gbps * 1e9, args.l3_latency_us * 1e-6))
+
+
+def replay_main(args: argparse.Namespace) -> int:
+    from tierkv.bench.replay import ReplayConfig
+    from tierkv.bench.report import (build_report, parse_size, parse_sizes, plot_report, plot_sweep,
+                                     print_report, run_all, run_sweep, write_json)
+    from tierkv.bench.trace import load_trace
+
+    l2 = parse_size(args.l2_tokens)
+    config = ReplayConfig(l1_tokens=parse_size(args.l1_tokens), l2_tokens=l2 or None, page_size=args.page_size,
+                          eviction_policy=args.policy, write_policy=args.write_policy, l3=args.l3,
+                          include_output=args.include_output, verify=args.verify)
+    model = _model_from_args(args)
+    sizes = parse_sizes(args.sweep) if args.sweep else None
+    trace = load_trace(args.trace, limit=args.limit, skip_bad=args.skip_bad)
+    err = Console(stderr=True)
+    for bad in trace.bad_lines[:5]:
+        err.print(f"skipped {bad}")
+    run = run_all(trace, config, baselines=not args.no_baselines, console=err)
+    report = build_report(run, model, args.trace)
+    if sizes:
+        report["sweep"] = run_sweep(trace, config, sizes, console=err)
+    print_report(report)
+    if args.json:
+        write_json(report, args.json)
+    if args.plot:
+        (plot_sweep(report["sweep"], args.plot) if sizes else plot_report(report, args.plot))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:
+        return _dispatch("serve_main", argv[1:], "serve")
+    if argv[:1] == ["bench"]:
+        if argv[1:2] == ["engine"]:
+            return _dispatch("bench_main", argv[2:], "bench engine")
+        print("usage: tierkv bench engine [ARGS...]   (replay benchmarks: python bench/bench_replay.py)",
+              file=sys.stderr)
+        return 2
+    args = build_parser().parse_args(argv)
+    try:
+        return replay_main(args)
+    except (ValueError, OSError) as exc:
+        print(f"tierkv replay: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

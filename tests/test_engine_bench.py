@@ -1,0 +1,33 @@
+"""The engine benchmark: every row runs, rows are named as the report expects, outputs agree across modes."""
+
+from engine_helpers import single_torch_thread  # noqa: F401  (autouse fixture)
+from tierkv.engine.bench import ChatWorkload, engine_config, format_table, main, run_all
+
+TINY = ChatWorkload(num_conversations=3, num_turns=2, system_tokens=48, user_tokens=24, output_tokens=3)
+
+
+def test_all_rows_run_and_agree():
+    results = run_all("tiny-llama", TINY)
+    assert [r.mode for r in results] == ["none", "l1", "l1+l2", "l1+l2+l3"]
+    assert all(r.error is None for r in results)
+    assert all(r.outputs == results[0].outputs for r in results)
+    assert sum(results[0].hit_tokens.values()) == 0
+    assert results[2].hit_tokens["L1"] + results[2].hit_tokens["L2"] > 0
+    table = format_table(results)
+    for label in ("no cache", "L1 only", "L1+L2", "L1+L2+L3", "outputs identical across modes: yes"):
+        assert label in table
+
+
+def test_l2_is_sized_above_l1_and_l3_row_has_less_l2():
+    l2 = engine_config("l1+l2", TINY, "cpu", "/tmp/unused", 64)
+    l3 = engine_config("l1+l2+l3", TINY, "cpu", "/tmp/unused", 64)
+    assert l2.hicache_ratio > l3.hicache_ratio >= 1.5 and l3.l3 == "file:/tmp/unused"
+
+
+def test_cli_prints_the_table(capsys, tmp_path):
+    out_json = tmp_path / "r.json"
+    assert main(["--conversations", "2", "--turns", "2", "--system-tokens", "32", "--quick",
+                 "--json", str(out_json)]) == 0
+    printed = capsys.readouterr().out
+    assert "TTFT p50 ms" in printed and "L1+L2+L3" in printed
+    assert out_json.read_text().count('"mode"') == 4

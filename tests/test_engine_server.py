@@ -1,0 +1,130 @@
+"""The completions server: plain and streaming answers, /metrics, 4xx on bad bodies, the serve command."""
+
+import http.client
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from engine_helpers import reference, tiny_model
+from engine_helpers import single_torch_thread  # noqa: F401  (autouse fixture)
+from tierkv.engine.engine import Engine, EngineConfig
+from tierkv.engine.server import CompletionServer
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    srv = CompletionServer(Engine(model, EngineConfig(mode="l1+l2", l1_tokens=1024))).start()
+    yield srv
+    srv.close()
+
+
+def call(port, method, path, body=None, raw=None):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    payload = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    conn.request(method, path, body=payload, headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    data = resp.read()
+    conn.close()
+    return resp.status, resp.getheader("Content-Type"), data
+
+
+def test_completion_matches_the_engine_and_reports_cache_hits(server, model):
+    prompt = list(range(40, 90))
+    want = reference(model, [prompt], 5)[0].output
+    for attempt in range(2):
+        status, ctype, data = call(server.port, "POST", "/v1/completions", {"prompt": prompt, "max_tokens": 5})
+        assert status == 200 and ctype == "application/json"
+        body = json.loads(data)
+        assert body["object"] == "text_completion" and body["choices"][0]["token_ids"] == want
+        assert body["choices"][0]["finish_reason"] == "length"
+        assert body["usage"]["completion_tokens"] == 5 and body["usage"]["prompt_tokens"] == 50
+    assert body["usage"]["cached_tokens"] >= 48  # the second attempt hit the first one's KV
+
+
+def test_streaming_sends_one_event_per_token_then_done(server, model):
+    want = reference(model, [list(b"hello streaming")], 4)[0].output
+    status, ctype, data = call(server.port, "POST", "/v1/completions",
+                               {"prompt": "hello streaming", "max_tokens": 4, "stream": True})
+    assert status == 200 and ctype.startswith("text/event-stream")
+    events = [line[len("data: "):] for line in data.decode().split("\n\n") if line]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert [c["choices"][0]["token_ids"][0] for c in chunks[:-1]] == want
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_metrics_are_prometheus_text(server):
+    call(server.port, "POST", "/v1/completions", {"prompt": "abcdefghijklmnop", "max_tokens": 2})
+    call(server.port, "POST", "/v1/completions", {"prompt": "abcdefghijklmnop", "max_tokens": 2})
+    status, ctype, data = call(server.port, "GET", "/metrics")
+    assert status == 200 and ctype.startswith("text/plain")
+    samples = {}
+    for line in data.decode().splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    assert samples['tierkv_requests_total{status="finished"}'] >= 2
+    assert samples['tierkv_cache_hit_tokens_total{tier="L1"}'] >= 15
+    assert {'tierkv_cache_hit_tokens_total{tier="L2"}', 'tierkv_cache_hit_tokens_total{tier="L3"}',
+            'tierkv_evicted_tokens_total{tier="L1"}', "tierkv_ttft_seconds_count"} <= set(samples)
+
+
+@pytest.mark.parametrize("raw", [b"not json", b"[1, 2]", b'{"prompt": 5}', b'{"prompt": []}',
+                                 b'{"prompt": [1, 99999]}', b'{"prompt": "x", "max_tokens": 0}',
+                                 b'{"prompt": "x", "max_tokens": "3"}', b'{"prompt": "x", "stream": "yes"}',
+                                 b'{"prompt": [true, 2]}', b'\xff\xfe'])
+def test_bad_bodies_get_a_4xx_json_error(server, raw):
+    status, ctype, data = call(server.port, "POST", "/v1/completions", raw=raw)
+    assert 400 <= status < 500 and ctype == "application/json"
+    assert "message" in json.loads(data)["error"]
+
+
+def test_unknown_route_and_too_long_prompt(server):
+    assert call(server.port, "GET", "/nope")[0] == 404
+    status, _, data = call(server.port, "POST", "/v1/completions", {"prompt": [1] * 2000, "max_tokens": 2})
+    assert status == 400 and "KV slots" in json.loads(data)["error"]["message"]
+    assert call(server.port, "GET", "/health")[0] == 200  # still serving
+
+
+def test_serve_command_answers(tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    proc = subprocess.Popen([sys.executable, "-m", "tierkv.engine.cli", "serve", "--model", "tiny-qwen3",
+                             "--port", "0", "--l1-tokens", "512"], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        assert "listening on http://127.0.0.1:" in line, line
+        port = int(line.rsplit(":", 1)[1])
+        status, _, data = call(port, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 3})
+        assert status == 200 and len(json.loads(data)["choices"][0]["token_ids"]) == 3
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+    assert proc.returncode == 0
+
+
+def test_client_leaving_mid_stream_leaks_nothing(server):
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "bye" * 20, "max_tokens": 200,
+                                                             "stream": True}))
+    resp = conn.getresponse()
+    resp.fp.readline()  # the first event has started
+    resp.close()  # the response owns the socket (Connection: close); this hangs up
+    conn.close()
+    status, _, _ = call(server.port, "POST", "/v1/completions", {"prompt": "still here", "max_tokens": 2})
+    assert status == 200
+    deadline = time.monotonic() + 30
+    while server.loop.engine.scheduler.has_work and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with server.loop.lock:
+        server.loop.engine.cache.flush()
+        server.loop.engine.check_integrity()
+        assert not server.loop.engine.scheduler.running

@@ -1,0 +1,218 @@
+"""``tierkv bench engine``: replay a seeded multi-turn chat workload through the engine in each cache
+mode (no cache, L1 only, L1+L2, L1+L2+L3) side by side, and print TTFT and throughput with ratios.
+
+Each turn's prompt is the conversation so far (shared system prompt, earlier user messages and the
+engine's own answers) plus a new user message, so a turn can reuse all KV of the previous one. L1 is
+sized below the workload's working set (see :func:`engine_config` for the L2 sizes), so each added tier
+keeps more of it. The table shows each row's L1 and L2 sizes in tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from tierkv.engine.engine import CACHE_MODES, MODE_LABELS, Engine, EngineConfig, sync_device
+from tierkv.engine.loader import build_model
+from tierkv.engine.request import Request
+
+
+PAGE_SIZE = 16  # one L3 file per page: per-token pages would measure the file system, not the cache
+
+
+@dataclass(frozen=True)
+class ChatWorkload:
+    num_conversations: int = 16
+    num_turns: int = 4
+    num_system_prompts: int = 2
+    system_tokens: int = 384
+    user_tokens: int = 48
+    output_tokens: int = 16
+    seed: int = 0
+
+    def system_prompts(self, vocab: int) -> list[list[int]]:
+        rng = random.Random(self.seed)
+        return [[rng.randrange(vocab) for _ in range(self.system_tokens)] for _ in range(self.num_system_prompts)]
+
+    def user_message(self, conversation: int, turn: int, vocab: int) -> list[int]:
+        rng = random.Random(f"{self.seed}-{conversation}-{turn}")
+        return [rng.randrange(vocab) for _ in range(self.user_tokens)]
+
+    @property
+    def max_context_tokens(self) -> int:
+        return self.system_tokens + self.num_turns * (self.user_tokens + self.output_tokens)
+
+    @property
+    def working_set_tokens(self) -> int:
+        """KV tokens of every conversation's full history (system prompts counted once)."""
+        per_conversation = self.num_turns * (self.user_tokens + self.output_tokens)
+        return self.num_system_prompts * self.system_tokens + self.num_conversations * per_conversation
+
+
+@dataclass
+class ModeResult:
+    mode: str
+    wall_s: float = 0.0
+    ttft_s: list[float] = field(default_factory=list)
+    decode_tokens_per_s: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    hit_tokens: dict = field(default_factory=dict)
+    l1_tokens: int = 0
+    l2_tokens: int = 0
+    outputs: list[list[int]] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def throughput(self) -> float:
+        """Generated tokens per second of wall time over the whole replay."""
+        return self.generated_tokens / self.wall_s if self.wall_s else 0.0
+
+    def ttft_quantile(self, q: float) -> float:
+        values = sorted(self.ttft_s)
+        return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+
+def replay(engine: Engine, workload: ChatWorkload, mode: str) -> ModeResult:
+    """All conversations advance one turn per round; a round's requests run batched together."""
+    vocab = min(engine.model.config.vocab_size, 256)
+    systems = workload.system_prompts(vocab)
+    histories = [list(systems[c % len(systems)]) for c in range(workload.num_conversations)]
+    result = ModeResult(mode, hit_tokens={"L1": 0, "L2": 0, "L3": 0})
+    start = time.perf_counter()
+    for turn in range(workload.num_turns):
+        requests = []
+        for c, history in enumerate(histories):
+            history += workload.user_message(c, turn, vocab)
+            requests.append(engine.scheduler.submit(Request(list(history), workload.output_tokens)))
+        while engine.scheduler.has_work:
+            engine.scheduler.step()
+        sync_device(engine.model.device)
+        for history, r in zip(histories, requests):
+            if r.error:
+                raise RuntimeError(f"request failed in mode {mode}: {r.error}")
+            history += r.output
+            _record(result, r)
+    result.wall_s = time.perf_counter() - start
+    result.l1_tokens = engine.device_pool.num_slots
+    result.l2_tokens = engine.cache.host_pool.num_slots if engine.cache.host_pool is not None else 0
+    return result
+
+
+def _record(result: ModeResult, r: Request) -> None:
+    result.ttft_s.append(r.ttft_s)
+    if r.decode_tokens_per_s:
+        result.decode_tokens_per_s.append(r.decode_tokens_per_s)
+    result.prompt_tokens += len(r.prompt)
+    result.generated_tokens += len(r.output)
+    result.hit_tokens["L1"] += r.device_hit_tokens
+    result.hit_tokens["L2"] += r.host_hit_tokens
+    result.hit_tokens["L3"] += r.storage_hit_tokens
+    result.outputs.append(r.output)
+
+
+def engine_config(mode: str, workload: ChatWorkload, device: str, l3_dir: str, chunk_tokens: int) -> EngineConfig:
+    """L1 holds about a quarter of the working set (at least two requests). Chat turns come back round
+    robin, which LRU keeps only if the tier holds every history: the L1+L2 row gets an L2 of 1.25x the
+    working set; the L1+L2+L3 row only half of it, so L3 must supply what L2 dropped."""
+    l1 = max(workload.working_set_tokens // 4, 2 * workload.max_context_tokens)
+    l2_fraction = 0.5 if mode == "l1+l2+l3" else 1.25
+    ratio = max(1.5, l2_fraction * workload.working_set_tokens / l1)
+    l3 = mode == "l1+l2+l3"
+    extra = {"prefetch_threshold": 2 * PAGE_SIZE, "prefetch_stop_policy": "wait_complete"}
+    return EngineConfig(mode=mode, device=device, l1_tokens=l1 - l1 % PAGE_SIZE, page_size=PAGE_SIZE,
+                        hicache_ratio=ratio, chunk_tokens=chunk_tokens,
+                        host_layout="page_first" if l3 else "layer_first",
+                        l3=f"file:{l3_dir}" if l3 else None, storage_extra=extra if l3 else None)
+
+
+def run_all(model_name: str, workload: ChatWorkload, device: str = "cpu", chunk_tokens: int = 512,
+            modes: tuple[str, ...] = CACHE_MODES) -> list[ModeResult]:
+    model = build_model(model_name, device)
+    _warm_up(model, device)
+    results = []
+    for mode in modes:
+        with tempfile.TemporaryDirectory(prefix="tierkv-bench-l3-") as l3_dir:
+            try:
+                engine = Engine(model, engine_config(mode, workload, device, l3_dir, chunk_tokens))
+            except ValueError as exc:
+                results.append(ModeResult(mode, error=str(exc)))
+                continue
+            try:
+                results.append(replay(engine, workload, mode))
+            finally:
+                engine.close()
+    return results
+
+
+def _warm_up(model, device: str) -> None:
+    engine = Engine(model, EngineConfig(mode="none", device=device, l1_tokens=512))
+    engine.generate([list(range(64))], 4)
+    engine.close()
+
+
+def format_table(results: list[ModeResult]) -> str:
+    base = next((r for r in results if r.mode == "none" and not r.error), None)
+    header = (f"{'mode':<10} {'TTFT p50 ms':>11} {'TTFT p99 ms':>11} {'out tok/s':>10} {'hit %':>6} "
+              f"{'p50 speedup':>11} {'p99 speedup':>11} {'tok/s ratio':>11} {'L1/L2 tokens':>13}")
+    lines = [header, "-" * len(header)]
+    for r in results:
+        label = MODE_LABELS[r.mode]
+        if r.error:
+            lines.append(f"{label:<10} n/a: {r.error}")
+            continue
+        p50, p99 = r.ttft_quantile(0.5), r.ttft_quantile(0.99)
+        hit = 100.0 * sum(r.hit_tokens.values()) / max(1, r.prompt_tokens)
+        ratios = ("", "", "")
+        if base is not None:
+            ratios = (f"{base.ttft_quantile(0.5) / p50:.2f}x", f"{base.ttft_quantile(0.99) / p99:.2f}x",
+                      f"{r.throughput / base.throughput:.2f}x")
+        lines.append(f"{label:<10} {p50 * 1e3:>11.2f} {p99 * 1e3:>11.2f} {r.throughput:>10.1f} {hit:>6.1f} "
+                     f"{ratios[0]:>11} {ratios[1]:>11} {ratios[2]:>11} {f'{r.l1_tokens}/{r.l2_tokens}':>13}")
+    ok = [r for r in results if not r.error]
+    same = all(r.outputs == ok[0].outputs for r in ok)
+    lines.append(f"outputs identical across modes: {'yes' if same else 'NO'}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tierkv bench engine", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="tiny-llama",
+                        help="preset, config.json or checkpoint dir (small-llama: prefill-dominated on a CPU)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--quick", action="store_true", help="a reduced workload (under 30 s on a CPU)")
+    parser.add_argument("--conversations", type=int)
+    parser.add_argument("--turns", type=int)
+    parser.add_argument("--system-tokens", type=int)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (1 avoids oversubscription on a shared CPU)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    workload = ChatWorkload(num_conversations=8, num_turns=3, system_tokens=128, user_tokens=96,
+                                output_tokens=8) \
+        if args.quick else ChatWorkload()
+    overrides = {"num_conversations": args.conversations, "num_turns": args.turns,
+                 "system_tokens": args.system_tokens, "seed": args.seed}
+    workload = ChatWorkload(**(asdict(workload) | {k: v for k, v in overrides.items() if v is not None}))
+    print(f"engine bench: model {args.model} on {args.device}; {workload.num_conversations} conversations x "
+          f"{workload.num_turns} turns, {workload.num_system_prompts} shared system prompts of "
+          f"{workload.system_tokens} tokens, {workload.user_tokens} user + {workload.output_tokens} output "
+          f"tokens per turn", flush=True)
+    results = run_all(args.model, workload, args.device)
+    print(format_table(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"workload": asdict(workload), "results": [
+                {"mode": r.mode, "error": r.error, "ttft_p50_s": r.ttft_quantile(0.5),
+                 "ttft_p99_s": r.ttft_quantile(0.99), "throughput_tokens_per_s": r.throughput,
+                 "hit_tokens": r.hit_tokens, "prompt_tokens": r.prompt_tokens} for r in results]}, f, indent=2)
+    return 0

@@ -1,0 +1,96 @@
+"""Assemble model, device pool, hierarchical cache and scheduler for one of the cache modes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tierkv.config import CacheConfig
+from tierkv.engine.config import ModelConfig
+from tierkv.engine.loader import build_model
+from tierkv.engine.models import CausalLM
+from tierkv.engine.request import Request
+from tierkv.engine.runner import ModelRunner
+from tierkv.engine.scheduler import Scheduler, SchedulerConfig
+from tierkv.hicache import HiRadixCache
+from tierkv.pools.kv import DeviceKVPool
+
+CACHE_MODES = ("none", "l1", "l1+l2", "l1+l2+l3")
+MODE_LABELS = {"none": "no cache", "l1": "L1 only", "l1+l2": "L1+L2", "l1+l2+l3": "L1+L2+L3"}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Sizes and policies of one engine. ``l3`` is a storage spec (e.g. ``file:/path``) for mode l1+l2+l3;
+    ``storage_extra`` its extra config (prefetch policy, thresholds) as a dict."""
+
+    mode: str = "l1+l2"
+    device: str = "cpu"
+    l1_tokens: int = 4096
+    page_size: int = 1
+    hicache_ratio: float = 2.0
+    hicache_size_gb: float | None = None
+    write_policy: str = "write_through"
+    host_layout: str = "layer_first"
+    kv_dtype: str | None = None
+    l3: str | None = None
+    storage_extra: dict | None = None
+    max_running_requests: int = 16
+    chunk_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        if self.mode not in CACHE_MODES:
+            raise ValueError(f"mode {self.mode!r} is not one of {CACHE_MODES}")
+        if self.mode == "l1+l2+l3" and not self.l3:
+            raise ValueError("mode 'l1+l2+l3' needs l3 (a storage spec such as 'file:/path')")
+        if not isinstance(self.l1_tokens, int) or self.l1_tokens < self.page_size:
+            raise ValueError(f"l1_tokens must be an int of at least one page, got {self.l1_tokens!r}")
+
+
+class Engine:
+    """A model plus its cache and scheduler. ``generate`` is the blocking convenience API."""
+
+    def __init__(self, model: CausalLM | ModelConfig | str, config: EngineConfig | None = None) -> None:
+        self.config = cfg = config or EngineConfig()
+        self.model = model if isinstance(model, CausalLM) else build_model(model, cfg.device)
+        spec = self.model.config.kv_spec(cfg.kv_dtype)
+        self.device_pool = DeviceKVPool(spec, cfg.l1_tokens, cfg.page_size, self.model.device)
+        cache_cfg = CacheConfig(page_size=cfg.page_size, write_policy=cfg.write_policy, host_layout=cfg.host_layout,
+                                hicache_ratio=cfg.hicache_ratio, hicache_size_gb=cfg.hicache_size_gb,
+                                enable_host=cfg.mode in ("l1+l2", "l1+l2+l3"))
+        self.cache = HiRadixCache(self.device_pool, cache_cfg)
+        self.runner = ModelRunner(self.model, self.device_pool)
+        self.scheduler = Scheduler(self.runner, self.cache, SchedulerConfig(
+            cfg.max_running_requests, cfg.chunk_tokens, use_prefix_cache=cfg.mode != "none"))
+        if cfg.mode == "l1+l2+l3":
+            from tierkv.engine.prefetch import attach_l3
+            attach_l3(self, cfg.l3, cfg.storage_extra or {})
+
+    @property
+    def namespace(self) -> str:
+        """Names the model in L3 keys (the KV layout and dtype are added by the hash namespace)."""
+        m = self.model.config
+        return f"{m.arch}-L{m.num_layers}-H{m.hidden_size}-V{m.vocab_size}-seed{m.seed}"
+
+    def submit(self, prompt: list[int], max_new_tokens: int, **kwargs) -> Request:
+        return self.scheduler.submit(Request(list(prompt), max_new_tokens, **kwargs))
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[Request]:
+        """Run all prompts together (continuous batching) and return their finished requests."""
+        requests = [self.submit(p, max_new_tokens) for p in prompts]
+        while self.scheduler.has_work:
+            self.scheduler.step()
+        return requests
+
+    def check_integrity(self) -> None:
+        self.cache.check_integrity(caller_device_slots=self.scheduler.owned_device_slots())
+
+    def close(self) -> None:
+        self.cache.close()
+
+
+def sync_device(device: torch.device | str) -> None:
+    """Wait for queued kernels, so wall-clock timings cover the work."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,59 @@
+"""Build a model from a preset/config (seeded random weights) or a local HF-layout safetensors checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from tierkv.engine.config import ModelConfig, resolve_config
+from tierkv.engine.models import CausalLM, init_random_
+
+
+def build_model(model: str | ModelConfig, device: torch.device | str = "cpu") -> CausalLM:
+    """A preset name, a ModelConfig, a config.json, or a checkpoint directory (config.json + *.safetensors).
+
+    Without weight files the model gets seeded random weights (``config.seed``).
+    """
+    cfg = model if isinstance(model, ModelConfig) else resolve_config(model)
+    lm = CausalLM(cfg)
+    weight_files = _weight_files(model)
+    if weight_files:
+        _load_weights(lm, weight_files)
+    else:
+        init_random_(lm, cfg.seed)
+    return lm.to(device=device, dtype=cfg.torch_dtype).eval()
+
+
+def _weight_files(model: str | ModelConfig) -> list[Path]:
+    if isinstance(model, ModelConfig):
+        return []
+    path = Path(model)
+    return sorted(path.glob("*.safetensors")) if path.is_dir() else []
+
+
+def _load_weights(lm: CausalLM, files: list[Path]) -> None:
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    missing, unexpected = lm.load_state_dict(state, strict=False)
+    if lm.config.tie_word_embeddings:  # tied checkpoints usually omit the head: it is the embedding
+        missing = [k for k in missing if k != "lm_head.weight"]
+    # rotary inverse frequencies and MoE/other extras some checkpoints carry are not parameters here
+    unexpected = [k for k in unexpected if not k.endswith("rotary_emb.inv_freq")]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not match the config: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+
+
+def save_checkpoint(lm: CausalLM, directory: str | Path) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` with HF parameter names."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    lm.config.save_json(directory / "config.json")
+    state = {k: v.detach().to("cpu").contiguous() for k, v in lm.state_dict().items()}
+    if lm.config.tie_word_embeddings:
+        del state["lm_head.weight"]  # safetensors refuses shared tensors; HF omits the tied head too
+    save_file(state, str(directory / "model.safetensors"))
+    return directory

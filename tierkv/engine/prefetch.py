@@ -1,0 +1,62 @@
+"""L3 for the engine: open the store, attach it to the cache, and prefetch waiting requests' prompts.
+
+A waiting request whose prompt extends past its L1+L2 hit starts a prefetch from storage into L2 as
+soon as it is seen; it is admitted once the cache's stop policy says the prefetch may end (the
+fetched pages are then host nodes of the tree, and admission loads them back like any L2 hit).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from tierkv.engine.request import Request
+from tierkv.radix import RadixKey
+
+log = logging.getLogger(__name__)
+
+
+class Prefetcher:
+    """Tracks which waiting requests have a prefetch in flight. Scheduler thread only."""
+
+    def __init__(self, cache) -> None:
+        self.cache = cache
+        self._started: dict[str, int] = {}  # request id -> L1+L2 hit length before the prefetch
+
+    def start(self, request: Request) -> None:
+        """Begin a prefetch of the prompt past its L1+L2 hit (idempotent). Lock contract: as the cache's."""
+        if request.rid in self._started:
+            return
+        key = RadixKey(request.prompt[:-1], request.extra_key)
+        path = self.cache.tree.match(key, touch=False)
+        self._started[request.rid] = path.num_tokens
+        last_node = path.last_node or self.cache.tree.root
+        if not self.cache.prefetch_from_storage(request.rid, last_node, key):
+            self._started[request.rid] = -1  # nothing to fetch: ready at once
+
+    def ready(self, request: Request) -> bool:
+        """True once ``request`` may be admitted (no prefetch, or the stop policy ended it)."""
+        self.start(request)
+        if self._started[request.rid] < 0:
+            return True
+        return bool(self.cache.check_prefetch_progress(request.rid))
+
+    def storage_tokens(self, request: Request, hit_tokens: int) -> int:
+        """Of ``hit_tokens`` cached tokens found at admission, how many came from L3."""
+        before = self._started.pop(request.rid, -1)
+        return max(0, hit_tokens - before) if before >= 0 else 0
+
+    def abort(self, request: Request) -> None:
+        if self._started.pop(request.rid, -1) >= 0:
+            self.cache.release_prefetch(request.rid)
+
+
+def attach_l3(engine, spec: str, extra_config: dict) -> Prefetcher:
+    """Open the store named by ``spec`` and attach it with ``extra_config`` (prefetch policy, backend keys)."""
+    from tierkv.hashing import HashNamespace
+    from tierkv.storage.controller import open_storage
+    cache = engine.cache
+    namespace = HashNamespace.for_spec(engine.namespace, cache.host_pool.spec, cache.host_pool.layout)
+    open_storage(cache, spec, json.dumps(extra_config), namespace)
+    engine.scheduler.prefetcher = prefetcher = Prefetcher(cache)
+    return prefetcher

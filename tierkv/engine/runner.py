@@ -1,0 +1,45 @@
+"""Model runner: turns scheduled work items into one flat forward pass over the paged KV pool."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tierkv.engine.attention import ForwardBatch
+from tierkv.engine.models import CausalLM
+from tierkv.pools.kv import DeviceKVPool
+
+
+@dataclass
+class WorkItem:
+    """``new_token_ids`` are the tokens at the tail of ``kv_slots`` whose KV this pass computes;
+    ``sample`` asks for the logits after the last of them."""
+
+    new_token_ids: list[int]
+    kv_slots: torch.Tensor
+    sample: bool
+
+
+class ModelRunner:
+    """Owns the model and the device pool it reads; device-agnostic (CPU or CUDA)."""
+
+    def __init__(self, model: CausalLM, device_pool: DeviceKVPool) -> None:
+        if device_pool.device != model.device:
+            raise ValueError(f"device pool on {device_pool.device} but model on {model.device}")
+        spec = model.config.kv_spec(device_pool.spec.dtype)
+        if spec != device_pool.spec:
+            raise ValueError(f"device pool spec {device_pool.spec} does not fit the model ({spec})")
+        self.model = model
+        self.pool = device_pool
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    def forward(self, items: list[WorkItem]) -> torch.Tensor:
+        """One pass over all items; returns fp32 logits ``[num_sampling_items, vocab]`` in item order."""
+        ids = torch.tensor([t for it in items for t in it.new_token_ids], dtype=torch.int64, device=self.device)
+        batch = ForwardBatch.build([(it.kv_slots, len(it.new_token_ids)) for it in items],
+                                   [it.sample for it in items], self.device)
+        return self.model(ids, batch, self.pool)

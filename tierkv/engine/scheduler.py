@@ -1,0 +1,240 @@
+"""Continuous batching over the hierarchical cache.
+
+Each step: retire finished cache copies (``cache.step()``), admit waiting requests (match the prompt,
+load host hits back, lock the matched path, allocate slots for the rest; a request that does not fit
+waits), then run one forward pass mixing one decode token per running request with chunks of
+uncached prompt suffixes, sample greedily, and finish requests (insert their tokens, unlock, free).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from tierkv.engine.request import Request
+from tierkv.engine.runner import ModelRunner, WorkItem
+from tierkv.hicache import HiRadixCache
+from tierkv.radix import RadixKey
+
+log = logging.getLogger(__name__)
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """``chunk_tokens`` caps the prompt tokens prefilled per step (chunked prefill); ``use_prefix_cache``
+    False runs the same engine with no reuse (the baseline the exactness tests compare against)."""
+
+    max_running_requests: int = 16
+    chunk_tokens: int = 256
+    use_prefix_cache: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_running_requests", "chunk_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+@dataclass
+class EngineCounters:
+    """Totals for /metrics and benchmarks."""
+
+    requests_submitted: int = 0
+    requests_finished: int = 0
+    requests_failed: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    device_hit_tokens: int = 0
+    host_hit_tokens: int = 0
+    storage_hit_tokens: int = 0
+    ttft_s: list[float] = field(default_factory=list)
+
+
+class Scheduler:
+    """Runs requests to completion over ``runner`` with ``cache`` managing every device slot."""
+
+    def __init__(self, runner: ModelRunner, cache: HiRadixCache, config: SchedulerConfig | None = None) -> None:
+        if cache.device_pool is not runner.pool:
+            raise ValueError("the cache must manage the runner's device pool")
+        self.runner, self.cache = runner, cache
+        self.config = config or SchedulerConfig()
+        self.page_size = cache.config.page_size
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.counters = EngineCounters()
+        self.prefetcher = None  # set by tierkv.engine.prefetch.attach_l3 when L3 is on
+
+    # ---- public API ------------------------------------------------------------------------------
+    def submit(self, request: Request) -> Request:
+        request.arrival_s = time.perf_counter()
+        self.waiting.append(request)
+        self.counters.requests_submitted += 1
+        return request
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def step(self) -> list[Request]:
+        """One scheduler iteration; returns the requests that finished in it."""
+        self.cache.step()
+        self._admit()
+        if not self.running:
+            return []
+        items, sampled = self._plan()
+        logits = self.runner.forward(items)
+        return self._advance(sampled, logits)
+
+    def run(self, requests: list[Request] | None = None) -> list[Request]:
+        """Submit ``requests`` and step until nothing is left; returns them."""
+        for r in requests or []:
+            self.submit(r)
+        while self.has_work:
+            self.step()
+        return requests or []
+
+    def owned_device_slots(self) -> torch.Tensor:
+        """Slots running requests own (for ``cache.check_integrity``)."""
+        owned = [r.own_slots for r in self.running]
+        return torch.cat(owned) if owned else _EMPTY
+
+    # ---- admission -------------------------------------------------------------------------------
+    def _admit(self) -> None:
+        if self.prefetcher is not None:  # start L3 fetches early so they overlap the running batch
+            for request in list(self.waiting)[: 2 * self.config.max_running_requests]:
+                self.prefetcher.start(request)
+        while self.waiting and len(self.running) < self.config.max_running_requests:
+            request = self.waiting[0]
+            if self.prefetcher is not None and not self.prefetcher.ready(request):
+                break
+            if not self._try_start(request):
+                if not self.running and not self._can_ever_fit(request):
+                    self.waiting.popleft()
+                    if self.prefetcher is not None:
+                        self.prefetcher.abort(request)
+                    self._fail(request, f"request needs {request.max_kv_tokens} KV slots; the device pool "
+                                        f"has {self.cache.device_pool.num_slots}")
+                    continue
+                break  # FCFS: later requests wait behind the head so it cannot starve
+            self.waiting.popleft()
+            self.running.append(request)
+
+    def _can_ever_fit(self, request: Request) -> bool:
+        self.cache.flush()
+        return self._page_ceil(request.max_kv_tokens) <= self.cache.device_pool.num_slots
+
+    def _page_ceil(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size) * self.page_size
+
+    def _room(self) -> int:
+        return self.cache.device_pool.num_free_slots + self.cache.evictable_size
+
+    def _try_start(self, request: Request) -> bool:
+        """Match, load back, lock, allocate. On failure nothing stays locked or allocated."""
+        if self._page_ceil(request.max_new_tokens) > self._room():
+            return False  # cannot fit even with a full prompt hit: skip the lookup
+        prefix, node = _EMPTY, None
+        if self.config.use_prefix_cache:
+            prefix, node = self._lookup(request)
+            self.cache.inc_lock_ref(node)
+        own = self.cache.alloc_device(self._page_ceil(request.max_kv_tokens - len(prefix)))
+        if own is None:
+            if node is not None:
+                self.cache.dec_lock_ref(node)
+            return False
+        request.slots = torch.cat([prefix, own])
+        request.cached_len = request.num_computed = len(prefix)
+        request.locked_node = node
+        request.admitted_s = time.perf_counter()
+        self.counters.prompt_tokens += len(request.prompt)
+        return True
+
+    def _lookup(self, request: Request):
+        """Device indices of the usable cached prefix and the node ending it (not yet locked by us)."""
+        # the last prompt token is always recomputed: its logits give the first output token
+        match = self.cache.match_prefix(RadixKey(request.prompt[:-1], request.extra_key))
+        prefix, node = match.device_indices, match.last_device_node
+        request.device_hit_tokens = len(prefix)
+        if match.host_hit_length > 0:
+            loaded = self.cache.init_load_back(match.last_host_node)
+            if loaded.pending is None or loaded.pending.wait():
+                prefix, node = loaded.device_indices, loaded.last_node
+            request.host_hit_tokens = len(prefix) - request.device_hit_tokens
+        if self.prefetcher is not None:
+            request.storage_hit_tokens = min(self.prefetcher.storage_tokens(request, len(prefix)),
+                                             request.host_hit_tokens)
+            request.host_hit_tokens -= request.storage_hit_tokens
+        return prefix, node
+
+    # ---- one forward pass ----------------------------------------------------------------------
+    def _plan(self) -> tuple[list[WorkItem], list[tuple[Request, int]]]:
+        """Decode tokens first (latency), then prompt chunks within the token budget."""
+        items, sampled, budget = [], [], self.config.chunk_tokens
+        for r in sorted(self.running, key=lambda r: r.in_prefill):
+            if r.in_prefill:
+                if budget <= 0:
+                    continue
+                n = min(budget, len(r.prompt) - r.num_computed)
+                budget -= n
+            else:
+                n = 1
+            end = r.num_computed + n
+            sample = end == len(r.prompt) + len(r.output)
+            items.append(WorkItem(r.all_tokens[r.num_computed:end], r.slots[:end], sample))
+            sampled.append((r, n))
+        return items, sampled
+
+    def _advance(self, sampled: list[tuple[Request, int]], logits: torch.Tensor) -> list[Request]:
+        now = time.perf_counter()
+        finished, row = [], 0
+        for r, n in sampled:
+            r.num_computed += n
+            if r.num_computed < len(r.all_tokens):
+                continue
+            token_logits = logits[row].cpu()
+            row += 1
+            token = int(token_logits.argmax())
+            if r.first_token_s is None:
+                r.first_token_s, r.first_logits = now, token_logits
+                self.counters.ttft_s.append(r.ttft_s)
+            r.last_logits = token_logits
+            r.output.append(token)
+            self.counters.generated_tokens += 1
+            if r.on_token is not None:
+                r.on_token(r, token)
+            if len(r.output) >= r.max_new_tokens or token == r.eos_token_id:
+                self._finish(r)
+                finished.append(r)
+        return finished
+
+    # ---- completion ------------------------------------------------------------------------------
+    def _finish(self, request: Request) -> None:
+        """Insert the tokens whose KV was computed, unlock the prefix, free what the tree did not take."""
+        self.running.remove(request)
+        n_kv = request.num_computed
+        if self.config.use_prefix_cache:
+            kept = self.cache.insert(RadixKey(request.all_tokens[:n_kv], request.extra_key), request.slots[:n_kv])
+            self.cache.device_pool.free(request.slots[kept:])
+            self.cache.dec_lock_ref(request.locked_node)
+        else:
+            self.cache.device_pool.free(request.own_slots)
+        request.locked_node, request.slots = None, None
+        request.finished, request.finish_s = True, time.perf_counter()
+        c = self.counters
+        c.requests_finished += 1
+        c.device_hit_tokens += request.device_hit_tokens
+        c.host_hit_tokens += request.host_hit_tokens
+        c.storage_hit_tokens += request.storage_hit_tokens
+
+    def _fail(self, request: Request, reason: str) -> None:
+        log.warning("request %s failed: %s", request.rid, reason)
+        request.error, request.finished, request.finish_s = reason, True, time.perf_counter()
+        self.counters.requests_failed += 1
+        if request.on_token is not None:
+            request.on_token(request, -1)

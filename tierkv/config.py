@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from tierkv.eviction import get_policy
@@ -33,17 +34,12 @@ class CacheConfig:
         if not isinstance(self.page_size, int) or isinstance(self.page_size, bool) or self.page_size < 1:
             raise ValueError(f"page_size must be a positive int, got {self.page_size!r}")
         get_policy(self.eviction_policy)
-        if self.write_policy not in WRITE_POLICIES:
-            raise ValueError(f"write_policy {self.write_policy!r} is not one of {sorted(WRITE_POLICIES)}")
-        if self.io_backend not in IO_BACKENDS:
-            raise ValueError(f"io_backend {self.io_backend!r} is not one of {IO_BACKENDS}")
-        if self.host_layout not in HOST_LAYOUTS:
-            raise ValueError(f"host_layout {self.host_layout!r} is not one of {HOST_LAYOUTS}")
-        if not isinstance(self.hicache_ratio, (int, float)) or self.hicache_ratio <= 0:
-            raise ValueError(f"hicache_ratio must be a positive number, got {self.hicache_ratio!r}")
-        if self.hicache_size_gb is not None and (
-                not isinstance(self.hicache_size_gb, (int, float)) or self.hicache_size_gb <= 0):
-            raise ValueError(f"hicache_size_gb must be a positive number, got {self.hicache_size_gb!r}")
+        _choice("write_policy", self.write_policy, sorted(WRITE_POLICIES))
+        _choice("io_backend", self.io_backend, IO_BACKENDS)
+        _choice("host_layout", self.host_layout, HOST_LAYOUTS)
+        _positive_number("hicache_ratio", self.hicache_ratio)
+        if self.hicache_size_gb is not None:
+            _positive_number("hicache_size_gb", self.hicache_size_gb)
         if not isinstance(self.load_back_threshold, int) or self.load_back_threshold < 0:
             raise ValueError(f"load_back_threshold must be an int >= 0, got {self.load_back_threshold!r}")
 
@@ -51,3 +47,14 @@ class CacheConfig:
     def write_threshold(self) -> int | None:
         """Hits after which a node is backed up to L2; None for write_back (only on eviction)."""
         return WRITE_POLICIES[self.write_policy]
+
+
+def _choice(name: str, value: object, options) -> None:
+    if not isinstance(value, str) or value not in options:
+        raise ValueError(f"{name} {value!r} is not one of {list(options)}")
+
+
+def _positive_number(name: str, value: object) -> None:
+    if (not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)
+            or value <= 0):
+        raise ValueError(f"{name} must be a finite positive number, got {value!r}")

@@ -158,6 +158,10 @@ class HiRadixCache:
         Slots duplicating KV the tree already holds are freed; slots past the returned count (a partial
         last page) stay the caller's. Lock contract: takes no lock; may lock nodes for a write-through.
         """
+        if not isinstance(device_slots, torch.Tensor) or device_slots.dim() != 1 or device_slots.dtype != torch.int64:
+            raise TypeError(f"device_slots must be a 1-D int64 tensor, got {_describe(device_slots)}")
+        if not isinstance(priority, int):
+            raise TypeError(f"priority must be an int, got {priority!r}")
         result = self.tree.insert(key, device_slots, priority)
         for node, start, end in result.shared:
             mine = device_slots[start:end]
@@ -513,6 +517,12 @@ class HiRadixCache:
             if caller_host_slots is not None:
                 host_owned.append(caller_host_slots)
             _check_ownership("host", self.host_pool, host_owned)
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dim()}-D {value.dtype} tensor"
+    return type(value).__name__
 
 
 def _check_ownership(tier: str, pool: DeviceKVPool | HostKVPool, owned: list[torch.Tensor]) -> None:

@@ -249,6 +249,8 @@ class RadixTree:
         Lock contract: takes no lock; nodes revived or created are unlocked (counted evictable).
         """
         elems = self.elements(key)
+        if len(value) < len(elems):  # checked before any change: a failed insert leaves the tree as it was
+            raise ValueError(f"value of length {len(value)} is shorter than the key's {len(elems)} elements")
         value = value[: len(elems)]
         tick = self._touch()
         node, pos = self.root, 0

@@ -94,6 +94,8 @@ def parse_line(text: str, line_no: int, index: int) -> TraceRequest:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
         raise TraceError(line_no, f"malformed JSON ({exc.msg} at column {exc.colno})") from None
+    except RecursionError:  # the decoder recurses per nesting level
+        raise TraceError(line_no, "JSON nested too deeply") from None
     if not isinstance(obj, dict):
         raise TraceError(line_no, f"expected a JSON object, got {type(obj).__name__}")
     timestamp_ms = _int_field(obj, "timestamp", line_no, 0)

@@ -113,6 +113,8 @@ def parse_completion(body: bytes, tokenizer: ByteTokenizer, vocab_size: int) -> 
         data = json.loads(body or b"")
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise BadRequest(f"body is not valid JSON: {exc}") from None
+    except RecursionError:  # the decoder recurses per nesting level
+        raise BadRequest("body is JSON nested too deeply") from None
     if not isinstance(data, dict):
         raise BadRequest("body must be a JSON object")
     prompt = data.get("prompt")

@@ -37,7 +37,7 @@ class StorageConfig:
     prefetch_batch_pages: int = 16
     backup_max_pending_tokens: int = 1 << 20
     io_wait_timeout_s: float = 10.0
-    backend_config: Mapping[str, Any] = field(default_factory=dict)
+    backend_config: Mapping[str, Any] = field(default_factory=dict, repr=False)  # may hold a password
 
     def __post_init__(self) -> None:
         _check_int("prefetch_threshold", self.prefetch_threshold, minimum=0)
@@ -63,7 +63,10 @@ class StorageConfig:
         """Split ``values`` into controller fields and the backend's keys; unknown keys are errors."""
         own = {f.name for f in fields(cls)} - {"backend_config"}
         allowed_backend = set(backend_keys)
-        mine, backend = {}, dict(values.get("backend_config", {}))
+        nested = values.get("backend_config", {})
+        if not isinstance(nested, Mapping):
+            raise ValueError(f"backend_config must be an object, got {type(nested).__name__}")
+        mine, backend = {}, dict(nested)
         for key, value in values.items():
             if key in own:
                 mine[key] = value

@@ -3,7 +3,8 @@
 Specs: ``memory``; ``file`` / ``file:///abs/dir`` / ``file:rel/dir``; ``redis`` /
 ``redis://[user][:password]@host:port/db`` (``valkey://`` is an alias); ``mooncake`` /
 ``mooncake://master_host:port``. Values named in the URL are defaults; the same key in
-``extra_config`` overrides them.
+``extra_config`` overrides them. A ``"faults"`` object in ``extra_config`` wraps any backend in
+:class:`tierkv.storage.faults.FaultyStore`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ BACKEND_OPTIONS: dict[str, dict[str, type]] = {
                  "device_name": str, "global_segment_size": int, "local_buffer_size": int,
                  "key_prefix": str, "replica_num": int, "retry_backoff_s": float},
 }
+# Every backend may be wrapped in fault injection (tests, chaos runs): see tierkv.storage.faults.
+for _options in BACKEND_OPTIONS.values():
+    _options["faults"] = dict
 _ALIASES = {"valkey": "redis"}
 
 
@@ -36,7 +40,7 @@ def parse_spec(spec: str) -> tuple[str, dict]:
         backend = _ALIASES.get(url.scheme, url.scheme)
         options = _url_options(backend, spec, url)
     if backend not in BACKEND_OPTIONS:
-        raise ValueError(f"storage backend {spec!r} is not one of {sorted(BACKEND_OPTIONS)} "
+        raise ValueError(f"storage backend {redact_spec(spec)!r} is not one of {sorted(BACKEND_OPTIONS)} "
                          f"(by name or as a URL)")
     return backend, options
 
@@ -44,9 +48,10 @@ def parse_spec(spec: str) -> tuple[str, dict]:
 def _url_options(backend: str, spec: str, url) -> dict:
     if backend == "file":
         if url.netloc not in ("", "localhost"):
-            raise ValueError(f"file URL {spec!r} names host {url.netloc!r}; use file:///abs/dir or file:dir")
+            raise ValueError(f"file URL {redact_spec(spec)!r} names host {url.hostname!r}; "
+                             "use file:///abs/dir or file:dir")
         if not url.path:
-            raise ValueError(f"file URL {spec!r} names no directory")
+            raise ValueError(f"file URL {redact_spec(spec)!r} names no directory")
         return {"dir": unquote(url.path)}
     if backend == "redis":
         options: dict = {}
@@ -61,18 +66,23 @@ def _url_options(backend: str, spec: str, url) -> dict:
         db = url.path.strip("/")
         if db:
             if not db.isdigit():
-                raise ValueError(f"redis URL {_redacted(spec, url)!r}: db {db!r} is not a number")
+                raise ValueError(f"redis URL {redact_spec(spec)!r}: db {db!r} is not a number")
             options["db"] = int(db)
         return options
     if backend == "mooncake":
         if not url.hostname or url.port is None:
-            raise ValueError(f"mooncake URL {spec!r} must be mooncake://master_host:port")
+            raise ValueError(f"mooncake URL {redact_spec(spec)!r} must be mooncake://master_host:port")
         return {"master": f"{url.hostname}:{url.port}"}
     return {}
 
 
-def _redacted(spec: str, url) -> str:
-    return spec.replace(url.password, "***") if url.password else spec
+def redact_spec(spec: str) -> str:
+    """``spec`` with a URL password replaced by ``***``: the only form of a spec messages may show."""
+    try:
+        password = urlsplit(spec).password
+    except ValueError:
+        password = None
+    return spec.replace(password, "***") if password else spec
 
 
 def check_options(backend: str, options: dict) -> dict:
@@ -97,6 +107,11 @@ def open_store(spec: str, namespace: str, page_nbytes: int, extra_config: dict |
     if extra_config is not None and not isinstance(extra_config, dict):
         raise ValueError(f"extra_config must be a dict, got {type(extra_config).__name__}")
     options = check_options(backend, {**options, **(extra_config or {})})
+    faults = options.pop("faults", None)
+    if faults is not None:
+        from tierkv.storage.faults import wrap_with_faults
+        return wrap_with_faults(lambda inner_nbytes: open_store(spec, namespace, inner_nbytes, options),
+                                namespace, page_nbytes, faults)
     if backend == "memory":
         from tierkv.storage.memory import MemoryStore
         return MemoryStore(namespace, page_nbytes)

@@ -30,6 +30,8 @@ class RadixKey:
     def __post_init__(self) -> None:
         # frozen contents: the tree memoises a key's elements, so the ids must not change later
         ids = self.token_ids
+        if isinstance(ids, (str, bytes)) or not hasattr(ids, "__len__"):
+            raise TypeError(f"token_ids must be a sequence of ints, got {type(ids).__name__}")
         if hasattr(ids, "tolist"):  # a tensor or array: plain ints, not 0-d tensors that hash by identity
             ids = ids.tolist()
         if not isinstance(ids, tuple):

@@ -415,12 +415,20 @@ def test_two_ranks_agree_on_the_slowest():
         cache.close()
 
 
+def test_reset_keeps_a_shared_store_unless_asked():
+    cache, store, key, kv = _stored_cache(num_pages=4)
+    cache.reset()
+    assert store.blobs
+    cache.check_integrity()
+    cache.close()
+
+
 def test_reset_drops_everything_in_all_tiers():
     cache, store, key, kv = _stored_cache(num_pages=4)
     store.hang.clear()
     assert cache.prefetch_from_storage("r", cache.tree.root, key)
     store.hang.set()
-    cache.reset()
+    cache.reset(clear_storage=True)
     assert not store.blobs and not cache.storage.prefetches and cache.storage.owned_host_slots() == []
     cache.check_integrity()
     started, got = fetch_and_load(cache, key)

@@ -316,15 +316,16 @@ class StorageController:
         """Wait (bounded by io_wait_timeout_s) for in-flight I/O; the cache's next step retires it."""
         self.wait_idle()
 
-    def reset(self) -> None:
-        """Forget in-flight work (the cache has reset the tree and pools) and clear the store."""
+    def reset(self, clear_store: bool = False) -> None:
+        """Forget in-flight work (the cache has reset the tree and pools); empty the store if asked."""
         for prefetch in self._counted():
             prefetch.cancel.set()
         self.wait_idle()
         self.prefetches.clear()
         self.draining.clear()
         self.backups.clear()
-        self.store.clear()
+        if clear_store:
+            self.store.clear()
         self.stats = StorageStats()
 
     def close(self) -> None:

@@ -61,7 +61,14 @@ def copy_pages(src: PagedKVBuffer, src_pages: torch.Tensor, dst: PagedKVBuffer, 
         for s, d, n in page_runs(src_pages.tolist(), dst_pages.tolist()):
             dst.page_range(d, n).copy_(src.page_range(s, n), non_blocking=non_blocking)
     else:
-        copy_rows(src, src.page_rows(src_pages), dst, dst.page_rows(dst_pages))
+        src_table, src_rows, dst_table, dst_rows = src.rows, src.page_rows(src_pages), dst.rows, dst.page_rows(
+            dst_pages)
+        ps = src.page_size
+        if ps > 1 and src.row_strides[3] == 1 and dst.row_strides[3] == 1:
+            # a page's tokens are adjacent rows on both sides: move each page's rows as one wide row
+            src_table, dst_table = src.rows.view(-1, ps * src.rows.shape[1]), dst.rows.view(-1, ps * dst.rows.shape[1])
+            src_rows, dst_rows = src_rows[..., :1] // ps, dst_rows[..., :1] // ps
+        copy_rows(src_table, src_rows, src.row_dim_order, dst_table, dst_rows, dst.row_dim_order)
 
 
 def _num_runs(src_pages: torch.Tensor, dst_pages: torch.Tensor) -> int:
@@ -75,30 +82,33 @@ _MIN_SEGMENT_ROWS = 8
 _staging = threading.local()
 
 
-def copy_rows(src: PagedKVBuffer, src_rows: torch.Tensor, dst: PagedKVBuffer, dst_rows: torch.Tensor) -> None:
-    """Copy rows ``src_rows[i] -> dst_rows[i]`` (same shapes) in as few passes over memory as possible.
+def copy_rows(src: torch.Tensor, src_rows: torch.Tensor, src_order: tuple[int, ...], dst: torch.Tensor,
+              dst_rows: torch.Tensor, dst_order: tuple[int, ...]) -> None:
+    """Copy byte rows ``src[src_rows[i]] -> dst[dst_rows[i]]`` in as few passes over memory as possible.
+
+    ``*_rows`` are shaped ``[kv, layers, pages, rows-per-page]``; ``*_order`` lists those dims in each
+    side's memory order.
 
     When the destination rows, taken in the destination's memory order, fall into long contiguous
     segments, each segment is one ``index_select`` straight into it; else when the source rows do, one
     ``index_copy_`` out of each; only when both sides are fragmented do rows go through a staging
     buffer (reused, so its memory is not faulted in again on every copy).
     """
-    for side in (dst, src):
-        order = side.row_dim_order
+    for into_dst, order in ((True, dst_order), (False, src_order)):
         s_rows, d_rows = src_rows.permute(order).reshape(-1), dst_rows.permute(order).reshape(-1)
-        segments = _segments(d_rows if side is dst else s_rows)
+        segments = _segments(d_rows if into_dst else s_rows)
         if segments is None:
             continue
         for a, b, first in segments:
-            if side is dst:
-                torch.index_select(src.rows, 0, s_rows[a:b], out=dst.rows.narrow(0, first, b - a))
+            if into_dst:
+                torch.index_select(src, 0, s_rows[a:b], out=dst.narrow(0, first, b - a))
             else:
-                _scatter_rows(dst.rows, d_rows[a:b], src.rows.narrow(0, first, b - a))
+                _scatter_rows(dst, d_rows[a:b], src.narrow(0, first, b - a))
         return
     s_rows, d_rows = src_rows.reshape(-1), dst_rows.reshape(-1)
-    staging = _staging_rows(len(s_rows), src.rows)
-    torch.index_select(src.rows, 0, s_rows, out=staging)
-    _scatter_rows(dst.rows, d_rows, staging)
+    staging = _staging_rows(len(s_rows), src)
+    torch.index_select(src, 0, s_rows, out=staging)
+    _scatter_rows(dst, d_rows, staging)
 
 
 def _segments(rows: torch.Tensor) -> list[tuple[int, int, int]] | None:

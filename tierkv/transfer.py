@@ -57,18 +57,21 @@ def copy_pages(src: PagedKVBuffer, src_pages: torch.Tensor, dst: PagedKVBuffer, 
         for s, d in zip(src_pages.tolist(), dst_pages.tolist()):
             dst.page_range(d, 1).copy_(src.page_range(s, 1), non_blocking=non_blocking)
         return
-    if src.device != dst.device or _num_runs(src_pages, dst_pages) <= 4:
+    num_runs = _num_runs(src_pages, dst_pages)
+    ps = src.page_size
+    wide_rows = ps > 1 and src.row_strides[3] == 1 and dst.row_strides[3] == 1
+    run_nbytes = len(src_pages) * src.page_nbytes / max(num_runs, 1)
+    # Per-run strided copies when runs are few, or large while rows are narrow (per-call overhead is
+    # then small and no index is needed); otherwise row gathers. Cross-device copies always go by run.
+    if src.device != dst.device or num_runs <= 4 or (not wide_rows and run_nbytes >= _RUN_COPY_MIN_BYTES):
         for s, d, n in page_runs(src_pages.tolist(), dst_pages.tolist()):
             dst.page_range(d, n).copy_(src.page_range(s, n), non_blocking=non_blocking)
-    else:
-        src_table, src_rows, dst_table, dst_rows = src.rows, src.page_rows(src_pages), dst.rows, dst.page_rows(
-            dst_pages)
-        ps = src.page_size
-        if ps > 1 and src.row_strides[3] == 1 and dst.row_strides[3] == 1:
-            # a page's tokens are adjacent rows on both sides: move each page's rows as one wide row
-            src_table, dst_table = src.rows.view(-1, ps * src.rows.shape[1]), dst.rows.view(-1, ps * dst.rows.shape[1])
-            src_rows, dst_rows = src_rows[..., :1] // ps, dst_rows[..., :1] // ps
-        copy_rows(src_table, src_rows, src.row_dim_order, dst_table, dst_rows, dst.row_dim_order)
+        return
+    src_table, src_rows, dst_table, dst_rows = src.rows, src.page_rows(src_pages), dst.rows, dst.page_rows(dst_pages)
+    if wide_rows:  # a page's tokens are adjacent rows on both sides: move each page's rows as one row
+        src_table, dst_table = src.rows.view(-1, ps * src.rows.shape[1]), dst.rows.view(-1, ps * dst.rows.shape[1])
+        src_rows, dst_rows = src_rows[..., :1] // ps, dst_rows[..., :1] // ps
+    copy_rows(src_table, src_rows, src.row_dim_order, dst_table, dst_rows, dst.row_dim_order)
 
 
 def _num_runs(src_pages: torch.Tensor, dst_pages: torch.Tensor) -> int:
@@ -79,6 +82,7 @@ def _num_runs(src_pages: torch.Tensor, dst_pages: torch.Tensor) -> int:
 
 
 _MIN_SEGMENT_ROWS = 8
+_RUN_COPY_MIN_BYTES = 256 * 1024
 _staging = threading.local()
 
 

@@ -240,6 +240,13 @@ def test_duplicate_request_id_is_an_error():
     with pytest.raises(ValueError, match="already has a prefetch"):
         cache.prefetch_from_storage("r", cache.tree.root, key)
     cache.flush()
+    assert cache.check_prefetch_progress("r")
+    other = RadixKey(random_tokens(2 * PS, seed=22))
+    assert cache.prefetch_from_storage("s", cache.tree.root, other)
+    cache.flush()  # revoked: nothing stored under it
+    assert cache.prefetch_from_storage("s", cache.tree.root, other)  # the id is free again
+    cache.flush()
+    cache.check_integrity()
     cache.close()
 
 
@@ -408,12 +415,20 @@ def test_two_ranks_agree_on_the_slowest():
         cache.close()
 
 
+def test_reset_keeps_a_shared_store_unless_asked():
+    cache, store, key, kv = _stored_cache(num_pages=4)
+    cache.reset()
+    assert store.blobs
+    cache.check_integrity()
+    cache.close()
+
+
 def test_reset_drops_everything_in_all_tiers():
     cache, store, key, kv = _stored_cache(num_pages=4)
     store.hang.clear()
     assert cache.prefetch_from_storage("r", cache.tree.root, key)
     store.hang.set()
-    cache.reset()
+    cache.reset(clear_storage=True)
     assert not store.blobs and not cache.storage.prefetches and cache.storage.owned_host_slots() == []
     cache.check_integrity()
     started, got = fetch_and_load(cache, key)

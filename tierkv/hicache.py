@@ -483,15 +483,16 @@ class HiRadixCache:
     def protected_size(self) -> int:
         return self.tree.protected_size
 
-    def reset(self) -> None:
-        """Drop every cached token in all tiers. Lock contract: no request may hold a lock."""
+    def reset(self, clear_storage: bool = False) -> None:
+        """Drop every cached token in L1 and L2, and in L3 only when ``clear_storage`` (L3 may be shared
+        by other servers). Lock contract: no request may hold a lock."""
         self.flush()
         self.tree.reset()
         self.device_pool.allocator.reset()
         if self.host_pool is not None:
             self.host_pool.allocator.reset()
         if self.storage is not None:
-            self.storage.reset()
+            self.storage.reset(clear_storage)
         self.stats = CacheStats()
 
     def close(self) -> None:

@@ -27,6 +27,19 @@ class RadixKey:
     token_ids: Sequence[int]
     extra_key: str | None = None
 
+    def __post_init__(self) -> None:
+        # frozen contents: the tree memoises a key's elements, so the ids must not change later
+        ids = self.token_ids
+        if isinstance(ids, (str, bytes)) or not hasattr(ids, "__len__"):
+            raise TypeError(f"token_ids must be a sequence of ints, got {type(ids).__name__}")
+        if hasattr(ids, "tolist"):  # a tensor or array: plain ints, not 0-d tensors that hash by identity
+            ids = ids.tolist()
+        if not isinstance(ids, tuple):
+            ids = tuple(ids)
+        object.__setattr__(self, "token_ids", ids)
+        if self.extra_key is not None and not isinstance(self.extra_key, str):
+            raise TypeError(f"extra_key must be a str or None, got {self.extra_key!r}")
+
     def __len__(self) -> int:
         return len(self.token_ids)
 

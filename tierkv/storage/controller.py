@@ -118,7 +118,10 @@ class StorageController:
 
         Lock contract: one host_ref on the deepest L2-backed node of the path, held until the prefetch ends.
         """
-        if request_id in self.prefetches:
+        earlier = self.prefetches.get(request_id)
+        if earlier is not None and earlier.state == "revoked":  # never checked: nothing left to hand over
+            del self.prefetches[request_id]
+        elif earlier is not None:
             raise ValueError(f"request {request_id!r} already has a prefetch")
         elems = self.tree.elements(key)
         path = self.tree.path_to_root(last_host_node)
@@ -313,15 +316,16 @@ class StorageController:
         """Wait (bounded by io_wait_timeout_s) for in-flight I/O; the cache's next step retires it."""
         self.wait_idle()
 
-    def reset(self) -> None:
-        """Forget in-flight work (the cache has reset the tree and pools) and clear the store."""
+    def reset(self, clear_store: bool = False) -> None:
+        """Forget in-flight work (the cache has reset the tree and pools); empty the store if asked."""
         for prefetch in self._counted():
             prefetch.cancel.set()
         self.wait_idle()
         self.prefetches.clear()
         self.draining.clear()
         self.backups.clear()
-        self.store.clear()
+        if clear_store:
+            self.store.clear()
         self.stats = StorageStats()
 
     def close(self) -> None:

@@ -246,10 +246,10 @@ def test_file_write_error_is_false_and_counted(tmp_path, monkeypatch):
     store = open_store(f"file:{tmp_path}", "ns", PAGE_NBYTES)
     keys, pages = make_keys(2), make_pages(2)
 
-    def disk_full(fd, parts):
+    def disk_full(fd, data, offset):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(os, "writev", disk_full)
+    monkeypatch.setattr(os, "pwrite", disk_full)
     assert store.batch_set(keys, pages) == [False, False]
     assert store.stats.errors == 2 and store.stats.set_pages == 0
     monkeypatch.undo()

@@ -142,10 +142,11 @@ class PageStore(ABC):
 
     # Helpers for implementations.
 
-    def _verified(self, key: str, header: bytes | memoryview, payload: memoryview) -> bool:
+    def _verified(self, key: str, header: bytes | memoryview, payload: memoryview,
+                  payload_checksum: int | None = None) -> bool:
         """True if the stored page checks out; otherwise log, count, remove it and return False."""
         try:
-            self.format.verify(key, header, payload)
+            self.format.verify(key, header, payload, payload_checksum)
         except PageFormatError as err:
             log.warning("%s store: dropping corrupt page: %s", self.name, err)
             self._count(corrupt_pages=1)

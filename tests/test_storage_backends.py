@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -208,6 +209,29 @@ def test_malformed_keys_and_tensors_are_refused(backend):
         store.batch_set(make_keys(1), [torch.zeros(PAGE_NBYTES + 1, dtype=torch.uint8)])
     with pytest.raises(ValueError, match="uint8"):
         store.batch_get(make_keys(1), [torch.zeros(PAGE_NBYTES, dtype=torch.float32)])
+
+
+def test_one_writer_and_one_reader_thread_never_see_a_torn_page(backend):
+    store = backend.open()
+    keys, versions = make_keys(2), make_pages(2)
+    store.batch_set(keys, [versions[0]] * 2)
+    done = threading.Event()
+    seen: list[bool] = []
+
+    def writer():
+        for i in range(40):
+            store.batch_set(keys, [versions[i % 2]] * 2)
+        done.set()
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    targets = empty_pages(2)
+    while not done.is_set() or not seen:
+        found = store.batch_get(keys, targets)
+        seen += [any(torch.equal(t, v) for v in versions) for t, ok in zip(targets, found) if ok]
+    thread.join()
+    assert seen and all(seen)
+    assert store.stats.corrupt_pages == 0 and store.stats.errors == 0
 
 
 # File-only behaviours.

@@ -137,6 +137,9 @@ class PageStore(ABC):
     def close(self) -> None:
         """Release connections and files."""
 
+    def register_host_buffer(self, buffer: torch.Tensor) -> None:
+        """Tell the backend where the host pool lives (RDMA backends register it); default: nothing."""
+
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
 

@@ -181,13 +181,13 @@ def run_case(case: Case, keys, pages, targets, repeats: int) -> list[tuple]:
     set_store, set_raw = alternate(lambda: store.batch_set(keys, pages), case.raw_set, repeats, case.reset)
     case.reset()
     if not all(store.batch_set(keys, pages)):
-        raise SystemExit(f"{case.name}: writes failed ({store.stats.errors} errors)")
+        raise RuntimeError(f"{case.name}: writes failed ({store.stats.errors} errors)")
     case.raw_set()
     get_store, get_raw = alternate(lambda: store.batch_get(keys, targets), case.raw_get, repeats,
                                    case.before_get)
     found = store.batch_get(keys, targets)
     if not all(found) or not all(torch.equal(t, p) for t, p in zip(targets, pages)):
-        raise SystemExit(f"{case.name}: read-back mismatch (found {sum(found)}/{len(found)})")
+        raise RuntimeError(f"{case.name}: read-back mismatch (found {sum(found)}/{len(found)})")
     return [(case.name, op, nbytes / ours / 1e9, nbytes / raw / 1e9, raw / ours)
             for op, ours, raw in (("set", set_store, set_raw), ("get", get_store, get_raw))]
 
@@ -221,6 +221,8 @@ def main() -> None:
             continue
         try:
             rows += run_case(case, keys, pages, targets, args.repeats)
+        except RuntimeError as err:
+            print(f"{name}: FAILED ({err})")
         finally:
             case.reset()
             case.cleanup()

@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -210,6 +211,29 @@ def test_malformed_keys_and_tensors_are_refused(backend):
         store.batch_get(make_keys(1), [torch.zeros(PAGE_NBYTES, dtype=torch.float32)])
 
 
+def test_one_writer_and_one_reader_thread_never_see_a_torn_page(backend):
+    store = backend.open()
+    keys, versions = make_keys(2), make_pages(2)
+    store.batch_set(keys, [versions[0]] * 2)
+    done = threading.Event()
+    seen: list[bool] = []
+
+    def writer():
+        for i in range(40):
+            store.batch_set(keys, [versions[i % 2]] * 2)
+        done.set()
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    targets = empty_pages(2)
+    while not done.is_set() or not seen:
+        found = store.batch_get(keys, targets)
+        seen += [any(torch.equal(t, v) for v in versions) for t, ok in zip(targets, found) if ok]
+    thread.join()
+    assert seen and all(seen)
+    assert store.stats.corrupt_pages == 0 and store.stats.errors == 0
+
+
 # File-only behaviours.
 
 def test_file_survives_a_new_store_and_a_new_process(tmp_path):
@@ -246,10 +270,10 @@ def test_file_write_error_is_false_and_counted(tmp_path, monkeypatch):
     store = open_store(f"file:{tmp_path}", "ns", PAGE_NBYTES)
     keys, pages = make_keys(2), make_pages(2)
 
-    def disk_full(fd, parts):
+    def disk_full(fd, data, offset):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(os, "writev", disk_full)
+    monkeypatch.setattr(os, "pwrite", disk_full)
     assert store.batch_set(keys, pages) == [False, False]
     assert store.stats.errors == 2 and store.stats.set_pages == 0
     monkeypatch.undo()

@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from tierkv.hashing import HashNamespace, page_hashes
+from tierkv.pools.kv import HostKVPool
+from tierkv.pools.spec import KVSpec
 from tierkv.storage.base import PageStore, StoreStats
 from tierkv.storage.factory import open_store
 from tierkv.storage.page_format import HEADER_SIZE
@@ -47,21 +49,21 @@ class Backend:
         self.shared_blobs: dict = {}
         self.cached = cached
 
-    def open(self, namespace: str = "ns-a") -> PageStore:
+    def open(self, namespace: str = "ns-a", page_nbytes: int = PAGE_NBYTES) -> PageStore:
         if self.name == "memory":
             from tierkv.storage.memory import MemoryStore
-            store = MemoryStore(namespace, PAGE_NBYTES, blobs=self.shared_blobs)
+            store = MemoryStore(namespace, page_nbytes, blobs=self.shared_blobs)
         elif self.name == "file":
-            store = open_store(f"file://{self.tmp_path}/l3", namespace, PAGE_NBYTES)
+            store = open_store(f"file://{self.tmp_path}/l3", namespace, page_nbytes)
         elif self.name == "redis":
-            store = open_store(self.server.url, namespace, PAGE_NBYTES,
+            store = open_store(self.server.url, namespace, page_nbytes,
                                {"key_prefix": f"t{os.getpid()}:", "timeout_s": 1.0, "retry_backoff_s": 0.05})
         else:
             # A Mooncake client takes ~2 s to close (segment unmount): reuse one per namespace.
-            if namespace not in self.cached:
-                self.cached[namespace] = open_store(self.server.url, namespace, PAGE_NBYTES,
-                                                    self.server.client_config())
-            store = self.cached[namespace]
+            if (namespace, page_nbytes) not in self.cached:
+                self.cached[namespace, page_nbytes] = open_store(
+                    self.server.url, namespace, page_nbytes, self.server.client_config())
+            store = self.cached[namespace, page_nbytes]
             store.stats = StoreStats()
         self.stores.append(store)
         return store
@@ -124,13 +126,17 @@ def test_round_trip_is_bit_exact(backend):
     assert store.stats.get_bytes == 5 * PAGE_NBYTES and store.stats.corrupt_pages == 0
 
 
-def test_get_lands_in_host_pool_page_views(backend):
-    pool = torch.zeros(4, PAGE_NBYTES, dtype=torch.uint8)
-    store = backend.open()
-    keys, pages = make_keys(4), make_pages(4)
-    store.batch_set(keys, pages)
-    assert store.batch_get(keys, list(pool.unbind(0))) == [True] * 4
-    assert torch.equal(pool, torch.stack(pages))
+@pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])
+def test_host_pool_pages_round_trip_through_their_views(backend, layout):
+    spec = KVSpec(num_layers=3, kv_heads=2, head_dim=8, dtype=torch.bfloat16)
+    source, sink = (HostKVPool(spec, 64, 16, layout=layout, pin_memory=False) for _ in range(2))
+    source.buffer.copy_(torch.randn(source.buffer.shape).to(torch.bfloat16))
+    store = backend.open(page_nbytes=source.page_nbytes)
+    store.register_host_buffer(sink.buffer)
+    keys = make_keys(source.num_pages)
+    assert all(store.batch_set(keys, [source.page_bytes(p) for p in range(source.num_pages)]))
+    assert all(store.batch_get(keys, [sink.page_bytes(p) for p in range(sink.num_pages)]))
+    assert torch.equal(sink.buffer.view(torch.uint8), source.buffer.view(torch.uint8))
 
 
 def test_exists_is_the_leading_run(backend):

@@ -216,7 +216,7 @@ def test_disk_full_is_a_failed_write_not_a_crash(tmp_path, monkeypatch):
 
     import tierkv.storage.file as file_backend
 
-    def no_space(fd, parts):
+    def no_space(*args):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(file_backend, "_write_all", no_space)

@@ -92,5 +92,5 @@ def test_redis_killed_and_restarted_mid_run(own_redis):
     store.close()
     for thread in threading.enumerate():
         if thread.name.startswith("tierkv-"):
-            thread.join(timeout=10)
+            thread.join(timeout=60)
     assert threading.active_count() <= threads_before, [t.name for t in threading.enumerate()]

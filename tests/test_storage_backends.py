@@ -3,12 +3,15 @@
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 import torch
 
 from tierkv.hashing import HashNamespace, page_hashes
+from tierkv.pools.kv import HostKVPool
+from tierkv.pools.spec import KVSpec
 from tierkv.storage.base import PageStore, StoreStats
 from tierkv.storage.factory import open_store
 from tierkv.storage.page_format import HEADER_SIZE
@@ -46,21 +49,21 @@ class Backend:
         self.shared_blobs: dict = {}
         self.cached = cached
 
-    def open(self, namespace: str = "ns-a") -> PageStore:
+    def open(self, namespace: str = "ns-a", page_nbytes: int = PAGE_NBYTES) -> PageStore:
         if self.name == "memory":
             from tierkv.storage.memory import MemoryStore
-            store = MemoryStore(namespace, PAGE_NBYTES, blobs=self.shared_blobs)
+            store = MemoryStore(namespace, page_nbytes, blobs=self.shared_blobs)
         elif self.name == "file":
-            store = open_store(f"file://{self.tmp_path}/l3", namespace, PAGE_NBYTES)
+            store = open_store(f"file://{self.tmp_path}/l3", namespace, page_nbytes)
         elif self.name == "redis":
-            store = open_store(self.server.url, namespace, PAGE_NBYTES,
+            store = open_store(self.server.url, namespace, page_nbytes,
                                {"key_prefix": f"t{os.getpid()}:", "timeout_s": 1.0, "retry_backoff_s": 0.05})
         else:
             # A Mooncake client takes ~2 s to close (segment unmount): reuse one per namespace.
-            if namespace not in self.cached:
-                self.cached[namespace] = open_store(self.server.url, namespace, PAGE_NBYTES,
-                                                    self.server.client_config())
-            store = self.cached[namespace]
+            if (namespace, page_nbytes) not in self.cached:
+                self.cached[namespace, page_nbytes] = open_store(
+                    self.server.url, namespace, page_nbytes, self.server.client_config())
+            store = self.cached[namespace, page_nbytes]
             store.stats = StoreStats()
         self.stores.append(store)
         return store
@@ -123,13 +126,17 @@ def test_round_trip_is_bit_exact(backend):
     assert store.stats.get_bytes == 5 * PAGE_NBYTES and store.stats.corrupt_pages == 0
 
 
-def test_get_lands_in_host_pool_page_views(backend):
-    pool = torch.zeros(4, PAGE_NBYTES, dtype=torch.uint8)
-    store = backend.open()
-    keys, pages = make_keys(4), make_pages(4)
-    store.batch_set(keys, pages)
-    assert store.batch_get(keys, list(pool.unbind(0))) == [True] * 4
-    assert torch.equal(pool, torch.stack(pages))
+@pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])
+def test_host_pool_pages_round_trip_through_their_views(backend, layout):
+    spec = KVSpec(num_layers=3, kv_heads=2, head_dim=8, dtype=torch.bfloat16)
+    source, sink = (HostKVPool(spec, 64, 16, layout=layout, pin_memory=False) for _ in range(2))
+    source.buffer.copy_(torch.randn(source.buffer.shape).to(torch.bfloat16))
+    store = backend.open(page_nbytes=source.page_nbytes)
+    store.register_host_buffer(sink.buffer)
+    keys = make_keys(source.num_pages)
+    assert all(store.batch_set(keys, [source.page_bytes(p) for p in range(source.num_pages)]))
+    assert all(store.batch_get(keys, [sink.page_bytes(p) for p in range(sink.num_pages)]))
+    assert torch.equal(sink.buffer.view(torch.uint8), source.buffer.view(torch.uint8))
 
 
 def test_exists_is_the_leading_run(backend):
@@ -210,6 +217,29 @@ def test_malformed_keys_and_tensors_are_refused(backend):
         store.batch_get(make_keys(1), [torch.zeros(PAGE_NBYTES, dtype=torch.float32)])
 
 
+def test_one_writer_and_one_reader_thread_never_see_a_torn_page(backend):
+    store = backend.open()
+    keys, versions = make_keys(2), make_pages(2)
+    store.batch_set(keys, [versions[0]] * 2)
+    done = threading.Event()
+    seen: list[bool] = []
+
+    def writer():
+        for i in range(40):
+            store.batch_set(keys, [versions[i % 2]] * 2)
+        done.set()
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    targets = empty_pages(2)
+    while not done.is_set() or not seen:
+        found = store.batch_get(keys, targets)
+        seen += [any(torch.equal(t, v) for v in versions) for t, ok in zip(targets, found) if ok]
+    thread.join()
+    assert seen and all(seen)
+    assert store.stats.corrupt_pages == 0 and store.stats.errors == 0
+
+
 # File-only behaviours.
 
 def test_file_survives_a_new_store_and_a_new_process(tmp_path):
@@ -246,10 +276,10 @@ def test_file_write_error_is_false_and_counted(tmp_path, monkeypatch):
     store = open_store(f"file:{tmp_path}", "ns", PAGE_NBYTES)
     keys, pages = make_keys(2), make_pages(2)
 
-    def disk_full(fd, parts):
+    def disk_full(fd, data, offset):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(os, "writev", disk_full)
+    monkeypatch.setattr(os, "pwrite", disk_full)
     assert store.batch_set(keys, pages) == [False, False]
     assert store.stats.errors == 2 and store.stats.set_pages == 0
     monkeypatch.undo()

@@ -51,7 +51,7 @@ def test_from_default_group_without_distributed_is_single() -> None:
         TPGroup.from_group()
 
 
-def test_single_rank_runs_no_collective(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_single_rank_runs_no_collective(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     def forbidden(*args: object, **kwargs: object) -> None:
         raise AssertionError("a collective ran with tp_size == 1")
 
@@ -60,11 +60,13 @@ def test_single_rank_runs_no_collective(monkeypatch: pytest.MonkeyPatch) -> None
     tp = TPGroup.single()
     assert tp.agree([3, 1], [0, 2]) == ([3, 1], [0, 2])
     assert tp.gather_digests("d") == ["d"]
-    run = _Workload(0, 1, tp, seed=5, page_size=1, write_policy="write_through")
+    run = _Workload(0, 1, tp, seed=5, page_size=1, write_policy="write_through",
+                    storage=dict(prefetch_threshold=8), store_dir=str(tmp_path))
     for step in range(40):
         run.step(step)
     run.finish()
     assert tp.collectives == 0
+    assert run.cache.storage.stats.backup_started > 0
 
 
 def _same_workload_digest(seed: int) -> tuple[str, str]:
@@ -284,13 +286,16 @@ def _rank_main(rank: int, world_size: int, port: int, out_dir: str, options: dic
     try:
         tp = TPGroup.from_default_group()
         assert (tp.rank, tp.world_size) == (rank, world_size)
+        agreed = tp.agree([rank + 1, 10 - rank], [rank, -rank, 7])  # MIN and MAX fields, one collective
+        assert agreed == ([1, 11 - world_size], [world_size - 1, 0, 7])
+        assert tp.collectives == 1
         run = _Workload(rank, world_size, tp, seed=1234, store_dir=os.path.join(out_dir, "l3"), **options)
         delays = random.Random(100 + rank)  # only the copy worker thread draws from it
         run.cache.transfer.delay_hook = lambda kind: time.sleep(delays.choice(COPY_DELAYS_S))
         racer = random.Random(200 + rank)
         if skip_agreement:  # the negative control: rank 0 always done, the others always late
             run.cache.transfer.delay_hook = lambda kind: time.sleep(0.05 if rank else 0.0)
-            run.cache.step = lambda: (_count_collective(tp), run.cache.apply_progress(run.cache.local_progress()))
+            run.cache.step = lambda: _step_without_agreement(run.cache)
         agreed_log = _log_agreements(tp)
         for step in range(num_steps):
             run.step(step)
@@ -313,8 +318,10 @@ def _rank_main(rank: int, world_size: int, port: int, out_dir: str, options: dic
         dist.destroy_process_group()
 
 
-def _count_collective(tp: TPGroup) -> None:
-    tp.collectives += 1
+def _step_without_agreement(cache: HiRadixCache) -> None:
+    """The bug the agreement prevents: each rank retires what it alone has finished."""
+    cache.tp.collectives += 1  # stands in for the collective, so the step still counts one
+    cache.apply_progress(cache.local_progress())
 
 
 def _log_agreements(tp: TPGroup) -> list[tuple[list[int], list[int]]]:

@@ -137,15 +137,19 @@ class PageStore(ABC):
     def close(self) -> None:
         """Release connections and files."""
 
+    def register_host_buffer(self, buffer: torch.Tensor) -> None:
+        """Tell the backend where the host pool lives (RDMA backends register it); default: nothing."""
+
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
 
     # Helpers for implementations.
 
-    def _verified(self, key: str, header: bytes | memoryview, payload: memoryview) -> bool:
+    def _verified(self, key: str, header: bytes | memoryview, payload: memoryview,
+                  payload_checksum: int | None = None) -> bool:
         """True if the stored page checks out; otherwise log, count, remove it and return False."""
         try:
-            self.format.verify(key, header, payload)
+            self.format.verify(key, header, payload, payload_checksum)
         except PageFormatError as err:
             log.warning("%s store: dropping corrupt page: %s", self.name, err)
             self._count(corrupt_pages=1)

@@ -3,7 +3,8 @@
 Layout: ``<root>/<namespace tag>/<key[0:2]>/<key[2:4]>/<key>.page``, each file the 48-byte header then
 the payload. Writes go to a per-thread temp file beside the target and are renamed over it, so a
 reader sees a whole old page, a whole new page or none. Reads land straight in the caller's page
-tensor (``preadv``), writes go straight from it (``writev``): no staging copy on either side.
+tensor (``preadv``), writes go straight from it (``pwrite``): no staging copy on either side; both
+run in cache-sized chunks, checksumming each chunk while it is hot.
 """
 
 from __future__ import annotations
@@ -14,21 +15,45 @@ import shutil
 import threading
 
 import torch
+import xxhash
 
 from tierkv.storage.base import PageStore, check_key
 from tierkv.storage.page_format import HEADER_SIZE
 
 PAGE_SUFFIX = ".page"
+# Reads and writes go in chunks this size, each checksummed while still in cache: small enough to stay
+# in L2/L3, large enough that the extra syscalls cost nothing measurable (best of 256 KiB-64 MiB here).
+IO_CHUNK_NBYTES = 1 << 20
 
 
-def _write_all(fd: int, parts: list[memoryview]) -> None:
-    while parts:
-        written = os.writev(fd, parts)
-        while parts and written >= len(parts[0]):
-            written -= len(parts[0])
-            parts.pop(0)
-        if parts:
-            parts[0] = parts[0][written:]
+def _write_all(fd: int, data: memoryview, offset: int) -> None:
+    while data:
+        written = os.pwrite(fd, data, offset)
+        data, offset = data[written:], offset + written
+
+
+def write_with_checksum(fd: int, payload: memoryview, offset: int) -> int:
+    """Write ``payload`` at ``offset`` chunk by chunk, hashing each chunk while it is in cache."""
+    state = xxhash.xxh3_64()
+    for start in range(0, len(payload), IO_CHUNK_NBYTES):
+        chunk = payload[start:start + IO_CHUNK_NBYTES]
+        state.update(chunk)
+        _write_all(fd, chunk, offset + start)
+    return state.intdigest()
+
+
+def read_with_checksum(fd: int, payload: memoryview, offset: int) -> tuple[int, int]:
+    """Read into ``payload`` from ``offset`` chunk by chunk; (bytes read, checksum of them)."""
+    state = xxhash.xxh3_64()
+    done = 0
+    while done < len(payload):
+        chunk = payload[done:done + IO_CHUNK_NBYTES]
+        got = os.preadv(fd, [chunk], offset + done)
+        if got == 0:
+            break
+        state.update(chunk[:got])
+        done += got
+    return done, state.intdigest()
 
 
 class FileStore(PageStore):
@@ -80,18 +105,17 @@ class FileStore(PageStore):
         except OSError as err:
             self._error(f"open {path}", err)
             return False
+        read, payload_checksum = 0, None
         try:
-            size = os.fstat(fd).st_size
-            read = os.preadv(fd, [header, view], 0) if size == self.format.blob_nbytes else 0
+            if os.fstat(fd).st_size == self.format.blob_nbytes and os.preadv(fd, [header], 0) == HEADER_SIZE:
+                read, payload_checksum = read_with_checksum(fd, view, HEADER_SIZE)
         except OSError as err:
             self._error(f"read {path}", err)
             return False
         finally:
             os.close(fd)
-        if read != self.format.blob_nbytes:
-            # A short or oversized file: let verify name it (header length vs payload length).
-            return self._verified(key, header, view[:max(0, read - HEADER_SIZE)])
-        if not self._verified(key, header, view):
+        # A short or oversized file fails verify on its length (the header then names the expected one).
+        if not self._verified(key, header, view[:read], payload_checksum if read == len(view) else None):
             return False
         self._count(get_pages=1, get_bytes=self.page_nbytes)
         return True
@@ -113,7 +137,9 @@ class FileStore(PageStore):
             os.makedirs(os.path.dirname(path), exist_ok=True)
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
-                _write_all(fd, [memoryview(self.format.header(key, view)), view])
+                # Payload first so its checksum comes from the same cache-hot pass as the write.
+                payload_checksum = write_with_checksum(fd, view, HEADER_SIZE)
+                _write_all(fd, memoryview(self.format.header(key, view, payload_checksum)), 0)
                 if self.fsync:
                     os.fsync(fd)
             finally:

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import threading
 
-import numpy as np
 import torch
 
 from tierkv.storage.base import PageStore, check_key
-from tierkv.storage.page_format import HEADER_SIZE
+from tierkv.storage.page_format import HEADER_SIZE, copy_with_checksum
 
 
 class MemoryStore(PageStore):
@@ -46,9 +45,11 @@ class MemoryStore(PageStore):
                     found.append(False)
                     continue
                 stored = memoryview(blob)
-                ok = self._verified(key, stored[:HEADER_SIZE], stored[HEADER_SIZE:])
+                payload_checksum = None
+                if len(stored) == self.format.blob_nbytes:
+                    payload_checksum = copy_with_checksum(view, stored[HEADER_SIZE:])
+                ok = self._verified(key, stored[:HEADER_SIZE], stored[HEADER_SIZE:], payload_checksum)
                 if ok:
-                    np.frombuffer(view, dtype=np.uint8)[:] = np.frombuffer(stored[HEADER_SIZE:], np.uint8)
                     self._count(get_pages=1, get_bytes=self.page_nbytes)
                 found.append(ok)
         return found
@@ -57,7 +58,9 @@ class MemoryStore(PageStore):
         views = self._check_batch(keys, values)
         with self._timed("set"):
             for key, view in zip(keys, views):
-                blob = bytearray(self.format.header(key, view)) + view
+                blob = bytearray(self.format.blob_nbytes)
+                payload_checksum = copy_with_checksum(memoryview(blob)[HEADER_SIZE:], view)
+                blob[:HEADER_SIZE] = self.format.header(key, view, payload_checksum)
                 with self._lock:
                     self.blobs[self._slot(key)] = blob
                 self._count(set_pages=1, set_bytes=self.page_nbytes)

@@ -83,6 +83,7 @@ class MooncakeStore(PageStore):
             pass
 
     def _setup(self):
+        client = None
         try:
             self._master_reachable()
             # Without it the TCP transport binds to the machine's public address.
@@ -97,6 +98,8 @@ class MooncakeStore(PageStore):
         except (ImportError, OSError, RuntimeError, ValueError) as err:
             self._error(f"setup against master {self.master}", err)
             self.backoff.failed()
+            if client is not None:
+                client.close()
             return None
         self._replicate = ReplicateConfig()
         self._replicate.replica_num = self.replica_num
@@ -113,7 +116,10 @@ class MooncakeStore(PageStore):
         """Register the host pool's memory with the transfer engine (needed for RDMA, cheap for TCP)."""
         self._registered.append(buffer)
         if self.client is not None:
-            self._register(self.client, buffer)
+            try:
+                self._register(self.client, buffer)
+            except (ConnectionError, RuntimeError) as err:
+                self._error("register host buffer", err)
 
     def _failed(self, what: str, err: BaseException) -> None:
         self._error(f"{what} via master {self.master}", err)

@@ -73,6 +73,8 @@ class Backend:
         if self.name == "memory":
             store.blobs[store._slot(key)][offset] ^= 0xFF
         elif self.name == "file":
+            # The file keeps the header as a trailer after the payload.
+            offset = offset - HEADER_SIZE if offset >= HEADER_SIZE else store.page_nbytes + offset
             with open(store.path(key), "r+b") as f:
                 f.seek(offset)
                 byte = f.read(1)

@@ -1,8 +1,7 @@
 """Page store on a local directory: one file per page, written atomically, readable after a restart.
 
 Layout: ``<root>/<namespace tag>/<key[0:2]>/<key[2:4]>/<key>.page``, each file the payload then the
-48-byte header as a trailer: the payload stays page-aligned in the file, which keeps the kernel's
-page-cache copies aligned (a payload at offset 48 read ~20% slower here). Writes go to a per-thread temp file beside the target and are renamed over it, so a
+48-byte header (see :mod:`tierkv.storage.page_format`). Writes go to a per-thread temp file beside the target and are renamed over it, so a
 reader sees a whole old page, a whole new page or none. Reads land straight in the caller's page
 tensor (``preadv``), writes go straight from it (``pwrite``): no staging copy on either side; both
 run in cache-sized chunks, checksumming each chunk while it is hot.

@@ -6,6 +6,8 @@ Pages are 64 tokens of a Llama-3-8B-sized KV (128 KiB per token -> 8 MiB). Basel
   redis     raw redis-py pipelined SET/GET of the same values, same pages per round trip
   mooncake  raw client batch_put_from / batch_get_into of the same bytes
 Each side runs ``--repeats`` times, in turns; the best time of each counts. Target ratio >= 0.7.
+The raw sides verify nothing; tierkv checksums every page (xxh3-64) on write and on read, which is a
+whole extra memory pass where the transport itself is a memory copy (memory, mooncake on one host).
 
     python bench/bench_storage.py [--pages 64] [--backends memory,file,redis,mooncake] [--fsync] [--cold]
 """
@@ -181,13 +183,13 @@ def run_case(case: Case, keys, pages, targets, repeats: int) -> list[tuple]:
     set_store, set_raw = alternate(lambda: store.batch_set(keys, pages), case.raw_set, repeats, case.reset)
     case.reset()
     if not all(store.batch_set(keys, pages)):
-        raise SystemExit(f"{case.name}: writes failed ({store.stats.errors} errors)")
+        raise RuntimeError(f"{case.name}: writes failed ({store.stats.errors} errors)")
     case.raw_set()
     get_store, get_raw = alternate(lambda: store.batch_get(keys, targets), case.raw_get, repeats,
                                    case.before_get)
     found = store.batch_get(keys, targets)
     if not all(found) or not all(torch.equal(t, p) for t, p in zip(targets, pages)):
-        raise SystemExit(f"{case.name}: read-back mismatch (found {sum(found)}/{len(found)})")
+        raise RuntimeError(f"{case.name}: read-back mismatch (found {sum(found)}/{len(found)})")
     return [(case.name, op, nbytes / ours / 1e9, nbytes / raw / 1e9, raw / ours)
             for op, ours, raw in (("set", set_store, set_raw), ("get", get_store, get_raw))]
 
@@ -221,6 +223,8 @@ def main() -> None:
             continue
         try:
             rows += run_case(case, keys, pages, targets, args.repeats)
+        except RuntimeError as err:
+            print(f"{name}: FAILED ({err})")
         finally:
             case.reset()
             case.cleanup()

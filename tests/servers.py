@@ -127,8 +127,7 @@ class MooncakeMaster:
         server = cls(free_port(), free_port(), free_port(), binary)
         args = [binary, f"--rpc_port={server.rpc_port}", "--rpc_address=127.0.0.1",
                 "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
-                f"--http_metadata_server_port={server.metadata_port}", f"--metrics_port={server.metrics_port}", "--metrics_host=127.0.0.1",
-                "--default_kv_lease_ttl=100"]
+                f"--http_metadata_server_port={server.metadata_port}", f"--metrics_port={server.metrics_port}", "--metrics_host=127.0.0.1"]
         server.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                        start_new_session=True)
         try:

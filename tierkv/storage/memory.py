@@ -7,7 +7,7 @@ import threading
 import torch
 
 from tierkv.storage.base import PageStore, check_key
-from tierkv.storage.page_format import HEADER_SIZE, copy_with_checksum
+from tierkv.storage.page_format import copy_with_checksum
 
 
 class MemoryStore(PageStore):
@@ -44,11 +44,11 @@ class MemoryStore(PageStore):
                 if blob is None:
                     found.append(False)
                     continue
-                stored = memoryview(blob)
+                header, payload = self.format.split(memoryview(blob))
                 payload_checksum = None
-                if len(stored) == self.format.blob_nbytes:
-                    payload_checksum = copy_with_checksum(view, stored[HEADER_SIZE:])
-                ok = self._verified(key, stored[:HEADER_SIZE], stored[HEADER_SIZE:], payload_checksum)
+                if len(payload) == self.page_nbytes:
+                    payload_checksum = copy_with_checksum(view, payload)
+                ok = self._verified(key, header, payload, payload_checksum)
                 if ok:
                     self._count(get_pages=1, get_bytes=self.page_nbytes)
                 found.append(ok)
@@ -59,8 +59,8 @@ class MemoryStore(PageStore):
         with self._timed("set"):
             for key, view in zip(keys, views):
                 blob = bytearray(self.format.blob_nbytes)
-                payload_checksum = copy_with_checksum(memoryview(blob)[HEADER_SIZE:], view)
-                blob[:HEADER_SIZE] = self.format.header(key, view, payload_checksum)
+                payload_checksum = copy_with_checksum(memoryview(blob)[:self.page_nbytes], view)
+                blob[self.page_nbytes:] = self.format.header(key, view, payload_checksum)
                 with self._lock:
                     self.blobs[self._slot(key)] = blob
                 self._count(set_pages=1, set_bytes=self.page_nbytes)

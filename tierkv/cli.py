@@ -50,6 +50,7 @@ def _replay_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--skip-bad", action="store_true", help="skip (and count) bad trace lines")
     p.add_argument("--no-baselines", action="store_true", help="skip the L1-only replay")
     p.add_argument("--verify", action="store_true", help="check every reused prefix's KV (slower)")
+    p.add_argument("--serial", action="store_true", help="run the baselines after, not beside, the replay")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -105,7 +106,7 @@ def replay_main(args: argparse.Namespace) -> int:
     err = Console(stderr=True)
     for bad in trace.bad_lines[:5]:
         err.print(f"skipped {bad}")
-    run = run_all(trace, config, baselines=not args.no_baselines, console=err)
+    run = run_all(trace, config, baselines=not args.no_baselines, console=err, parallel=not args.serial)
     report = build_report(run, model, args.trace)
     if sizes:
         report["sweep"] = run_sweep(trace, config, sizes, console=err)

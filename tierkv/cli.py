@@ -100,6 +100,10 @@ def replay_main(args: argparse.Namespace) -> int:
     config = ReplayConfig(l1_tokens=parse_size(args.l1_tokens), l2_tokens=l2 or None, page_size=args.page_size,
                           eviction_policy=args.policy, write_policy=args.write_policy, l3=args.l3,
                           include_output=args.include_output, verify=args.verify)
+    if args.l3 != "none":
+        from tierkv.storage.factory import parse_spec
+
+        parse_spec(args.l3)  # a bad spec fails now, not after the baseline process has started
     model = _model_from_args(args)
     sizes = parse_sizes(args.sweep) if args.sweep else None
     trace = load_trace(args.trace, limit=args.limit, skip_bad=args.skip_bad)

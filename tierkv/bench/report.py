@@ -319,19 +319,19 @@ def plot_report(report: dict, path: str | Path) -> None:
     """Hit tokens per tier for each configuration, and modelled TTFT (mean, p50, p99)."""
     plt = _pyplot()
     base = report["baselines"]
-    names, tiers = ["no cache"], [(0, 0, 0)]
+    names, tiers = ["no cache"], [(0, 0, 0, 0)]
     if "l1_only" in base:
         names.append("L1-only")
-        tiers.append((base["l1_only"]["hit_ratio"], 0, 0))
+        tiers.append((base["l1_only"]["hit_ratio"], 0, 0, 0))
     total = report["prompt_tokens"] or 1
     h = report["hit_tokens"]
     names += ["tiered", "optimal"]
-    tiers += [(h["l1"] / total, h["l2"] / total, h["l3"] / total), (base["optimal"]["hit_ratio"], 0, 0)]
+    tiers += [(h["l1"] / total, h["l2"] / total, h["l3"] / total, 0), (0, 0, 0, base["optimal"]["hit_ratio"])]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.5))
     bottom = [0.0] * len(names)
-    for i, tier in enumerate(("L1", "L2", "L3")):
+    for i, (tier, color) in enumerate((("L1", "C0"), ("L2", "C1"), ("L3", "C2"), ("MIN (no tiers)", "0.6"))):
         vals = [100 * t[i] for t in tiers]
-        ax1.bar(names, vals, bottom=bottom, label=tier)
+        ax1.bar(names, vals, bottom=bottom, label=tier, color=color)
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax1.set_ylabel("hit ratio (% of prompt tokens)")
     ax1.legend()

@@ -99,9 +99,10 @@ def test_corruption_is_a_miss_never_wrong_bytes(kind):
     results = store.batch_get(keys, targets)
     hits = [i for i, ok in enumerate(results) if ok]
     assert all(torch.equal(targets[i], page(i)) for i in hits)
-    # a flip in the header's reserved flags leaves the page intact: detected <= injected
-    assert 0 < store.stats.corrupt_pages <= store.injected[kind] < 200
+    assert 0 < store.stats.corrupt_pages == store.injected[kind] < 200
     assert len(hits) == 200 - store.stats.corrupt_pages
+    # a corrupt page is dropped, so a later backup can store it again
+    assert store.batch_exists(keys) == min(set(range(200)) - set(hits))
 
 
 def test_latency_is_injected_and_counted():
@@ -196,10 +197,14 @@ def test_workload_without_faults_uses_l3(backend):
 def test_workload_with_faults_never_returns_wrong_kv(backend, kind):
     before = threading.active_count()
     store = open_work_store(*backend, faults={**FAULTS[kind], "seed": 1})
-    result, cache = run_workload(store, make_trace())
+    # a hang must not hold the request: the timeout stop policy lets it go without L3
+    policy = "timeout" if kind == "hang" else "wait_complete"
+    result, cache = run_workload(store, make_trace(), prefetch_stop_policy=policy)
     assert result.requests == 72  # every request finished, each hit verified byte for byte in serve()
     assert store.injected[kind] > 0  # the faults happened and are counted
-    if kind.startswith("corrupt"):
+    if kind == "corrupt_get":
+        assert store.stats.corrupt_pages == store.injected[kind]
+    if kind == "corrupt_set":
         assert store.stats.corrupt_pages > 0
     if kind == "error":
         assert store.stats.errors >= store.injected["error"]
@@ -211,7 +216,7 @@ def test_disk_full_is_a_failed_write_not_a_crash(tmp_path, monkeypatch):
 
     import tierkv.storage.file as file_backend
 
-    def no_space(fd, parts):
+    def no_space(*args):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(file_backend, "_write_all", no_space)
@@ -255,3 +260,34 @@ def test_faults_come_from_the_storage_extra_config_json():
                               "m")
     assert isinstance(controller.store, FaultyStore) and controller.store.config.error_rate == 0.5
     cache.close()
+
+
+@pytest.mark.parametrize("kind", ["error", "partial", "corrupt_get", "corrupt_set"])
+def test_real_replay_with_faults_keeps_exact_kv_and_accounting(tmp_path, monkeypatch, kind):
+    """`tierkv replay`'s own driver (with --verify: every reused prefix's KV checked) over a faulty L3."""
+    import json
+    from pathlib import Path
+
+    import tierkv.bench.replay as replay_module
+    from tierkv.bench.replay import ReplayConfig, replay
+    from tierkv.bench.trace import load_trace
+    from tests.test_replay import reference_hits
+
+    from tierkv.storage.controller import open_storage
+
+    stores = []
+
+    def open_faulty_storage(cache, spec, extra, namespace):
+        values = {**json.loads(extra), "faults": {**FAULTS[kind], "seed": 4}}
+        controller = open_storage(cache, spec, json.dumps(values), namespace)
+        stores.append(controller.store)
+        return controller
+
+    monkeypatch.setattr(replay_module, "open_storage", open_faulty_storage)
+    requests = load_trace(Path(__file__).parent / "fixtures" / "conversation_200.jsonl", limit=60).requests
+    result = replay(requests, ReplayConfig(l1_tokens=8_192, l2_tokens=16_384, l3="memory", verify=True))
+    assert len(result.requests) == len(requests) and result.uncached_requests == 0
+    assert result.prefetched_l3_l2_tokens == result.tier_hits()["l3"] > 0  # L3 hits are what L3 delivered
+    unbounded = reference_hits(requests, page_size=16)
+    assert all(r.hit_tokens <= bound for r, bound in zip(result.requests, unbounded))
+    assert stores[0].injected[kind] > 0

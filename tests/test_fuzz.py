@@ -146,8 +146,24 @@ class CacheMachine(RuleBasedStateMachine):
 
 
 TestCacheFuzz = CacheMachine.TestCase
-TestCacheFuzz.settings = settings(max_examples=int(os.environ.get("TIERKV_FUZZ_EXAMPLES", 40)), stateful_step_count=30, deadline=None,
-                                  suppress_health_check=[HealthCheck.too_slow])
+TestCacheFuzz.settings = settings(max_examples=int(os.environ.get("TIERKV_FUZZ_EXAMPLES", 40)), stateful_step_count=30,
+                                  deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_huge_keys_with_extreme_ids_round_trip():
+    """200k tokens, negative ids and the int64 extremes: inserted, matched in full, evicted cleanly."""
+    num_tokens = 200_000
+    ids = [(-1) ** i * i for i in range(num_tokens - 2)] + [2**63 - 1, -(2**63)]
+    cache = HiRadixCache(DeviceKVPool(SPEC, num_tokens, 4, "cpu"), CacheConfig(page_size=4, enable_host=False))
+    slots = cache.alloc_device(num_tokens)
+    assert cache.insert(RadixKey(ids, "t"), slots) == num_tokens
+    assert len(cache.match_prefix(RadixKey(ids, "t")).device_indices) == num_tokens
+    assert len(cache.match_prefix(RadixKey(ids)).device_indices) == 0  # another namespace
+    assert len(cache.match_prefix(RadixKey(ids[:-1] + [0], "t")).device_indices) == num_tokens - 4
+    cache.check_integrity()
+    assert cache.evict(num_tokens) == num_tokens
+    cache.check_integrity()
+    cache.close()
 
 
 # ---- configs -----------------------------------------------------------------------------------------

@@ -93,12 +93,12 @@ def serve(cache: HiRadixCache, key: RadixKey, rid: str) -> int:
 
 
 def make_cache(store, **storage_overrides) -> HiRadixCache:
-    """A small L1/L2 cache with ``store`` attached as L3 (prefetch stop policy: timeout)."""
+    """A small L1/L2 cache with ``store`` attached as L3 (prefetch stop policy: wait_complete by default)."""
     cache = HiRadixCache(DeviceKVPool(WORK_SPEC, 160, WORK_PAGE, "cpu"),
                          CacheConfig(page_size=WORK_PAGE, host_layout="page_first", load_back_threshold=0,
                                      hicache_ratio=2.0))
     ns = work_namespace()
-    settings = dict(prefetch_threshold=0, prefetch_stop_policy="timeout", prefetch_timeout_base=0.2,
+    settings = dict(prefetch_threshold=0, prefetch_stop_policy="wait_complete", prefetch_timeout_base=0.2,
                     prefetch_timeout_per_ki_token=0.0, io_wait_timeout_s=0.3, prefetch_batch_pages=4)
     settings.update(storage_overrides)
     cache.attach_storage(store, StorageConfig(**settings), ns)

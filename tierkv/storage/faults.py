@@ -133,9 +133,14 @@ class FaultyStore(PageStore):
         return num_keys
 
     def _flip(self, op: str, frame: torch.Tensor) -> None:
-        """Flip one random bit of one random byte of a frame (header or payload)."""
+        """Flip one random bit of one random byte of a frame (header or payload).
+
+        The header's reserved flags (bytes 6-7) are skipped: nothing reads them, so a flip there would
+        leave a sound page and make the injected count disagree with the detected one.
+        """
         rng = self._rngs[op]
-        pos = rng.randrange(frame.numel())
+        pos = rng.randrange(frame.numel() - 2)
+        pos += 2 if pos >= 6 else 0
         frame[pos] = int(frame[pos]) ^ (1 << rng.randrange(8))
 
     # ---- PageStore ------------------------------------------------------------------------------
@@ -167,6 +172,9 @@ class FaultyStore(PageStore):
             return False
         target[:] = data[HEADER_SIZE:]
         return True
+
+    def _drop(self, key: str) -> None:
+        self.inner._drop(key)  # the corrupt frame lives in the inner store; a later backup rewrites it
 
     def batch_set(self, keys: list[str], values: list[torch.Tensor]) -> list[bool]:
         views = self._check_batch(keys, values)

@@ -1,10 +1,11 @@
 """Page store on a local directory: one file per page, written atomically, readable after a restart.
 
 Layout: ``<root>/<namespace tag>/<key[0:2]>/<key[2:4]>/<key>.page``, each file the payload then the
-48-byte header (see :mod:`tierkv.storage.page_format`). Writes go to a per-thread temp file beside the target and are renamed over it, so a
-reader sees a whole old page, a whole new page or none. Reads land straight in the caller's page
-tensor (``preadv``), writes go straight from it (``pwrite``): no staging copy on either side; both
-run in cache-sized chunks, checksumming each chunk while it is hot.
+48-byte header (see :mod:`tierkv.storage.page_format`). Writes go to a per-thread temp file beside
+the target and are renamed over it, so a reader sees a whole old page, a whole new page or none.
+Reads land straight in the caller's page tensor (``preadv``), writes go straight from it
+(``pwrite``): no staging copy on either side; both run in cache-sized chunks, checksumming each
+chunk while it is hot.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
-"""In-process page store: a dict of header+payload blobs. The reference backend for tests."""
+"""In-process page store: a dict of blobs (payload then header). The reference backend for tests."""
 
 from __future__ import annotations
 
 import threading
 
+import numpy as np
 import torch
 
 from tierkv.storage.base import PageStore, check_key
@@ -15,7 +16,7 @@ class MemoryStore(PageStore):
 
     name = "memory"
 
-    def __init__(self, namespace: str, page_nbytes: int, blobs: dict[str, bytearray] | None = None) -> None:
+    def __init__(self, namespace: str, page_nbytes: int, blobs: dict[str, np.ndarray] | None = None) -> None:
         super().__init__(namespace, page_nbytes)
         # Keys are prefixed by the namespace digest so stores sharing ``blobs`` stay apart.
         self._prefix = self.namespace_tag + ":"
@@ -58,9 +59,10 @@ class MemoryStore(PageStore):
         views = self._check_batch(keys, values)
         with self._timed("set"):
             for key, view in zip(keys, views):
-                blob = bytearray(self.format.blob_nbytes)
+                blob = np.empty(self.format.blob_nbytes, dtype=np.uint8)  # no zero-fill before the copy
                 payload_checksum = copy_with_checksum(memoryview(blob)[:self.page_nbytes], view)
-                blob[self.page_nbytes:] = self.format.header(key, view, payload_checksum)
+                header = self.format.header(key, view, payload_checksum)
+                blob[self.page_nbytes:] = np.frombuffer(header, np.uint8)
                 with self._lock:
                     self.blobs[self._slot(key)] = blob
                 self._count(set_pages=1, set_bytes=self.page_nbytes)

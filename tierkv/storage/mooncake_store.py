@@ -163,8 +163,8 @@ class MooncakeStore(PageStore):
         found: list[bool] = []
         with self._timed("get"), self._get_lock:
             for start in range(0, len(keys), _CHUNK_PAGES):
-                found += self._get_chunk(keys[start:start + _CHUNK_PAGES], targets[start:start + _CHUNK_PAGES],
-                                         views[start:start + _CHUNK_PAGES])
+                end = start + _CHUNK_PAGES
+                found += self._get_chunk(keys[start:end], targets[start:end], views[start:end])
         return found
 
     def _get_chunk(self, keys: list[str], targets: list[torch.Tensor], views: list[memoryview]) -> list[bool]:

@@ -98,16 +98,26 @@ class InsertResult:
     path: list[TreeNode] = field(default_factory=list)
 
 
+_SCAN_CHUNK = 256
+
+
 def _common_prefix_len(a: list, b: list, offset: int = 0) -> int:
-    """Length of the common prefix of ``a`` and ``b[offset:]``; C-speed slice compares, binary search on
-    mismatch. Only ``len(a)`` elements of ``b`` are ever copied: ``b`` is a whole prompt, ``a`` one edge."""
+    """Length of the common prefix of ``a`` and ``b[offset:]``, by C-speed slice compares.
+
+    Only ``len(a)`` elements of ``b`` are copied (``b`` is a whole prompt, ``a`` one edge). On a mismatch,
+    fixed chunks locate it and a binary search finishes inside one chunk: a binary search over the
+    whole edge would copy O(n log n) elements, which dominated matching long prompts.
+    """
     n = min(len(a), len(b) - offset)
     if (a if n == len(a) else a[:n]) == b[offset:offset + n]:
         return n
-    lo, hi = 0, n - 1  # a[:lo] equal, a[:hi+1] not
+    lo = 0  # a[:lo] equal
+    while lo + _SCAN_CHUNK <= n and a[lo:lo + _SCAN_CHUNK] == b[offset + lo:offset + lo + _SCAN_CHUNK]:
+        lo += _SCAN_CHUNK
+    hi = min(n, lo + _SCAN_CHUNK) - 1  # a[:hi+1] not equal
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if a[:mid] == b[offset:offset + mid]:
+        if a[lo:mid] == b[offset + lo:offset + mid]:
             lo = mid
         else:
             hi = mid - 1

@@ -425,3 +425,26 @@ def test_check_integrity_catches_slot_ownership_errors(caches, how):
         nodes[0].device_value = nodes[0].device_value.roll(1)
     with pytest.raises(AssertionError):
         cache.check_integrity()
+
+
+def test_failed_write_back_deletes_instead_of_keeping_bad_kv(caches):
+    cache = caches(write_policy="write_back")
+    put(cache, list(range(4)), seed=1)
+    put(cache, list(range(8)), seed=2)
+    cache.transfer.write_now = lambda device_slots, host_slots: OSError("injected")
+    assert cache.evict(8) == 8
+    assert list(cache.tree.nodes()) == [] and cache.stats.failed_copies == 1
+    assert cache.host_pool.num_free_slots == cache.host_pool.num_slots
+    cache.check_integrity()
+
+
+def test_failed_write_back_of_a_leaf_keeps_its_ancestors_in_l1(caches):
+    cache = caches(write_policy="write_back")
+    kv = put(cache, list(range(4)), seed=1)
+    put(cache, list(range(8)), seed=2)
+    cache.transfer.write_now = lambda device_slots, host_slots: OSError("injected")
+    assert cache.evict(1) == 4  # only the leaf: its parent was to be backed up with it, not evicted
+    match = cache.match_prefix(RadixKey(list(range(8))))
+    assert len(match.device_indices) == 4 and match.host_hit_length == 0
+    assert same_bits(cache.device_pool.read_tokens(match.device_indices), kv)
+    cache.check_integrity()

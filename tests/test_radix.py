@@ -280,3 +280,36 @@ def test_match_walks_every_level(page_size):
     path = tree.match(RadixKey(list(range(5 * p)) + [-1] * p))
     assert path.num_tokens == 5 * p and len(path.nodes) == 3
     tree.check_integrity()
+
+
+def test_tensor_token_ids_match_list_token_ids():
+    """Regression: 0-d tensor elements hash by identity, so a tensor key never matched."""
+    import torch
+
+    tree = RadixTree()
+    _insert(tree, [5, 6, 7])
+    assert tree.match(RadixKey(torch.tensor([5, 6, 7, 8]))).num_tokens == 3
+    with pytest.raises(TypeError):
+        tree.match(RadixKey(torch.tensor([5.0, 6.0])))
+
+
+def test_frontier_tracks_leaves_through_splits_and_removals():
+    tree = RadixTree()
+    a = _insert(tree, [1, 2, 3, 4]).new_node
+    b = _insert(tree, [1, 2, 9]).new_node  # splits a
+    assert {n.id for n in tree.device_leaves()} == {a.id, b.id}
+    tree.clear_device_value(b)
+    tree.remove_leaf(b)
+    tree.clear_device_value(a)
+    tree.remove_leaf(a)
+    (top,) = tree.device_leaves()  # the split-off parent became a leaf
+    assert top.key == [1, 2]
+    tree.check_integrity()
+
+
+def test_check_integrity_catches_a_leaf_missing_from_the_frontier():
+    tree = RadixTree()
+    leaf = _insert(tree, [1, 2]).new_node
+    tree.root._frontiers.device.discard(leaf)
+    with pytest.raises(AssertionError, match="frontier"):
+        tree.check_integrity()

@@ -31,12 +31,30 @@ class RadixKey:
         return len(self.token_ids)
 
 
+class _Frontiers:
+    """Per tree: nodes that may be leaves of the device / host subtrees, so eviction need not scan.
+
+    Kept as supersets: a node is added whenever it may have become a leaf (it got a value, or a child
+    lost one) and dropped lazily once seen not to be a leaf any more.
+    """
+
+    __slots__ = ("device", "host")
+
+    def __init__(self) -> None:
+        self.device: set[TreeNode] = set()
+        self.host: set[TreeNode] = set()
+
+
 class TreeNode:
-    """One edge of the tree. ``last_access_time`` is a logical clock tick, identical across TP ranks."""
+    """One edge of the tree. ``last_access_time`` is a logical clock tick, identical across TP ranks.
+
+    ``device_value`` and ``host_value`` are properties so that any assignment, wherever it happens,
+    keeps the tree's eviction frontiers right.
+    """
 
     __slots__ = (
-        "id", "key", "extra_key", "parent", "children", "device_value", "host_value", "hash_values",
-        "lock_ref", "host_ref", "hit_count", "last_access_time", "creation_time", "priority",
+        "id", "key", "extra_key", "parent", "children", "_device_value", "_host_value", "hash_values",
+        "lock_ref", "host_ref", "hit_count", "last_access_time", "creation_time", "priority", "_frontiers",
     )
 
     def __init__(self, key: list, extra_key: str | None, parent: "TreeNode | None", tick: int) -> None:
@@ -44,9 +62,10 @@ class TreeNode:
         self.key = key
         self.extra_key = extra_key
         self.parent = parent
+        self._frontiers = parent._frontiers if parent is not None else _Frontiers()
         self.children: dict[Hashable, TreeNode] = {}
-        self.device_value: Any = None
-        self.host_value: Any = None
+        self._device_value: Any = None
+        self._host_value: Any = None
         self.hash_values: list | None = None
         self.lock_ref = 0
         self.host_ref = 0
@@ -54,6 +73,30 @@ class TreeNode:
         self.last_access_time = tick
         self.creation_time = tick
         self.priority = 0
+
+    @property
+    def device_value(self) -> Any:
+        return self._device_value
+
+    @device_value.setter
+    def device_value(self, value: Any) -> None:
+        self._device_value = value
+        if value is not None:
+            self._frontiers.device.add(self)
+        elif self.parent is not None:
+            self._frontiers.device.add(self.parent)  # it may have lost its last device child
+
+    @property
+    def host_value(self) -> Any:
+        return self._host_value
+
+    @host_value.setter
+    def host_value(self, value: Any) -> None:
+        self._host_value = value
+        if value is not None:
+            self._frontiers.host.add(self)
+        elif self.parent is not None:
+            self._frontiers.host.add(self.parent)  # it may have lost its last host child
 
     @property
     def evicted(self) -> bool:
@@ -151,14 +194,17 @@ class RadixTree:
         memo = key.__dict__.get("_elements")
         if memo is not None and memo[0] == shape:
             return memo[1]
-        ids = key.token_ids if isinstance(key.token_ids, list) else list(key.token_ids)
+        ids = key.token_ids
+        if hasattr(ids, "tolist"):  # a tensor or array: plain ints, not 0-d tensors that hash by identity
+            ids = ids.tolist()
+        ids = list(ids)  # a copy: later changes to token_ids cannot reach the tree
         try:
             struct.pack(f"{len(ids)}q", *ids)  # C-speed check that every id is a 64-bit int (~2x array's)
         except struct.error as exc:
             raise TypeError(f"token ids must be 64-bit ints: {exc}") from None
         elems: list = list(zip(ids, ids[1:])) if self.bigram else ids
         cut = len(elems) - len(elems) % self.page_size
-        elems = elems[:cut]  # a copy: later changes to token_ids cannot reach the tree
+        elems = elems if cut == len(elems) else elems[:cut]
         object.__setattr__(key, "_elements", (shape, elems))
         return elems
 
@@ -287,7 +333,7 @@ class RadixTree:
             raise RuntimeError(f"cannot drop the device value of locked node {node.id}")
         value, node.device_value = node.device_value, None
         if value is not None:
-            self._account(node, -len(value))
+            self._account(node, -len(node.key))
         return value
 
     def _account(self, node: TreeNode, delta: int) -> None:
@@ -300,8 +346,8 @@ class RadixTree:
         """Lock contract: +1 lock_ref on ``node`` and every ancestor; device tokens become protected."""
         while node is not self.root and node is not None:
             if node.lock_ref == 0 and node.device_value is not None:
-                self.evictable_size -= len(node.device_value)
-                self.protected_size += len(node.device_value)
+                self.evictable_size -= len(node.key)  # == len(device_value), and cheaper
+                self.protected_size += len(node.key)
             node.lock_ref += 1
             node = node.parent
 
@@ -311,8 +357,8 @@ class RadixTree:
             if node.lock_ref <= 0:
                 raise RuntimeError(f"dec_lock_ref on unlocked node {node.id}")
             if node.lock_ref == 1 and node.device_value is not None:
-                self.protected_size -= len(node.device_value)
-                self.evictable_size += len(node.device_value)
+                self.protected_size -= len(node.key)
+                self.evictable_size += len(node.key)
             node.lock_ref -= 1
             node = node.parent
 
@@ -337,6 +383,8 @@ class RadixTree:
         if node.lock_ref or node.host_ref:
             raise RuntimeError(f"node {node.id} is locked")
         del node.parent.children[self.child_key(node.key, node.extra_key)]
+        node._frontiers.device.discard(node)
+        node._frontiers.host.discard(node)
 
     # ---- traversal ----------------------------------------------------------------------------------
     def nodes(self) -> Iterator[TreeNode]:
@@ -349,11 +397,15 @@ class RadixTree:
 
     def device_leaves(self) -> list[TreeNode]:
         """Unlocked nodes with device slots and no child holding device slots: the L1 eviction frontier."""
-        return [n for n in self.nodes() if self.is_device_leaf(n)]
+        frontier = self.root._frontiers.device
+        frontier.intersection_update([n for n in frontier if _is_leaf(n, "_device_value")])
+        return [n for n in frontier if n.lock_ref == 0]
 
     def host_leaves(self) -> list[TreeNode]:
         """Nodes with host slots, no host_ref, and no child holding host slots: the L2 eviction frontier."""
-        return [n for n in self.nodes() if self.is_host_leaf(n)]
+        frontier = self.root._frontiers.host
+        frontier.intersection_update([n for n in frontier if _is_leaf(n, "_host_value")])
+        return [n for n in frontier if self.is_host_leaf(n)]
 
     def is_host_leaf(self, n: TreeNode) -> bool:
         """True when L2 may drop ``n``'s host slots now (a locked host-only node is kept)."""
@@ -379,13 +431,21 @@ class RadixTree:
 
     def reset(self) -> None:
         self.root.children.clear()
+        self.root._frontiers.device.clear()
+        self.root._frontiers.host.clear()
         self.evictable_size = self.protected_size = 0
 
     # ---- integrity ----------------------------------------------------------------------------------
     def check_integrity(self) -> None:
         """Raise AssertionError with the first broken invariant (structure, values, accounting, locks)."""
         evictable = protected = 0
+        frontiers = self.root._frontiers
         for node in self.nodes():
+            _check(node._frontiers is frontiers, node, "belongs to another tree's frontiers")
+            if _is_leaf(node, "_device_value"):
+                _check(node in frontiers.device, node, "device leaf missing from the eviction frontier")
+            if _is_leaf(node, "_host_value"):
+                _check(node in frontiers.host, node, "host leaf missing from the eviction frontier")
             _check(len(node.key) > 0 and len(node.key) % self.page_size == 0, node, "key not page-aligned")
             _check(node.parent.children.get(self.child_key(node.key, node.extra_key)) is node, node,
                    "not registered under its child key")
@@ -415,6 +475,12 @@ class RadixTree:
                f"evictable_size {self.evictable_size} != {evictable}")
         _check(protected == self.protected_size, self.root,
                f"protected_size {self.protected_size} != {protected}")
+
+
+def _is_leaf(node: TreeNode, attr: str) -> bool:
+    """True when ``node`` (not the root) holds a value in the tier ``attr`` and no child of it does."""
+    return (node.parent is not None and getattr(node, attr) is not None
+            and not any(getattr(c, attr) is not None for c in node.children.values()))
 
 
 def _check(ok: bool, node: TreeNode, what: str) -> None:

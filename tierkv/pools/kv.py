@@ -46,6 +46,7 @@ class PagedKVBuffer:
         self.buffer.zero_()  # touch every page now: first writes to fresh memory are far slower
         self.paged, self.page_dim, self.perm = self._paged_view()
         self.inverse_perm = _inverse(self.perm)
+        self.rows, self.row_strides, self.row_dim_order = self._row_table()
 
     # layer_first by default: [num_kv, layers, slots, heads, dim]
     def _shape(self) -> tuple[int, ...]:
@@ -54,6 +55,28 @@ class PagedKVBuffer:
 
     def _paged_view(self) -> tuple[torch.Tensor, int, tuple[int, ...]]:
         return self.buffer.unflatten(2, (self.num_pages, self.page_size)), 2, (0, 1, 2, 3, 4, 5)
+
+    def _row_table(self) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
+        """The buffer as uint8 rows of one token's ``[heads, dim]`` for one K/V and layer (contiguous in
+        every layout; torch gathers byte rows with memcpy); the row strides of the canonical ``(kv, layer,
+        page, token-in-page)`` dims; those dims in memory order."""
+        canonical = self.paged.permute(self.perm)
+        row_elems = self.spec.heads * self.spec.dim
+        if canonical.stride(5) != 1 or canonical.stride(4) != self.spec.dim:
+            raise AssertionError(f"layout {self.layout}: [heads, dim] is not contiguous")
+        strides = tuple(canonical.stride(i) // row_elems for i in range(4))
+        rows = self.buffer.view(-1, row_elems).view(torch.uint8)
+        order = tuple(sorted(range(4), key=lambda i: -strides[i]))
+        sk, sl, _, so = strides
+        s = self.spec
+        self._row_base = (torch.arange(s.num_kv).mul_(sk).view(-1, 1, 1, 1)
+                          + torch.arange(s.num_layers).mul_(sl).view(1, -1, 1, 1)
+                          + torch.arange(self.page_size).mul_(so).view(1, 1, 1, -1))
+        return rows, strides, order
+
+    def page_rows(self, pages: torch.Tensor) -> torch.Tensor:
+        """Row indices of the given pages, shaped ``[num_kv, layers, len(pages), page_size]``."""
+        return self._row_base + (pages.to(torch.int64) * self.row_strides[2]).view(1, 1, -1, 1)
 
     @property
     def size_bytes(self) -> int:

@@ -149,7 +149,3 @@ def load_hit(cache: HiRadixCache, key: RadixKey) -> torch.Tensor:
         spec = cache.device_pool.spec
         return torch.empty(spec.num_kv, spec.num_layers, 0, spec.heads, spec.dim, dtype=spec.dtype)
     return cache.device_pool.read_tokens(indices)
-
-
-def check(cache: HiRadixCache) -> None:
-    cache.check_integrity()

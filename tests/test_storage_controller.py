@@ -45,9 +45,12 @@ def test_config_errors_name_the_key(text, message):
         StorageConfig.from_json(text)
 
 
-def test_config_is_frozen():
+def test_config_is_frozen_and_picklable():
+    import pickle
     with pytest.raises(AttributeError):
         StorageConfig().prefetch_threshold = 1  # type: ignore[misc]
+    cfg = StorageConfig(backend_config={"dir": "/x"})
+    assert pickle.loads(pickle.dumps(cfg)) == cfg
 
 
 # ---- prefetch -----------------------------------------------------------------------------------
@@ -237,6 +240,13 @@ def test_duplicate_request_id_is_an_error():
     with pytest.raises(ValueError, match="already has a prefetch"):
         cache.prefetch_from_storage("r", cache.tree.root, key)
     cache.flush()
+    assert cache.check_prefetch_progress("r")
+    other = RadixKey(random_tokens(2 * PS, seed=22))
+    assert cache.prefetch_from_storage("s", cache.tree.root, other)
+    cache.flush()  # revoked: nothing stored under it
+    assert cache.prefetch_from_storage("s", cache.tree.root, other)  # the id is free again
+    cache.flush()
+    cache.check_integrity()
     cache.close()
 
 
@@ -440,3 +450,102 @@ def test_match_walks_the_whole_path():
     assert len(cache.tree.root.children) == 1
     assert len(cache.match_prefix(key).device_indices) == 4 * PS
     cache.close()
+
+
+# ---- stateful: random traffic with faults keeps KV exact and slots balanced ------------------------
+from hypothesis import settings, strategies as st  # noqa: E402
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule  # noqa: E402
+
+
+def _kv_of(spec, tokens: list[int]) -> torch.Tensor:
+    """KV as a function of the token id alone (ids are unique per prefix position in this machine)."""
+    values = torch.tensor(tokens, dtype=torch.float32).remainder(1000)
+    kv = values.view(1, 1, -1, 1, 1).expand(spec.num_kv, spec.num_layers, -1, spec.heads, spec.dim)
+    return kv.to(spec.dtype).contiguous()
+
+
+class StorageTraffic(RuleBasedStateMachine):
+    """Requests with prefetch/abort, evictions in both tiers, and an L3 that fails or corrupts pages."""
+
+    @initialize(policy=st.sampled_from(["best_effort", "wait_complete", "timeout"]),
+                write_policy=st.sampled_from(["write_through", "write_back"]))
+    def start(self, policy, write_policy):
+        self.cache = make_cache(page_size=4, device_tokens=96, write_policy=write_policy)
+        self.store = attach_fake(self.cache, prefetch_batch_pages=2, io_wait_timeout_s=5.0,
+                                 prefetch_stop_policy=policy, prefetch_threshold=4)
+        self.bases = [list(range(1000 * b + 1, 1000 * b + 41)) for b in range(3)]
+        self.next_token = 10_000
+
+    @rule(base=st.integers(0, 2), pages=st.integers(1, 10), tail_pages=st.integers(0, 2), abort=st.booleans(),
+          settle=st.booleans())
+    def request(self, base, pages, tail_pages, abort, settle):
+        tail = list(range(self.next_token, self.next_token + 4 * tail_pages))
+        self.next_token += 4 * tail_pages
+        key = RadixKey(self.bases[base][: 4 * pages] + tail)
+        rid = f"r{self.next_token}-{base}-{pages}"
+        m = self.cache.match_prefix(key)
+        started = self.cache.prefetch_from_storage(rid, m.last_host_node, key)
+        if settle:  # the scheduler ran other work meanwhile: the prefetch's worker is done
+            self.cache.storage.wait_idle()
+        self.cache.step()
+        if started and abort:
+            self.cache.release_prefetch(rid)
+        while not self.cache.check_prefetch_progress(rid):
+            self.cache.flush()
+        self.cache.check_integrity()
+        m = self.cache.match_prefix(key)
+        load = self.cache.init_load_back(m.last_host_node)
+        if load.pending is not None:
+            assert load.pending.wait()
+        hit = load.device_indices
+        spec = self.cache.device_pool.spec
+        if len(hit):
+            assert torch.equal(self.cache.device_pool.read_tokens(hit), _kv_of(spec, key.token_ids[: len(hit)]))
+        self.cache.inc_lock_ref(load.last_node)
+        fresh = self.cache.alloc_device(len(key) - len(hit))
+        self.cache.dec_lock_ref(load.last_node)
+        if fresh is None:
+            return
+        self.cache.device_pool.write_tokens(fresh, _kv_of(spec, key.token_ids[len(hit):]))
+        self.cache.insert(key, torch.cat([hit, fresh]))
+
+    @rule(num_tokens=st.integers(4, 96))
+    def evict_device(self, num_tokens):
+        self.cache.evict(num_tokens)
+
+    @rule(num_tokens=st.integers(4, 192))
+    def evict_host(self, num_tokens):
+        self.cache.evict_host(num_tokens)
+
+    @rule()
+    def flush(self):
+        self.cache.flush()
+
+    @rule()
+    def drop_l1_and_l2(self):
+        self.cache.flush()
+        self.cache.evict(self.cache.device_pool.num_slots)
+        self.cache.flush()  # write_back eviction just started backups that protect their L2 pages
+        self.cache.evict_host(self.cache.host_pool.num_slots)
+
+    @rule(fail=st.booleans())
+    def toggle_failures(self, fail):
+        self.store.fail = fail
+
+    @rule(index=st.integers(0, 1000))
+    def corrupt_a_page(self, index):
+        keys = sorted(self.store.blobs)
+        if keys:
+            self.store.corrupt.add(keys[index % len(keys)])
+
+    @invariant()
+    def slots_balance(self):
+        self.cache.check_integrity()
+
+    def teardown(self):
+        if hasattr(self, "cache"):
+            self.cache.close()
+
+
+StorageTraffic.TestCase.settings = settings(max_examples=15, stateful_step_count=25, deadline=None)
+test_storage_traffic = StorageTraffic.TestCase

@@ -44,7 +44,21 @@ def store_opener(request, tmp_path):
     else:
         pytest.importorskip("tierkv.storage.mooncake_store")
         master = request.getfixturevalue("mooncake_master")
-        yield lambda ns, nbytes: open_store(master.url, ns, nbytes, master.client_config())
+        # Objects live in the memory segment of the client that put them: closing the only client drops
+        # them, so the "fresh cache" here shares one client whose close waits for the test's end.
+        clients: dict = {}
+
+        def open_shared(ns, nbytes):
+            if (ns, nbytes) not in clients:
+                store = open_store(master.url, ns, nbytes, master.client_config())
+                clients[ns, nbytes] = (store, store.close)
+                store.close = lambda: None
+            return clients[ns, nbytes][0]
+
+        yield open_shared
+        for store, close in clients.values():
+            store.clear()
+            close()
 
 
 def _attach(cache, opener, layout):

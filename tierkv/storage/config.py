@@ -8,7 +8,6 @@ a backend key only when the caller names it as one (``backend_keys``): anything 
 from __future__ import annotations
 
 import json
-import types
 from dataclasses import dataclass, field, fields
 from typing import Any, Iterable, Mapping
 
@@ -57,7 +56,7 @@ class StorageConfig:
             raise ValueError(f"hash_algorithm {self.hash_algorithm!r} is not one of {HASH_ALGORITHMS}")
         if not isinstance(self.backend_config, Mapping):
             raise ValueError(f"backend_config must be a mapping, got {self.backend_config!r}")
-        object.__setattr__(self, "backend_config", types.MappingProxyType(dict(self.backend_config)))
+        object.__setattr__(self, "backend_config", dict(self.backend_config))  # a private copy; picklable
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], backend_keys: Iterable[str] = ()) -> "StorageConfig":

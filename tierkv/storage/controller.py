@@ -118,7 +118,10 @@ class StorageController:
 
         Lock contract: one host_ref on the deepest L2-backed node of the path, held until the prefetch ends.
         """
-        if request_id in self.prefetches:
+        earlier = self.prefetches.get(request_id)
+        if earlier is not None and earlier.state == "revoked":  # never checked: nothing left to hand over
+            del self.prefetches[request_id]
+        elif earlier is not None:
             raise ValueError(f"request {request_id!r} already has a prefetch")
         elems = self.tree.elements(key)
         path = self.tree.path_to_root(last_host_node)

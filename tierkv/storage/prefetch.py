@@ -2,7 +2,10 @@
 
 The worker thread fills host pages in order and only ever raises ``completed_pages``, then sets
 ``finished``. The scheduler thread sees that progress only through agreed counts (see
-:meth:`Prefetch.local_counts` / :meth:`Prefetch.agree`), so every TP rank decides alike.
+:meth:`Prefetch.local_counts` / :meth:`Prefetch.agree`), so every TP rank decides alike. Counts are
+agreed by element-wise MIN: a rank inserts only the pages every rank has, a prefetch is finished when
+it is finished everywhere, and the timeout fires once every rank's clock has passed it. Every count
+only grows, so a step that agrees on zeros (a rank with no news) changes nothing.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ class Prefetch:
         return len(self.hashes)
 
     def local_counts(self) -> list[int]:
-        """This rank's progress; every entry only grows, so zeros (no news) are harmless to agree on."""
+        """This rank's progress: completed pages, finished, finished-or-timed-out."""
         finished = self.finished.is_set()  # read first: once set, completed_pages is final
         timed_out = time.monotonic() - self.started_s >= self.timeout_s
         return [self.completed_pages, int(finished), int(finished or timed_out)]

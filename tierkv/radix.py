@@ -154,16 +154,26 @@ class InsertResult:
     path: list[TreeNode] = field(default_factory=list)
 
 
+_SCAN_CHUNK = 256
+
+
 def _common_prefix_len(a: list, b: list, offset: int = 0) -> int:
-    """Length of the common prefix of ``a`` and ``b[offset:]``; C-speed slice compares, binary search on
-    mismatch. Only ``len(a)`` elements of ``b`` are ever copied: ``b`` is a whole prompt, ``a`` one edge."""
+    """Length of the common prefix of ``a`` and ``b[offset:]``, by C-speed slice compares.
+
+    Only ``len(a)`` elements of ``b`` are copied (``b`` is a whole prompt, ``a`` one edge). On a mismatch,
+    fixed chunks locate it and a binary search finishes inside one chunk: a binary search over the
+    whole edge would copy O(n log n) elements, which dominated matching long prompts.
+    """
     n = min(len(a), len(b) - offset)
     if (a if n == len(a) else a[:n]) == b[offset:offset + n]:
         return n
-    lo, hi = 0, n - 1  # a[:lo] equal, a[:hi+1] not
+    lo = 0  # a[:lo] equal
+    while lo + _SCAN_CHUNK <= n and a[lo:lo + _SCAN_CHUNK] == b[offset + lo:offset + lo + _SCAN_CHUNK]:
+        lo += _SCAN_CHUNK
+    hi = min(n, lo + _SCAN_CHUNK) - 1  # a[:hi+1] not equal
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if a[:mid] == b[offset:offset + mid]:
+        if a[lo:mid] == b[offset + lo:offset + mid]:
             lo = mid
         else:
             hi = mid - 1
@@ -197,14 +207,17 @@ class RadixTree:
         memo = key.__dict__.get("_elements")
         if memo is not None and memo[0] == shape:
             return memo[1]
-        ids = key.token_ids if isinstance(key.token_ids, list) else list(key.token_ids)
+        ids = key.token_ids
+        if hasattr(ids, "tolist"):  # a tensor or array: plain ints, not 0-d tensors that hash by identity
+            ids = ids.tolist()
+        ids = list(ids)  # a copy: later changes to token_ids cannot reach the tree
         try:
             struct.pack(f"{len(ids)}q", *ids)  # C-speed check that every id is a 64-bit int (~2x array's)
         except struct.error as exc:
             raise TypeError(f"token ids must be 64-bit ints: {exc}") from None
         elems: list = list(zip(ids, ids[1:])) if self.bigram else ids
         cut = len(elems) - len(elems) % self.page_size
-        elems = elems[:cut]  # a copy: later changes to token_ids cannot reach the tree
+        elems = elems if cut == len(elems) else elems[:cut]
         object.__setattr__(key, "_elements", (shape, elems))
         return elems
 

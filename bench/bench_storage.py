@@ -6,6 +6,8 @@ Pages are 64 tokens of a Llama-3-8B-sized KV (128 KiB per token -> 8 MiB). Basel
   redis     raw redis-py pipelined SET/GET of the same values, same pages per round trip
   mooncake  raw client batch_put_from / batch_get_into of the same bytes
 Each side runs ``--repeats`` times, in turns; the best time of each counts. Target ratio >= 0.7.
+The raw sides verify nothing; tierkv checksums every page (xxh3-64) on write and on read, which is a
+whole extra memory pass where the transport itself is a memory copy (memory, mooncake on one host).
 
     python bench/bench_storage.py [--pages 64] [--backends memory,file,redis,mooncake] [--fsync] [--cold]
 """

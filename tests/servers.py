@@ -118,7 +118,8 @@ class MooncakeMaster:
         binary = shutil.which("mooncake_master", path=os.path.dirname(sys.executable) + os.pathsep
                               + os.environ.get("PATH", ""))
         if not binary:
-            raise ServerUnavailable("mooncake_master not found: pip install mooncake-transfer-engine-non-cuda")
+            raise ServerUnavailable("mooncake_master not found: "
+                                    "pip install mooncake-transfer-engine-non-cuda")
         probe = subprocess.run([sys.executable, "-c", "import mooncake.store"], capture_output=True,
                                text=True, timeout=60)
         if probe.returncode != 0:
@@ -127,7 +128,8 @@ class MooncakeMaster:
         server = cls(free_port(), free_port(), free_port(), binary)
         args = [binary, f"--rpc_port={server.rpc_port}", "--rpc_address=127.0.0.1",
                 "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
-                f"--http_metadata_server_port={server.metadata_port}", f"--metrics_port={server.metrics_port}", "--metrics_host=127.0.0.1"]
+                f"--http_metadata_server_port={server.metadata_port}",
+                f"--metrics_port={server.metrics_port}", "--metrics_host=127.0.0.1"]
         server.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                        start_new_session=True)
         try:

@@ -36,7 +36,7 @@ def test_replay_writes_json_with_the_required_fields_and_a_plot(tmp_path, capsys
 def test_replay_with_file_l3_and_sweep(tmp_path):
     out, png = tmp_path / "r.json", tmp_path / "sweep.png"
     rc = main(["replay", str(FIXTURE), "--limit", "60", "--l1-tokens", "6k", "--l2-tokens", "16k",
-               "--l3", f"file:{tmp_path / 'l3'}", "--sweep", "10k,40k", "--plot", str(png), "--json", str(out),
+               "--l3", f"file:{tmp_path / 'l3'}", "--sweep", "10k,40k", "--plot", str(png), "--json", str(out), "--serial",
                "--model", "qwen2.5-7b", "--l2-gbps", "20"])
     assert rc == 0
     report = json.loads(out.read_text())
@@ -57,7 +57,7 @@ def test_bad_line_is_an_error_naming_the_line_unless_skipped(tmp_path, capsys):
     assert main(["replay", str(trace)]) == 2
     assert "trace line 3" in capsys.readouterr().err
     out = tmp_path / "r.json"
-    assert main(["replay", str(trace), "--skip-bad", "--json", str(out), "--no-baselines"]) == 0
+    assert main(["replay", str(trace), "--skip-bad", "--json", str(out), "--no-baselines", "--serial"]) == 0
     report = json.loads(out.read_text())
     assert report["requests"] == 5 and report["bad_lines"] == 1 and "l1_only" not in report["baselines"]
 

@@ -31,3 +31,10 @@ def test_cli_prints_the_table(capsys, tmp_path):
     printed = capsys.readouterr().out
     assert "TTFT p50 ms" in printed and "L1+L2+L3" in printed
     assert out_json.read_text().count('"mode"') == 4
+
+
+def test_copy_benchmark_rows():
+    from tierkv.engine.copybench import format_rows, measure
+    rows = measure("cpu", size_mib=1, repeats=1)
+    assert [r["case"] for r in rows][1:] == ["kernel/layer_first", "kernel/page_first", "direct/page_first_direct"]
+    assert all(r["write_gbps"] > 0 for r in rows) and "write vs flat" in format_rows(rows)

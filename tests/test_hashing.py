@@ -6,7 +6,8 @@ import torch
 from tierkv.hashing import HASH_ALGORITHMS, HashNamespace, hash_function, page_hashes, token_bytes
 from tierkv.pools.spec import KVSpec
 
-NS = HashNamespace(model="llama-3-8b", kv_layout="mha/page_first", kv_dtype="float16", kv_shape=(2, 32, 8, 128))
+NS = HashNamespace(model="llama-3-8b", kv_layout="mha/page_first", kv_dtype="float16",
+                   kv_shape=(2, 32, 8, 128))
 
 
 @pytest.mark.parametrize("algorithm", HASH_ALGORITHMS)

@@ -264,6 +264,19 @@ def test_loaded_nodes_stay_locked_until_the_load_is_acknowledged(caches):
     cache.check_integrity()
 
 
+def test_a_device_hit_on_a_load_in_flight_waits_for_its_kv(caches):
+    cache = caches(load_back_threshold=0)
+    kv = _host_only(cache, list(range(12)), seed=7)
+    gate = threading.Event()
+    cache.transfer.delay_hook = lambda kind: gate.wait(0.3)  # the copy lands only after the gate times out
+    cache.init_load_back(cache.match_prefix(RadixKey(list(range(12)))).last_host_node)
+    match = cache.match_prefix(RadixKey(list(range(12))))  # another request: now an L1 hit
+    assert len(match.device_indices) == 12
+    assert same_bits(cache.device_pool.read_tokens(match.device_indices), kv)
+    cache.step()
+    cache.check_integrity()
+
+
 def test_load_back_under_write_back_keeps_the_host_path_it_loads(caches):
     """Making room in L1 may write back and so evict from L2: never the nodes being loaded."""
     cache = caches(device_tokens=16, write_policy="write_back", hicache_ratio=2.0, load_back_threshold=0)

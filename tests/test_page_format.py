@@ -45,3 +45,13 @@ def test_chunked_copy_checksum_equals_one_shot():
     assert dst == src
     with pytest.raises(ValueError):
         copy_with_checksum(memoryview(dst)[1:], src)
+
+
+def test_split_takes_the_header_from_the_end():
+    fmt = PageFormat("ns", 4)
+    blob = memoryview(b"abcd" + fmt.header(KEY, memoryview(b"abcd")))
+    header, payload = fmt.split(blob)
+    assert bytes(payload) == b"abcd" and len(header) == HEADER_SIZE
+    fmt.verify(KEY, header, payload)
+    short_header, empty = fmt.split(blob[:10])
+    assert len(short_header) == 10 and len(empty) == 0

@@ -69,7 +69,7 @@ class Backend:
         return store
 
     def corrupt(self, store: PageStore, key: str, offset: int) -> None:
-        """Flip one stored byte at ``offset`` of the blob (header + payload)."""
+        """Flip one stored byte at ``offset`` of the blob (payload, then the header as a trailer)."""
         if self.name == "memory":
             store.blobs[store._slot(key)][offset] ^= 0xFF
         elif self.name == "file":
@@ -190,7 +190,7 @@ def test_a_page_of_namespace_a_is_a_miss_under_b(backend):
     assert b.batch_get(keys, empty_pages(2)) == [False, False]
 
 
-@pytest.mark.parametrize("offset", [HEADER_SIZE + 17, 30], ids=["payload", "header"])
+@pytest.mark.parametrize("offset", [17, PAGE_NBYTES + 30], ids=["payload", "header"])
 def test_corrupt_page_is_a_counted_miss(backend, offset):
     store = backend.open()
     keys, pages = make_keys(3), make_pages(3)

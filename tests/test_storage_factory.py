@@ -13,7 +13,8 @@ from tierkv.storage.memory import MemoryStore
     ("redis", "redis", {}),
     ("redis://10.0.0.5:6380/2", "redis", {"host": "10.0.0.5", "port": 6380, "db": 2}),
     ("redis://:s3cret@host:7000/0", "redis", {"host": "host", "port": 7000, "password": "s3cret", "db": 0}),
-    ("redis://bob:pw@host:7000", "redis", {"host": "host", "port": 7000, "username": "bob", "password": "pw"}),
+    ("redis://bob:pw@host:7000", "redis",
+     {"host": "host", "port": 7000, "username": "bob", "password": "pw"}),
     ("valkey://host:7000", "redis", {"host": "host", "port": 7000}),
     ("mooncake://127.0.0.1:50051", "mooncake", {"master": "127.0.0.1:50051"}),
 ])

@@ -50,6 +50,7 @@ def _replay_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--skip-bad", action="store_true", help="skip (and count) bad trace lines")
     p.add_argument("--no-baselines", action="store_true", help="skip the L1-only replay")
     p.add_argument("--verify", action="store_true", help="check every reused prefix's KV (slower)")
+    p.add_argument("--serial", action="store_true", help="run the baselines after, not beside, the replay")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -99,13 +100,17 @@ def replay_main(args: argparse.Namespace) -> int:
     config = ReplayConfig(l1_tokens=parse_size(args.l1_tokens), l2_tokens=l2 or None, page_size=args.page_size,
                           eviction_policy=args.policy, write_policy=args.write_policy, l3=args.l3,
                           include_output=args.include_output, verify=args.verify)
+    if args.l3 != "none":
+        from tierkv.storage.factory import parse_spec
+
+        parse_spec(args.l3)  # a bad spec fails now, not after the baseline process has started
     model = _model_from_args(args)
     sizes = parse_sizes(args.sweep) if args.sweep else None
     trace = load_trace(args.trace, limit=args.limit, skip_bad=args.skip_bad)
     err = Console(stderr=True)
     for bad in trace.bad_lines[:5]:
         err.print(f"skipped {bad}")
-    run = run_all(trace, config, baselines=not args.no_baselines, console=err)
+    run = run_all(trace, config, baselines=not args.no_baselines, console=err, parallel=not args.serial)
     report = build_report(run, model, args.trace)
     if sizes:
         report["sweep"] = run_sweep(trace, config, sizes, console=err)

@@ -128,20 +128,44 @@ class HiRadixCache:
 
     # ---- lookup ---------------------------------------------------------------------------------
     def match_prefix(self, key: RadixKey) -> MatchResult:
-        """Longest cached prefix of ``key`` in L1 and L2. Lock contract: takes no lock (caller locks)."""
+        """Longest cached prefix of ``key`` in L1 and L2. Lock contract: takes no lock (caller locks).
+
+        Device indices filled by another request's load still in flight are waited for (on CUDA the
+        current stream waits on the load's event), so the returned KV is always ready to read.
+        """
         path = self.tree.match(key)
-        device_values, last_device = [], self.tree.root
+        device_nodes = []
         for node in path.nodes:
             if node.device_value is None:
                 break
-            device_values.append(node.device_value)
-            last_device = node
-        device_hit = sum(len(v) for v in device_values)
+            device_nodes.append(node)
+        usable = self._wait_for_loads(device_nodes)
+        if usable < len(device_nodes):  # a failed load: its nodes are garbage until retired
+            device_nodes, path.nodes = device_nodes[:usable], path.nodes[:usable]
+            path.num_tokens = sum(len(n) for n in path.nodes)
+        last_device = device_nodes[-1] if device_nodes else self.tree.root
+        device_hit = sum(len(n) for n in device_nodes)
         host_hit = path.num_tokens - device_hit
         self.stats.device_hit_tokens += device_hit
         self.stats.host_hit_tokens += host_hit
-        indices = torch.cat(device_values) if device_values else _EMPTY
-        return MatchResult(indices, last_device, path.last_node or self.tree.root, host_hit)
+        return MatchResult(self._path_indices(device_nodes), last_device, path.last_node or self.tree.root,
+                           host_hit)
+
+    def _wait_for_loads(self, device_nodes: list[TreeNode]) -> int:
+        """Wait for in-flight loads into these nodes; how many leading nodes hold valid KV."""
+        if self.transfer is None or not self.transfer.loads or not device_nodes:
+            return len(device_nodes)
+        usable = len(device_nodes)
+        for item in list(self.transfer.loads):
+            if item.handle.done() and item.handle.error is None:
+                continue
+            slots = item.payload.device_slots
+            hit = [i for i, n in enumerate(device_nodes) if torch.isin(n.device_value, slots).any()]
+            if hit:
+                item.handle.wait_on_current_stream()
+                if item.handle.error is not None:
+                    usable = min(usable, hit[0])
+        return usable
 
     def inc_lock_ref(self, node: TreeNode) -> None:
         """Lock contract: locks ``node``'s path in L1 (never evicted) until :meth:`dec_lock_ref`."""

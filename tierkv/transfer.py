@@ -159,6 +159,13 @@ class CopyHandle:
             return True
         return self.cpu_event.wait(timeout_s)
 
+    def wait_on_current_stream(self) -> None:
+        """Order later work after this copy: the compute stream waits on CUDA, the caller on CPU."""
+        if self.cuda_event is not None:
+            torch.cuda.current_stream().wait_event(self.cuda_event)
+        else:
+            self.cpu_event.wait()
+
 
 @dataclass
 class _Queued:

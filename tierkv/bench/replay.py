@@ -213,8 +213,12 @@ class L3Tier:
         request_id = f"replay-{request_index}"
         if not self.cache.prefetch_from_storage(request_id, match.last_host_node, key):
             return match, 0
+        prefetch = self.controller.prefetches.get(request_id)
         while not self.cache.check_prefetch_progress(request_id):
-            time.sleep(0.0002)  # the prefetch worker reads the store; progress is agreed in step()
+            # the worker reads the store; its progress is agreed in step(). Blocking on the prefetch's
+            # own event instead of polling costs one wake-up per request.
+            if prefetch is not None:
+                prefetch.finished.wait(self.controller.config.io_wait_timeout_s)
             self.cache.step()
         again = self.cache.match_prefix(key)
         before = len(match.device_indices) + match.host_hit_length

@@ -23,6 +23,7 @@ from tierkv.radix import RadixKey
 log = logging.getLogger(__name__)
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
+IDLE_WAIT_S = 0.0005
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,8 @@ class Scheduler:
         self.cache.step()
         self._admit()
         if not self.running:
+            if self.waiting:  # blocked on a prefetch or on copies: let their threads have the CPU
+                time.sleep(IDLE_WAIT_S)
             return []
         items, sampled = self._plan()
         logits = self.runner.forward(items)

@@ -86,7 +86,7 @@ def redact_spec(spec: str) -> str:
 
 
 def check_options(backend: str, options: dict) -> dict:
-    """``options`` if every key is known to ``backend`` and has its type; ValueError naming the first bad one."""
+    """``options`` if every key is known to ``backend`` with its type; ValueError naming the first bad one."""
     allowed = BACKEND_OPTIONS[backend]
     for key, value in options.items():
         if key not in allowed:
@@ -118,7 +118,8 @@ def open_store(spec: str, namespace: str, page_nbytes: int, extra_config: dict |
     if backend == "file":
         from tierkv.storage.file import FileStore
         if "dir" not in options:
-            raise ValueError("file storage needs a directory: file:///abs/dir, file:dir or extra_config 'dir'")
+            raise ValueError("file storage needs a directory: file:///abs/dir, file:dir or extra_config "
+                             "'dir'")
         return FileStore(namespace, page_nbytes, root=options["dir"], fsync=options.get("fsync", False))
     if backend == "redis":
         from tierkv.storage.redis_store import RedisStore

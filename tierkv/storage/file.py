@@ -1,10 +1,11 @@
 """Page store on a local directory: one file per page, written atomically, readable after a restart.
 
-Layout: ``<root>/<namespace tag>/<key[0:2]>/<key[2:4]>/<key>.page``, each file the 48-byte header then
-the payload. Writes go to a per-thread temp file beside the target and are renamed over it, so a
-reader sees a whole old page, a whole new page or none. Reads land straight in the caller's page
-tensor (``preadv``), writes go straight from it (``pwrite``): no staging copy on either side; both
-run in cache-sized chunks, checksumming each chunk while it is hot.
+Layout: ``<root>/<namespace tag>/<key[0:2]>/<key[2:4]>/<key>.page``, each file the payload then the
+48-byte header (see :mod:`tierkv.storage.page_format`). Writes go to a per-thread temp file beside
+the target and are renamed over it, so a reader sees a whole old page, a whole new page or none.
+Reads land straight in the caller's page tensor (``preadv``), writes go straight from it
+(``pwrite``): no staging copy on either side; both run in cache-sized chunks, checksumming each
+chunk while it is hot.
 """
 
 from __future__ import annotations
@@ -107,8 +108,9 @@ class FileStore(PageStore):
             return False
         read, payload_checksum = 0, None
         try:
-            if os.fstat(fd).st_size == self.format.blob_nbytes and os.preadv(fd, [header], 0) == HEADER_SIZE:
-                read, payload_checksum = read_with_checksum(fd, view, HEADER_SIZE)
+            size = os.fstat(fd).st_size
+            if size == self.format.blob_nbytes and os.preadv(fd, [header], self.page_nbytes) == HEADER_SIZE:
+                read, payload_checksum = read_with_checksum(fd, view, 0)
         except OSError as err:
             self._error(f"read {path}", err)
             return False
@@ -137,9 +139,9 @@ class FileStore(PageStore):
             os.makedirs(os.path.dirname(path), exist_ok=True)
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
-                # Payload first so its checksum comes from the same cache-hot pass as the write.
-                payload_checksum = write_with_checksum(fd, view, HEADER_SIZE)
-                _write_all(fd, memoryview(self.format.header(key, view, payload_checksum)), 0)
+                # The checksum comes from the same cache-hot pass as the write.
+                payload_checksum = write_with_checksum(fd, view, 0)
+                _write_all(fd, memoryview(self.format.header(key, view, payload_checksum)), self.page_nbytes)
                 if self.fsync:
                     os.fsync(fd)
             finally:

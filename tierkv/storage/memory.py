@@ -1,13 +1,14 @@
-"""In-process page store: a dict of header+payload blobs. The reference backend for tests."""
+"""In-process page store: a dict of blobs (payload then header). The reference backend for tests."""
 
 from __future__ import annotations
 
 import threading
 
+import numpy as np
 import torch
 
 from tierkv.storage.base import PageStore, check_key
-from tierkv.storage.page_format import HEADER_SIZE, copy_with_checksum
+from tierkv.storage.page_format import copy_with_checksum
 
 
 class MemoryStore(PageStore):
@@ -15,7 +16,7 @@ class MemoryStore(PageStore):
 
     name = "memory"
 
-    def __init__(self, namespace: str, page_nbytes: int, blobs: dict[str, bytearray] | None = None) -> None:
+    def __init__(self, namespace: str, page_nbytes: int, blobs: dict[str, np.ndarray] | None = None) -> None:
         super().__init__(namespace, page_nbytes)
         # Keys are prefixed by the namespace digest so stores sharing ``blobs`` stay apart.
         self._prefix = self.namespace_tag + ":"
@@ -44,11 +45,11 @@ class MemoryStore(PageStore):
                 if blob is None:
                     found.append(False)
                     continue
-                stored = memoryview(blob)
+                header, payload = self.format.split(memoryview(blob))
                 payload_checksum = None
-                if len(stored) == self.format.blob_nbytes:
-                    payload_checksum = copy_with_checksum(view, stored[HEADER_SIZE:])
-                ok = self._verified(key, stored[:HEADER_SIZE], stored[HEADER_SIZE:], payload_checksum)
+                if len(payload) == self.page_nbytes:
+                    payload_checksum = copy_with_checksum(view, payload)
+                ok = self._verified(key, header, payload, payload_checksum)
                 if ok:
                     self._count(get_pages=1, get_bytes=self.page_nbytes)
                 found.append(ok)
@@ -58,9 +59,10 @@ class MemoryStore(PageStore):
         views = self._check_batch(keys, values)
         with self._timed("set"):
             for key, view in zip(keys, views):
-                blob = bytearray(self.format.blob_nbytes)
-                payload_checksum = copy_with_checksum(memoryview(blob)[HEADER_SIZE:], view)
-                blob[:HEADER_SIZE] = self.format.header(key, view, payload_checksum)
+                blob = np.empty(self.format.blob_nbytes, dtype=np.uint8)  # no zero-fill before the copy
+                payload_checksum = copy_with_checksum(memoryview(blob)[:self.page_nbytes], view)
+                header = self.format.header(key, view, payload_checksum)
+                blob[self.page_nbytes:] = np.frombuffer(header, np.uint8)
                 with self._lock:
                     self.blobs[self._slot(key)] = blob
                 self._count(set_pages=1, set_bytes=self.page_nbytes)

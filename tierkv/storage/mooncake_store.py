@@ -1,6 +1,6 @@
 """Page store on Mooncake Store (``mooncake-transfer-engine``, TCP or RDMA) via its Python client.
 
-Each page is one object: the 48-byte header then the payload, written from and read into two buffers
+Each page is one object: the payload then the 48-byte header, written from and read into two buffers
 (``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``), so the payload moves straight
 between the host pool's memory and the store. Objects are put-if-absent: a page's key names its
 whole prefix, so its bytes never change, and a repeated put keeps the first copy. A page that fails
@@ -163,8 +163,8 @@ class MooncakeStore(PageStore):
         found: list[bool] = []
         with self._timed("get"), self._get_lock:
             for start in range(0, len(keys), _CHUNK_PAGES):
-                found += self._get_chunk(keys[start:start + _CHUNK_PAGES], targets[start:start + _CHUNK_PAGES],
-                                         views[start:start + _CHUNK_PAGES])
+                end = start + _CHUNK_PAGES
+                found += self._get_chunk(keys[start:end], targets[start:end], views[start:end])
         return found
 
     def _get_chunk(self, keys: list[str], targets: list[torch.Tensor], views: list[memoryview]) -> list[bool]:
@@ -175,8 +175,8 @@ class MooncakeStore(PageStore):
         try:
             sizes = client.batch_get_into_multi_buffers(
                 [self.object_key(k) for k in keys],
-                [[headers[i].data_ptr(), t.data_ptr()] for i, t in enumerate(targets)],
-                [[HEADER_SIZE, self.page_nbytes]] * len(keys))
+                [[t.data_ptr(), headers[i].data_ptr()] for i, t in enumerate(targets)],
+                [[self.page_nbytes, HEADER_SIZE]] * len(keys))
         except RuntimeError as err:
             self._failed("get", err)
             return [False] * len(keys)
@@ -227,8 +227,8 @@ class MooncakeStore(PageStore):
                 codes += self._put_result(*in_flight)
             future = self._put_thread.submit(
                 client.batch_put_from_multi_buffers, [self.object_key(k) for k in keys[start:end]],
-                [[headers[i].data_ptr(), v.data_ptr()] for i, v in enumerate(values[start:end])],
-                [[HEADER_SIZE, self.page_nbytes]] * len(keys[start:end]), self._replicate)
+                [[v.data_ptr(), headers[i].data_ptr()] for i, v in enumerate(values[start:end])],
+                [[self.page_nbytes, HEADER_SIZE]] * len(keys[start:end]), self._replicate)
             in_flight = (future, len(keys[start:end]))
         return codes + self._put_result(*in_flight)
 

@@ -1,6 +1,10 @@
 """The header every stored page carries, verified on read so a bad page is a miss, never wrong KV.
 
-Layout (little endian, 48 bytes): magic b"TKV1", format version u16, flags u16, namespace digest
+A stored page is the payload followed by the header (a trailer), so the payload keeps the alignment
+of wherever it lands (file offset 0, the start of a remote object); a payload at offset 48 made the
+kernel's page-cache copies ~20% slower here.
+
+Header layout (little endian, 48 bytes): magic b"TKV1", format version u16, flags u16, namespace digest
 (16 bytes), payload length u64, xxh3-64 checksum of the payload u64, page key digest (8 bytes).
 """
 
@@ -61,6 +65,13 @@ class PageFormat:
     @property
     def blob_nbytes(self) -> int:
         return HEADER_SIZE + self.payload_nbytes
+
+    @staticmethod
+    def split(blob: memoryview) -> tuple[memoryview, memoryview]:
+        """(header, payload) of a stored blob; a blob of the wrong size fails :meth:`verify`."""
+        if len(blob) < HEADER_SIZE:
+            return blob, blob[:0]
+        return blob[len(blob) - HEADER_SIZE:], blob[:len(blob) - HEADER_SIZE]
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_namespace_digest", namespace_digest(self.namespace))

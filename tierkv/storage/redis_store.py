@@ -1,4 +1,4 @@
-"""Page store on Redis or Valkey over TCP: pipelined batches, one string value (header + payload) per page.
+"""Page store on Redis or Valkey over TCP: pipelined batches, one string value (payload + header) per page.
 
 Writes send the header and the page's own memory straight to the socket; reads copy the reply into
 the target page while checksumming it in cache-sized chunks.
@@ -17,7 +17,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from tierkv.storage.base import Backoff, PageStore, check_key
-from tierkv.storage.page_format import HEADER_SIZE, copy_with_checksum
+from tierkv.storage.page_format import copy_with_checksum
 
 
 class RedisStore(PageStore):
@@ -98,11 +98,11 @@ class RedisStore(PageStore):
     def _land(self, key: str, blob: bytes | None, view: memoryview) -> bool:
         if blob is None:
             return False
-        stored = memoryview(blob)
+        header, payload = self.format.split(memoryview(blob))
         payload_checksum = None
-        if len(stored) == self.format.blob_nbytes:
-            payload_checksum = copy_with_checksum(view, stored[HEADER_SIZE:])
-        if not self._verified(key, stored[:HEADER_SIZE], stored[HEADER_SIZE:], payload_checksum):
+        if len(payload) == self.page_nbytes:
+            payload_checksum = copy_with_checksum(view, payload)
+        if not self._verified(key, header, payload, payload_checksum):
             return False
         self._count(get_pages=1, get_bytes=self.page_nbytes)
         return True
@@ -137,7 +137,7 @@ class RedisStore(PageStore):
                                            views[start:start + self.batch_pages]):
                     packed += [b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n"
                                % (len(name), name, self.format.blob_nbytes),
-                               self.format.header(key, view), view, b"\r\n"]
+                               view, self.format.header(key, view), b"\r\n"]
                 conn.send_packed_command(packed, check_health=False)
                 for _ in range(len(packed) // 4):
                     conn.read_response()

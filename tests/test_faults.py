@@ -188,7 +188,7 @@ def finish(cache: HiRadixCache, store, threads_before: int) -> None:
 def test_workload_without_faults_uses_l3(backend):
     before = threading.active_count()
     store = open_work_store(*backend)
-    result, cache = run_workload(store, make_trace())
+    result, cache = run_workload(store, make_trace(), io_wait_timeout_s=30.0)  # no fault: let backups land
     assert result.requests == 72 and result.storage_hit_tokens > 0
     finish(cache, store, before)
 

@@ -185,11 +185,12 @@ def test_small_cpu_copy_completes_at_once_but_is_still_acknowledged_through_the_
 def test_small_copy_never_overtakes_a_queued_one():
     device, host = _pools("layer_first")
     tc = TransferController(device, host)
-    gate = threading.Event()
-    tc.delay_hook = lambda kind: gate.wait(5)
+    gate, entered = threading.Event(), threading.Event()
+    tc.delay_hook = lambda kind: (entered.set(), gate.wait(5))
     try:
         _fill(device, torch.arange(2), seed=1)
         first = tc.write(torch.arange(2), torch.arange(2), "a")
+        assert entered.wait(5)  # the worker holds the first copy; later copies are not delayed
         tc.delay_hook = None
         kv = _fill(device, torch.arange(2), seed=2)  # the queued copy must still see these values
         second = tc.load(torch.arange(2), torch.arange(2, 4), "b")

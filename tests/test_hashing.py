@@ -78,3 +78,16 @@ def test_unknown_algorithm_and_bad_fields_are_value_errors():
         HashNamespace(model="")
     with pytest.raises(ValueError, match="page_size"):
         page_hashes([1, 2], 0, None, NS)
+
+
+@pytest.mark.parametrize("pairs", [False, True])
+def test_every_page_hashes_its_own_tagged_token_bytes(pairs):
+    tokens = [7 * i - 300 for i in range(53)]
+    if pairs:
+        tokens = list(zip(tokens, tokens[1:]))
+    prior, expected = NS.seed(), []
+    for start in range(0, len(tokens) - 3 + 1, 3):  # the definition, one page at a time
+        prior = hashlib.sha256(bytes.fromhex(prior) + token_bytes(tokens[start:start + 3])).hexdigest()
+        expected.append(prior)
+    assert page_hashes(tokens, 3, None, NS) == expected
+    assert page_hashes(tokens[:2], 3, None, NS) == []

@@ -66,6 +66,9 @@ def test_allocator_double_free_is_an_error():
     other = alloc.alloc(2)
     with pytest.raises(ValueError, match="double free"):
         alloc.free(torch.cat([other, other]))
+    with pytest.raises(ValueError, match="double free"):  # a repeat that is not adjacent
+        alloc.free(torch.cat([other, alloc.alloc(2), other]))
+    assert alloc.owned_mask().sum() == 2  # a rejected free changes nothing
 
 
 def test_allocator_rejects_partial_or_foreign_pages():

@@ -167,3 +167,37 @@ def test_row_copies_match_a_reference_copy(spec, layout, pattern, page_size):
     dst.scatter_pages(dst_pages, src.gather_pages(src_pages))  # the reference: canonical gather/scatter
     assert torch.equal(got.view(torch.uint8), dst.buffer.view(torch.uint8))
     assert not torch.equal(got.view(torch.uint8), before.view(torch.uint8))
+
+
+def test_small_cpu_copy_completes_at_once_but_is_still_acknowledged_through_the_queue():
+    device, host = _pools("page_first")
+    tc = TransferController(device, host)
+    try:
+        kv = _fill(device, torch.arange(4), seed=5)
+        handle = tc.write(torch.arange(4), torch.arange(8, 12), payload="w")
+        assert handle.done() and handle.error is None  # copied inline: a hand-off costs more
+        assert [p for _, p in tc.pop_done(tc.writes, tc.num_done(tc.writes))] == ["w"]
+        assert torch.equal(host.read_tokens(torch.arange(8, 12)), kv)
+    finally:
+        tc.shutdown()
+
+
+def test_small_copy_never_overtakes_a_queued_one():
+    device, host = _pools("layer_first")
+    tc = TransferController(device, host)
+    gate, entered = threading.Event(), threading.Event()
+    tc.delay_hook = lambda kind: (entered.set(), gate.wait(5))
+    try:
+        _fill(device, torch.arange(2), seed=1)
+        first = tc.write(torch.arange(2), torch.arange(2), "a")
+        assert entered.wait(5)  # the worker holds the first copy; later copies are not delayed
+        tc.delay_hook = None
+        kv = _fill(device, torch.arange(2), seed=2)  # the queued copy must still see these values
+        second = tc.load(torch.arange(2), torch.arange(2, 4), "b")
+        assert not second.done()  # behind the gated copy, not run inline ahead of it
+        gate.set()
+        tc.synchronize()
+        assert first.error is None and second.error is None
+        assert torch.equal(device.read_tokens(torch.arange(2, 4)), kv)
+    finally:
+        tc.shutdown()

@@ -91,6 +91,8 @@ def _model_from_args(args: argparse.Namespace):
 
 
 def replay_main(args: argparse.Namespace) -> int:
+    import torch
+
     from tierkv.bench.replay import ReplayConfig
     from tierkv.bench.report import (build_report, parse_size, parse_sizes, plot_report, plot_sweep,
                                      print_report, run_all, run_sweep, write_json)
@@ -107,6 +109,9 @@ def replay_main(args: argparse.Namespace) -> int:
     model = _model_from_args(args)
     sizes = parse_sizes(args.sweep) if args.sweep else None
     trace = load_trace(args.trace, limit=args.limit, skip_bad=args.skip_bad)
+    # The replay's ops are tiny: intra-op threads only add hand-offs, and with the baselines in a second
+    # process they oversubscribe the cores (~25% of the wall time on 2 cores).
+    torch.set_num_threads(1)
     err = Console(stderr=True)
     for bad in trace.bad_lines[:5]:
         err.print(f"skipped {bad}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from tierkv.config import CacheConfig
@@ -187,11 +188,7 @@ class HiRadixCache:
         if not isinstance(priority, int):
             raise TypeError(f"priority must be an int, got {priority!r}")
         result = self.tree.insert(key, device_slots, priority)
-        for node, start, end in result.shared:
-            mine = device_slots[start:end]
-            duplicate = mine[mine != node.device_value]
-            if len(duplicate):
-                self.device_pool.free(duplicate)
+        self._free_duplicates(device_slots, result.shared)
         for node in result.path:
             node.hit_count += 1
         threshold = self.config.write_threshold
@@ -200,6 +197,22 @@ class HiRadixCache:
             if hot:
                 self.write_backup(hot[-1])
         return result.prefix_len + (len(result.new_node) if result.new_node else 0)
+
+    def _free_duplicates(self, device_slots: torch.Tensor, shared: list[tuple[TreeNode, int, int]]) -> None:
+        """Free the caller's slots that duplicate KV already held by ``shared`` nodes, in one batch
+        (numpy: a long prompt shares dozens of nodes, and per-node torch ops dominated inserts)."""
+        if not shared:
+            return
+        mine = device_slots.numpy()
+        held = [n.device_value.numpy() for n, _, _ in shared]
+        if shared[-1][2] == sum(len(h) for h in held):  # shared nodes cover [0, end): one compare
+            mine, held = mine[:shared[-1][2]], np.concatenate(held)
+        else:
+            mine = np.concatenate([mine[start:end] for _, start, end in shared])
+            held = np.concatenate(held)
+        duplicate = mine[mine != held]
+        if len(duplicate):
+            self.device_pool.free(torch.from_numpy(duplicate))
 
     def write_backup(self, node: TreeNode) -> bool:
         """Back ``node`` (and any ancestor not yet in L2) up to L2 asynchronously.

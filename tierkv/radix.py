@@ -413,14 +413,16 @@ class RadixTree:
     def device_leaves(self) -> list[TreeNode]:
         """Unlocked nodes with device slots and no child holding device slots: the L1 eviction frontier."""
         frontier = self.root._frontiers.device
-        frontier.intersection_update([n for n in frontier if _is_leaf(n, "_device_value")])
+        frontier.difference_update([n for n in frontier if not _is_device_leaf_node(n)])
         return [n for n in frontier if n.lock_ref == 0]
 
     def host_leaves(self) -> list[TreeNode]:
         """Nodes with host slots, no host_ref, and no child holding host slots: the L2 eviction frontier."""
         frontier = self.root._frontiers.host
-        frontier.intersection_update([n for n in frontier if _is_leaf(n, "_host_value")])
-        return [n for n in frontier if self.is_host_leaf(n)]
+        frontier.difference_update([n for n in frontier if not _is_host_leaf_node(n)])
+        # what is_host_leaf adds for a node already known to be a host leaf (one pass: this runs on
+        # every L2 eviction over the whole frontier)
+        return [n for n in frontier if n.host_ref == 0 and (n._device_value is not None or n.lock_ref == 0)]
 
     def is_host_leaf(self, n: TreeNode) -> bool:
         """True when L2 may drop ``n``'s host slots now (a locked host-only node is kept)."""
@@ -496,6 +498,26 @@ def _is_leaf(node: TreeNode, attr: str) -> bool:
     """True when ``node`` (not the root) holds a value in the tier ``attr`` and no child of it does."""
     return (node.parent is not None and getattr(node, attr) is not None
             and not any(getattr(c, attr) is not None for c in node.children.values()))
+
+
+def _is_device_leaf_node(node: TreeNode) -> bool:
+    """:func:`_is_leaf` for the device tier, spelled out: it runs over whole frontiers per eviction."""
+    if node.parent is None or node._device_value is None:
+        return False
+    for c in node.children.values():
+        if c._device_value is not None:
+            return False
+    return True
+
+
+def _is_host_leaf_node(node: TreeNode) -> bool:
+    """:func:`_is_leaf` for the host tier, spelled out: it runs over whole frontiers per eviction."""
+    if node.parent is None or node._host_value is None:
+        return False
+    for c in node.children.values():
+        if c._host_value is not None:
+            return False
+    return True
 
 
 def _check(ok: bool, node: TreeNode, what: str) -> None:

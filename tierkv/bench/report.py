@@ -22,6 +22,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -86,6 +87,7 @@ _worker_progress = None  # a shared counter in the baseline process (set by its 
 def _init_worker(counter) -> None:
     global _worker_progress
     _worker_progress = counter
+    torch.set_num_threads(1)  # one core each for the two replays (see cli.replay_main)
 
 
 def _count_request(_: int) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -10,6 +11,9 @@ class SlotAllocator:
 
     Freed pages are parked and merged (sorted) into the free list only when it runs short, so
     allocations stay mostly contiguous, which lets copies run as few large blocks.
+
+    The bookkeeping is numpy, not torch: requests allocate and free a few pages at a time, where
+    torch's per-op dispatch cost several times what numpy's does on the same tiny arrays.
     """
 
     def __init__(self, num_slots: int, page_size: int) -> None:
@@ -20,14 +24,14 @@ class SlotAllocator:
         self.page_size = page_size
         self.num_pages = num_slots // page_size
         self.num_slots = self.num_pages * page_size
-        self._page_offsets = torch.arange(page_size, dtype=torch.int64)
+        self._page_offsets = np.arange(page_size, dtype=np.int64)
         self.reset()
 
     def reset(self) -> None:
-        self._free_pages = torch.arange(self.num_pages, dtype=torch.int64)
-        self._released: list[torch.Tensor] = []
+        self._free_pages = np.arange(self.num_pages, dtype=np.int64)
+        self._released: list[np.ndarray] = []
         self._num_released = 0
-        self._is_free = torch.ones(self.num_pages, dtype=torch.bool)
+        self._is_free = np.ones(self.num_pages, dtype=np.bool_)
 
     @property
     def num_free_slots(self) -> int:
@@ -48,46 +52,66 @@ class SlotAllocator:
                 return None
         pages, self._free_pages = self._free_pages[:num_pages], self._free_pages[num_pages:]
         self._is_free[pages] = False
-        return self.pages_to_slots(pages)
+        return torch.from_numpy(self._pages_to_slots(pages))
 
     def free(self, slots: torch.Tensor) -> None:
         """Return whole pages of slots; freeing a slot that is already free is an error."""
         if slots.numel() == 0:
             return
-        pages = self.slots_to_pages(slots)
-        if self._is_free[pages].any() or len(torch.unique(pages)) != len(pages):
-            raise ValueError(f"double free of pages {pages[self._is_free[pages]].tolist()[:8]}")
+        pages = self._slots_to_pages(slots)
+        was_free = self._is_free[pages]
+        if was_free.any() or (len(pages) > 1 and not _all_distinct(pages)):
+            bad = pages[was_free] if was_free.any() else _duplicates(pages)
+            raise ValueError(f"double free of pages {bad.tolist()[:8]}")
         self._is_free[pages] = True
         self._released.append(pages)
         self._num_released += len(pages)
 
     def pages_to_slots(self, pages: torch.Tensor) -> torch.Tensor:
-        if self.page_size == 1:
-            return pages.clone()
-        return (pages[:, None] * self.page_size + self._page_offsets).reshape(-1)
+        return torch.from_numpy(self._pages_to_slots(np.asarray(pages.numpy(), dtype=np.int64)))
 
     def slots_to_pages(self, slots: torch.Tensor) -> torch.Tensor:
         """Page ids of whole-page slot runs; a partial or misaligned page is an error."""
-        slots = slots.to(torch.int64).reshape(-1)
+        return torch.from_numpy(self._slots_to_pages(slots))
+
+    def owned_mask(self) -> torch.Tensor:
+        """Per page: True when allocated. For integrity checks."""
+        return torch.from_numpy(~self._is_free)
+
+    def _pages_to_slots(self, pages: np.ndarray) -> np.ndarray:
+        if self.page_size == 1:
+            return pages.copy()
+        return (pages[:, None] * self.page_size + self._page_offsets).reshape(-1)
+
+    def _slots_to_pages(self, slots: torch.Tensor) -> np.ndarray:
+        """A fresh int64 array of the page ids; raises ValueError unless ``slots`` are whole aligned pages."""
+        slots = np.asarray(slots.detach().cpu().reshape(-1).numpy(), dtype=np.int64)
         if len(slots) % self.page_size:
             raise ValueError(f"{len(slots)} slots are not whole pages of {self.page_size}")
         if self.page_size == 1:
-            pages = slots
+            pages = slots.copy()
         else:
-            grid = slots.view(-1, self.page_size)
+            grid = slots.reshape(-1, self.page_size)
             pages = grid[:, 0] // self.page_size
-            if not torch.equal(grid, pages[:, None] * self.page_size + self._page_offsets):
+            if not np.array_equal(grid, pages[:, None] * self.page_size + self._page_offsets):
                 raise ValueError("slots are not whole aligned pages")
         if len(pages) and (pages.min() < 0 or pages.max() >= self.num_pages):
             raise ValueError(f"slot out of range [0, {self.num_slots})")
         return pages
 
-    def owned_mask(self) -> torch.Tensor:
-        """Per page: True when allocated. For integrity checks."""
-        return ~self._is_free
-
     def _merge_released(self) -> None:
         if self._released:
-            merged = torch.cat([self._free_pages, *self._released])
-            self._free_pages = torch.sort(merged).values
+            merged = np.concatenate([self._free_pages, *self._released])
+            merged.sort()
+            self._free_pages = merged
             self._released, self._num_released = [], 0
+
+
+def _all_distinct(pages: np.ndarray) -> bool:
+    ordered = np.sort(pages)
+    return not (ordered[1:] == ordered[:-1]).any()
+
+
+def _duplicates(pages: np.ndarray) -> np.ndarray:
+    values, counts = np.unique(pages, return_counts=True)
+    return values[counts > 1]

@@ -36,6 +36,10 @@ class RadixKey:
             ids = ids.tolist()
         if not isinstance(ids, tuple):
             ids = tuple(ids)
+        try:
+            struct.pack(f"{len(ids)}q", *ids)  # C-speed check that every id is a 64-bit int
+        except struct.error as exc:
+            raise TypeError(f"token ids must be 64-bit ints: {exc}") from None
         object.__setattr__(self, "token_ids", ids)
         if self.extra_key is not None and not isinstance(self.extra_key, str):
             raise TypeError(f"extra_key must be a str or None, got {self.extra_key!r}")
@@ -198,8 +202,8 @@ class RadixTree:
     def elements(self, key: RadixKey) -> list:
         """Key elements the tree stores: tokens, or token pairs in bigram mode, cut to whole pages.
 
-        The result is remembered on ``key`` (a scheduler matches, then inserts, the same key), so the
-        64-bit check, the dearest part for long prompts, runs once per key. Callers must not mutate it.
+        The ids were checked when the key was built; the result is remembered on ``key`` (a scheduler
+        matches, then inserts, the same key). Callers must not mutate it.
         """
         if not isinstance(key, RadixKey):
             raise TypeError(f"key must be a RadixKey, got {type(key).__name__}")
@@ -207,14 +211,7 @@ class RadixTree:
         memo = key.__dict__.get("_elements")
         if memo is not None and memo[0] == shape:
             return memo[1]
-        ids = key.token_ids
-        if hasattr(ids, "tolist"):  # a tensor or array: plain ints, not 0-d tensors that hash by identity
-            ids = ids.tolist()
-        ids = list(ids)  # a copy: later changes to token_ids cannot reach the tree
-        try:
-            struct.pack(f"{len(ids)}q", *ids)  # C-speed check that every id is a 64-bit int (~2x array's)
-        except struct.error as exc:
-            raise TypeError(f"token ids must be 64-bit ints: {exc}") from None
+        ids = list(key.token_ids)
         elems: list = list(zip(ids, ids[1:])) if self.bigram else ids
         cut = len(elems) - len(elems) % self.page_size
         elems = elems if cut == len(elems) else elems[:cut]

@@ -2,26 +2,18 @@
 
 import pytest
 
-from tests.servers import MooncakeMaster, RedisServer, ServerUnavailable
+from tests.servers import MooncakeMaster, RedisServer, running
 
 
 @pytest.fixture(scope="session")
 def redis_server():
     """A redis-server on a free port with no persistence; ``.url``, ``.port``, ``.pid``, ``.restart()``."""
-    try:
-        server = RedisServer.start()
-    except ServerUnavailable as why:
-        pytest.skip(str(why))
-    yield server
-    server.stop()
+    with running(RedisServer.start) as server:
+        yield server
 
 
 @pytest.fixture(scope="session")
 def mooncake_master():
     """A mooncake_master on free ports with its HTTP metadata server; ``.url``, ``.client_config()``."""
-    try:
-        server = MooncakeMaster.start()
-    except ServerUnavailable as why:
-        pytest.skip(str(why))
-    yield server
-    server.stop()
+    with running(MooncakeMaster.start) as server:
+        yield server

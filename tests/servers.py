@@ -5,6 +5,7 @@ Fault tests use :meth:`RedisServer.kill` and :meth:`RedisServer.restart` (same p
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -14,12 +15,28 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import pytest
 
 REDIS_SERVER = "/usr/bin/redis-server"
 
 
 class ServerUnavailable(RuntimeError):
     """The server's binary or package is missing here; the fixture skips with this reason."""
+
+
+@contextlib.contextmanager
+def running(start: Callable[[], Any]) -> Iterator[Any]:
+    """A server from ``start()`` for the ``with`` block, stopped after it; the test skips if unavailable."""
+    try:
+        server = start()
+    except ServerUnavailable as why:
+        pytest.skip(str(why))
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 def free_port() -> int:

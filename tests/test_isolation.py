@@ -17,7 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.servers import RedisServer, ServerUnavailable
+from tests.servers import RedisServer, running
 from tests.workload import WORK_PAGE, WORK_SPEC, make_cache, make_trace, serve
 from tierkv.hashing import HashNamespace, page_hashes
 from tierkv.radix import RadixKey
@@ -178,12 +178,8 @@ SECRET = "s3cret-" + uuid.uuid4().hex
 
 @pytest.fixture
 def redis_with_password():
-    try:
-        server = RedisServer.start(password=SECRET)
-    except ServerUnavailable as why:
-        pytest.skip(str(why))
-    yield server
-    server.stop()
+    with running(lambda: RedisServer.start(password=SECRET)) as server:
+        yield server
 
 
 def test_redis_password_works_and_never_shows(redis_with_password, caplog):

@@ -10,19 +10,15 @@ import time
 
 import pytest
 
-from tests.servers import RedisServer, ServerUnavailable
+from tests.servers import RedisServer, running
 from tests.workload import make_cache, make_trace, open_work_store, serve
 
 
 @pytest.fixture
 def own_redis():
     """A redis-server for this test alone: killing it must not disturb the session's shared one."""
-    try:
-        server = RedisServer.start()
-    except ServerUnavailable as why:
-        pytest.skip(str(why))
-    yield server
-    server.stop()
+    with running(RedisServer.start) as server:
+        yield server
 
 
 def count_round_trips(store) -> list:

@@ -350,12 +350,8 @@ def test_redis_backoff_skips_the_network_until_the_window_ends(redis_server):
 
 
 def test_redis_password_db_and_prefix(caplog):
-    from tests.servers import RedisServer, ServerUnavailable
-    try:
-        server = RedisServer.start(password="pw-s3cret")
-    except ServerUnavailable as why:
-        pytest.skip(str(why))
-    try:
+    from tests.servers import RedisServer, running
+    with running(lambda: RedisServer.start(password="pw-s3cret")) as server:
         keys, pages = make_keys(2), make_pages(2)
         good = open_store(f"redis://:pw-s3cret@127.0.0.1:{server.port}/3", "ns", PAGE_NBYTES)
         assert good.batch_set(keys, pages) == [True, True]
@@ -371,8 +367,6 @@ def test_redis_password_db_and_prefix(caplog):
         assert "pw-wrong" not in caplog.text and "pw-s3cret" not in caplog.text
         for store in (good, other_db, other_prefix, wrong):
             store.close()
-    finally:
-        server.stop()
 
 
 

@@ -66,6 +66,8 @@ def main() -> None:
     parser.add_argument("--layouts", default=",".join(HOST_LAYOUTS))
     parser.add_argument("--backends", default="kernel,direct")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (more: wall-clock timing)")
+    parser.add_argument("--l1-tokens", type=int, default=8192,
+                        help="L1 pool size (at least twice the largest batch); L2 is twice L1")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     clock = time.thread_time if args.threads == 1 else time.perf_counter
@@ -74,7 +76,7 @@ def main() -> None:
         spec = KVSpec(args.layers, attention="mla", kv_lora_rank=512, rope_dim=64, dtype=torch.bfloat16)
     else:
         spec = KVSpec(args.layers, kv_heads=8, head_dim=128, dtype=torch.bfloat16)
-    pool_tokens = 2 * max(sizes)
+    pool_tokens = max(args.l1_tokens, 2 * max(sizes))
     ps = args.page_size
     device = DeviceKVPool(spec, pool_tokens, ps, "cpu")
     device.buffer.copy_(torch.randn(device.buffer.shape).to(spec.dtype))

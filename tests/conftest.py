@@ -1,7 +1,10 @@
 """Shared fixtures: real servers (redis-server, mooncake_master) started on 127.0.0.1 for the session."""
 
+import os
+
 import pytest
 
+from tierkv import cpu_copy
 from tests.servers import MooncakeMaster, RedisServer, running
 
 
@@ -17,3 +20,15 @@ def mooncake_master():
     """A mooncake_master on free ports with its HTTP metadata server; ``.url``, ``.client_config()``."""
     with running(MooncakeMaster.start) as server:
         yield server
+
+
+@pytest.fixture(params=["native", "torch"])
+def cpu_copy_impl(request, monkeypatch):
+    """Run a copy test against the native chunk copy and against the torch fallback (same bytes)."""
+    if request.param == "torch":
+        monkeypatch.setattr(cpu_copy, "native", None)
+    elif not cpu_copy.native_available():
+        if os.environ.get("TIERKV_REQUIRE_NATIVE") == "1":
+            pytest.fail("tierkv._rowcopy is not built (TIERKV_REQUIRE_NATIVE=1)")
+        pytest.skip("tierkv._rowcopy is not built")
+    return request.param

@@ -69,7 +69,8 @@ def device_kv(cache, key):
 @pytest.mark.parametrize("layout", HOST_LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("attention", ["mha", "mla"])
-def test_kv_round_trip_l1_l2_l1_is_bit_exact(caches, attention, dtype, layout, io_backend, page_size):
+def test_kv_round_trip_l1_l2_l1_is_bit_exact(caches, attention, dtype, layout, io_backend, page_size,
+                                             cpu_copy_impl):
     cache = caches(device_tokens=6 * page_size, page_size=page_size, attention=attention, dtype=dtype,
                    host_layout=layout, io_backend=io_backend, load_back_threshold=0)
     g = torch.Generator().manual_seed(page_size)

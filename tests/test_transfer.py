@@ -35,7 +35,7 @@ def test_page_runs_merge_consecutive_pages_on_both_sides():
 @pytest.mark.parametrize("pattern", ["runs", "scattered"])
 @pytest.mark.parametrize("io_backend", ["kernel", "direct"])
 @pytest.mark.parametrize("layout", HOST_LAYOUTS)
-def test_copy_pages_round_trip(layout, io_backend, pattern):
+def test_copy_pages_round_trip(layout, io_backend, pattern, cpu_copy_impl):
     device, host = _pools(layout)
     if pattern == "runs":
         src, dst = torch.arange(4, 12), torch.arange(20, 28)
@@ -143,8 +143,9 @@ def test_unknown_io_backend_is_rejected():
 @pytest.mark.parametrize("layout", HOST_LAYOUTS)
 @pytest.mark.parametrize("spec", [SPEC, KVSpec(num_layers=3, attention="mla", kv_lora_rank=5, rope_dim=0,
                                                 dtype=torch.bfloat16)], ids=["mha", "mla-odd-rows"])
-def test_row_copies_match_a_reference_copy(spec, layout, pattern, page_size):
-    """Every path of the kernel backend (segments on either side, staging) moves exactly the right bytes."""
+def test_row_copies_match_a_reference_copy(spec, layout, pattern, page_size, cpu_copy_impl):
+    """Every path of the kernel backend (native chunks; segments on either side, staging) moves exactly
+    the right bytes."""
     device = DeviceKVPool(spec, 64 * page_size, page_size, "cpu")
     host = HostKVPool(spec, 128 * page_size, page_size, layout, pin_memory=False)
     g = torch.Generator().manual_seed(len(pattern))

@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from tierkv import cpu_copy
 from tierkv.pools.kv import DeviceKVPool, HostKVPool, PagedKVBuffer
 
 log = logging.getLogger(__name__)
@@ -57,8 +58,9 @@ def copy_pages(src: PagedKVBuffer, src_pages: torch.Tensor, dst: PagedKVBuffer, 
                io_backend: str) -> None:
     """Copy whole pages between two pools of any layouts.
 
-    ``kernel`` copies runs of consecutive pages as single strided copies when there are few runs, and
-    otherwise moves token rows with vectorised index copies (see :func:`copy_rows`); ``direct`` copies
+    ``kernel``: between CPU pools, one native chunk copy per batch when the extension is built (see
+    :mod:`tierkv.cpu_copy`); otherwise runs of consecutive pages as single strided copies when there
+    are few runs, and token rows with vectorised index copies when there are many. ``direct`` copies
     page by page.
     """
     non_blocking = src.device.type == "cuda" or dst.device.type == "cuda"
@@ -66,13 +68,17 @@ def copy_pages(src: PagedKVBuffer, src_pages: torch.Tensor, dst: PagedKVBuffer, 
         for s, d in zip(src_pages.tolist(), dst_pages.tolist()):
             dst.page_range(d, 1).copy_(src.page_range(s, 1), non_blocking=non_blocking)
         return
+    on_cpu = src.device.type == "cpu" and dst.device.type == "cpu"
+    if on_cpu and cpu_copy.native_available():
+        cpu_copy.copy_page_chunks(src, src_pages, dst, dst_pages)
+        return
     runs = page_runs(src_pages, dst_pages)
     ps = src.page_size
     wide_rows = ps > 1 and src.row_strides[3] == 1 and dst.row_strides[3] == 1
     run_nbytes = len(src_pages) * src.page_nbytes / max(len(runs), 1)
     # Per-run strided copies when runs are few, or large while rows are narrow (per-call overhead is
     # then small and no index is needed); otherwise row gathers. Cross-device copies always go by run.
-    if src.device != dst.device or len(runs) <= 4 or (not wide_rows and run_nbytes >= _RUN_COPY_MIN_BYTES):
+    if not on_cpu or len(runs) <= 4 or (not wide_rows and run_nbytes >= _RUN_COPY_MIN_BYTES):
         for s, d, n in runs:
             dst.page_range(d, n).copy_(src.page_range(s, n), non_blocking=non_blocking)
         return
@@ -80,73 +86,13 @@ def copy_pages(src: PagedKVBuffer, src_pages: torch.Tensor, dst: PagedKVBuffer, 
     if wide_rows:  # a page's tokens are adjacent rows on both sides: move each page's rows as one row
         src_table, dst_table = src.rows.view(-1, ps * src.rows.shape[1]), dst.rows.view(-1, ps * dst.rows.shape[1])
         src_rows, dst_rows = src_rows[..., :1] // ps, dst_rows[..., :1] // ps
-    copy_rows(src_table, src_rows, src.row_dim_order, dst_table, dst_rows, dst.row_dim_order)
+    cpu_copy.copy_rows(src_table, src_rows, src.row_dim_order, dst_table, dst_rows, dst.row_dim_order)
 
 
-_MIN_SEGMENT_ROWS = 8
 # CPU copies up to this size run on the submitting thread: a hand-off to the worker (queue, event,
 # GIL switches) costs ~100 us, more than copying this many bytes.
 _INLINE_COPY_MAX_BYTES = 256 * 1024
 _RUN_COPY_MIN_BYTES = 256 * 1024
-_staging = threading.local()
-
-
-def copy_rows(src: torch.Tensor, src_rows: torch.Tensor, src_order: tuple[int, ...], dst: torch.Tensor,
-              dst_rows: torch.Tensor, dst_order: tuple[int, ...]) -> None:
-    """Copy byte rows ``src[src_rows[i]] -> dst[dst_rows[i]]`` in as few passes over memory as possible.
-
-    ``*_rows`` are shaped ``[kv, layers, pages, rows-per-page]``; ``*_order`` lists those dims in each
-    side's memory order.
-
-    When the destination rows, taken in the destination's memory order, fall into long contiguous
-    segments, each segment is one ``index_select`` straight into it; else when the source rows do, one
-    ``index_copy_`` out of each; only when both sides are fragmented do rows go through a staging
-    buffer (reused, so its memory is not faulted in again on every copy).
-    """
-    for into_dst, order in ((True, dst_order), (False, src_order)):
-        s_rows, d_rows = src_rows.permute(order).reshape(-1), dst_rows.permute(order).reshape(-1)
-        segments = _segments(d_rows if into_dst else s_rows)
-        if segments is None:
-            continue
-        for a, b, first in segments:
-            if into_dst:
-                torch.index_select(src, 0, s_rows[a:b], out=dst.narrow(0, first, b - a))
-            else:
-                _scatter_rows(dst, d_rows[a:b], src.narrow(0, first, b - a))
-        return
-    s_rows, d_rows = src_rows.reshape(-1), dst_rows.reshape(-1)
-    staging = _staging_rows(len(s_rows), src)
-    torch.index_select(src, 0, s_rows, out=staging)
-    _scatter_rows(dst, d_rows, staging)
-
-
-def _segments(rows: torch.Tensor) -> list[tuple[int, int, int]] | None:
-    """``(start, end, first_row)`` of the runs of consecutive ``rows``; None when runs average short."""
-    first, n = int(rows[0]), len(rows)
-    if int(rows[-1]) - first == n - 1 and torch.equal(rows, torch.arange(first, first + n)):
-        return [(0, n, first)]  # the common case of one destination run in a page-first layout
-    breaks = torch.nonzero(rows[1:] - rows[:-1] != 1).flatten().add_(1).tolist()
-    if n < _MIN_SEGMENT_ROWS * (len(breaks) + 1):
-        return None
-    bounds = [0, *breaks, n]
-    return list(zip(bounds, bounds[1:], rows[bounds[:-1]].tolist()))
-
-
-def _scatter_rows(rows: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
-    """``rows[index] = values`` for CPU byte rows. numpy's fancy assignment moves each row with one
-    memmove (in 8-byte words when rows allow); torch's index_copy_ goes element by element, ~5x slower."""
-    word = np.int64 if rows.shape[1] % 8 == 0 else np.uint8
-    rows.numpy().view(word)[index.numpy()] = values.numpy().view(word)
-
-
-def _staging_rows(num_rows: int, like: torch.Tensor) -> torch.Tensor:
-    """A per-thread scratch of ``num_rows`` rows shaped like ``like``'s, grown (and touched) on demand."""
-    buf = getattr(_staging, "buf", None)
-    need = num_rows * like.shape[1]
-    if buf is None or buf.dtype != like.dtype or buf.numel() < need:
-        buf = torch.zeros(max(need, 1 << 16), dtype=like.dtype)
-        _staging.buf = buf
-    return buf[:need].view(num_rows, like.shape[1])
 
 
 @dataclass

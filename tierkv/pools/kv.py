@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from tierkv.pools.allocator import SlotAllocator
@@ -72,7 +73,30 @@ class PagedKVBuffer:
         self._row_base = (torch.arange(s.num_kv).mul_(sk).view(-1, 1, 1, 1)
                           + torch.arange(s.num_layers).mul_(sl).view(1, -1, 1, 1)
                           + torch.arange(self.page_size).mul_(so).view(1, 1, 1, -1))
+        # the native CPU copy reads buffers through numpy; accelerator pools have no such view
+        self.rows_np = rows.numpy() if rows.device.type == "cpu" else None
+        self._chunk_bases: dict[tuple[bool, tuple[int, ...]], tuple[np.ndarray, int]] = {}
         return rows, strides, order
+
+    @property
+    def page_stride_nbytes(self) -> int:
+        """Bytes between the same row of two consecutive pages in :attr:`rows`."""
+        return self.row_strides[2] * self.rows.shape[1]
+
+    def chunk_bases(self, whole_pages: bool, order: tuple[int, ...]) -> tuple[np.ndarray, int]:
+        """Byte offsets in :attr:`rows` of page 0's chunks, flat in ``order`` of the canonical ``(kv, layer,
+        page, token-in-page)`` dims with the page dim left out, and how many follow the page dim there.
+
+        A chunk is a token row, or with ``whole_pages`` all of a page's rows for one (kv, layer), valid
+        only when they are adjacent (``row_strides[3] == 1``). Cached: a pool sees few orders."""
+        key = (whole_pages, order)
+        if key not in self._chunk_bases:
+            base = self._row_base[..., :1] if whole_pages else self._row_base
+            base = base.permute(order).numpy() * self.rows.shape[1]
+            page_pos = order.index(2)
+            inner = int(np.prod(base.shape[page_pos + 1:]))
+            self._chunk_bases[key] = (np.ascontiguousarray(base, dtype=np.int64).reshape(-1), inner)
+        return self._chunk_bases[key]
 
     def page_rows(self, pages: torch.Tensor) -> torch.Tensor:
         """Row indices of the given pages, shaped ``[num_kv, layers, len(pages), page_size]``."""

@@ -1,0 +1,168 @@
+/* Native page copy for CPU L1 <-> L2 transfers.
+ *
+ * copy_pages moves the chunks (token rows, or a page's rows when they are adjacent) of a list of
+ * pages between two byte buffers of any layouts: a chunk sits at base + page * page_nbytes on each
+ * side, with the per-layout bases computed once by the pool. Chunks adjacent on both sides merge into
+ * one memcpy. Bounds are checked before any byte moves, so a bad page is a ValueError, never a write
+ * outside the pools. The copy runs without the GIL: the transfer worker copies while the scheduler
+ * thread keeps running Python.
+ *
+ * Why not torch: a gather of page-sized chunks costs one op per run (or a staging pass) plus ~5 us
+ * of dispatch per op; this is one call whatever the fragmentation.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+static int get_int64s(PyObject *obj, Py_buffer *view, const char *name) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        return -1;
+    }
+    if (view->itemsize != 8 || view->format == NULL || strchr("qlQL", view->format[0]) == NULL
+        || view->format[1] != '\0') {
+        PyErr_Format(PyExc_TypeError, "%s must be a contiguous int64 array, got format %s itemsize %zd",
+                     name, view->format ? view->format : "?", view->itemsize);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+static int64_t min_of(const int64_t *v, Py_ssize_t n) {
+    int64_t m = INT64_MAX;
+    for (Py_ssize_t i = 0; i < n; i++) m = v[i] < m ? v[i] : m;
+    return m;
+}
+
+static int64_t max_of(const int64_t *v, Py_ssize_t n) {
+    int64_t m = INT64_MIN;
+    for (Py_ssize_t i = 0; i < n; i++) m = v[i] > m ? v[i] : m;
+    return m;
+}
+
+/* Every chunk offset is base[i] + page * page_nbytes with base and page taken from these arrays:
+ * checking the extremes bounds them all. */
+static int check_side(const char *side, const int64_t *base, Py_ssize_t num_bases, const int64_t *pages,
+                      Py_ssize_t num_pages, Py_ssize_t page_nbytes, Py_ssize_t chunk_nbytes,
+                      Py_ssize_t buffer_nbytes) {
+    int64_t low_page = min_of(pages, num_pages), high_page = max_of(pages, num_pages);
+    int64_t low_base = min_of(base, num_bases), high_base = max_of(base, num_bases);
+    if (low_page < 0) {
+        PyErr_Format(PyExc_ValueError, "%s page %lld is negative", side, (long long)low_page);
+        return -1;
+    }
+    Py_ssize_t room = buffer_nbytes - chunk_nbytes - (Py_ssize_t)high_base;  /* for the page term */
+    if (low_base < 0 || room < 0 || high_page > room / page_nbytes) {
+        PyErr_Format(PyExc_ValueError, "%s page %lld is outside a buffer of %zd bytes (%zd bytes per page)",
+                     side, (long long)high_page, buffer_nbytes, page_nbytes);
+        return -1;
+    }
+    return 0;
+}
+
+typedef struct {
+    char *dst;
+    const char *src;
+    const int64_t *dst_base, *src_base, *dst_pages, *src_pages;
+    Py_ssize_t num_pages, outer, inner, dst_page_nbytes, src_page_nbytes, chunk_nbytes;
+} PageCopy;
+
+/* Chunks in (outer, page, inner) order: the caller picks the order that walks the destination
+ * forward. A chunk that continues the previous one on both sides extends it instead of starting
+ * a new memcpy. */
+static void run_page_copy(const PageCopy *c) {
+    char *run_dst = NULL;
+    const char *run_src = NULL;
+    size_t run_nbytes = 0;
+    for (Py_ssize_t o = 0; o < c->outer; o++) {
+        for (Py_ssize_t p = 0; p < c->num_pages; p++) {
+            char *page_dst = c->dst + c->dst_pages[p] * c->dst_page_nbytes;
+            const char *page_src = c->src + c->src_pages[p] * c->src_page_nbytes;
+            for (Py_ssize_t i = o * c->inner; i < (o + 1) * c->inner; i++) {
+                char *d = page_dst + c->dst_base[i];
+                const char *s = page_src + c->src_base[i];
+                if (d == run_dst + run_nbytes && s == run_src + run_nbytes) {
+                    run_nbytes += (size_t)c->chunk_nbytes;
+                    continue;
+                }
+                if (run_nbytes) memmove(run_dst, run_src, run_nbytes);
+                run_dst = d;
+                run_src = s;
+                run_nbytes = (size_t)c->chunk_nbytes;
+            }
+        }
+    }
+    if (run_nbytes) memmove(run_dst, run_src, run_nbytes);
+}
+
+static PyObject *copy_pages(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *dst_obj, *src_obj, *dst_base_obj, *src_base_obj, *dst_pages_obj, *src_pages_obj;
+    PageCopy c;
+    if (!PyArg_ParseTuple(args, "OOOOOOnnnn:copy_pages", &dst_obj, &src_obj, &dst_base_obj, &src_base_obj,
+                          &dst_pages_obj, &src_pages_obj, &c.dst_page_nbytes, &c.src_page_nbytes, &c.inner,
+                          &c.chunk_nbytes)) {
+        return NULL;
+    }
+    if (c.chunk_nbytes <= 0 || c.inner <= 0 || c.dst_page_nbytes <= 0 || c.src_page_nbytes <= 0) {
+        return PyErr_Format(PyExc_ValueError, "sizes must be positive: chunk %zd, inner %zd, pages %zd/%zd bytes",
+                            c.chunk_nbytes, c.inner, c.dst_page_nbytes, c.src_page_nbytes);
+    }
+    Py_buffer dst = {0}, src = {0}, dst_base = {0}, src_base = {0}, dst_pages = {0}, src_pages = {0};
+    PyObject *result = NULL;
+    Py_ssize_t num_bases;
+    if (PyObject_GetBuffer(dst_obj, &dst, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto done;
+    if (PyObject_GetBuffer(src_obj, &src, PyBUF_C_CONTIGUOUS) < 0) goto done;
+    if (get_int64s(dst_base_obj, &dst_base, "dst_base") < 0) goto done;
+    if (get_int64s(src_base_obj, &src_base, "src_base") < 0) goto done;
+    if (get_int64s(dst_pages_obj, &dst_pages, "dst_pages") < 0) goto done;
+    if (get_int64s(src_pages_obj, &src_pages, "src_pages") < 0) goto done;
+    num_bases = dst_base.len / 8;
+    c.num_pages = dst_pages.len / 8;
+    if (src_base.len / 8 != num_bases || num_bases % c.inner != 0 || src_pages.len / 8 != c.num_pages) {
+        PyErr_Format(PyExc_ValueError, "mismatched chunk maps: %zd and %zd bases (inner %zd), %zd and %zd pages",
+                     num_bases, src_base.len / 8, c.inner, c.num_pages, src_pages.len / 8);
+        goto done;
+    }
+    c.dst = dst.buf;
+    c.src = src.buf;
+    c.dst_base = dst_base.buf;
+    c.src_base = src_base.buf;
+    c.dst_pages = dst_pages.buf;
+    c.src_pages = src_pages.buf;
+    c.outer = num_bases / c.inner;
+    if (c.num_pages == 0 || num_bases == 0) {
+        result = Py_None;
+        goto done;
+    }
+    if (check_side("destination", c.dst_base, num_bases, c.dst_pages, c.num_pages, c.dst_page_nbytes,
+                   c.chunk_nbytes, dst.len) < 0) goto done;
+    if (check_side("source", c.src_base, num_bases, c.src_pages, c.num_pages, c.src_page_nbytes,
+                   c.chunk_nbytes, src.len) < 0) goto done;
+    Py_BEGIN_ALLOW_THREADS
+    run_page_copy(&c);
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+done:
+    Py_XINCREF(result);
+    if (dst.obj) PyBuffer_Release(&dst);
+    if (src.obj) PyBuffer_Release(&src);
+    if (dst_base.obj) PyBuffer_Release(&dst_base);
+    if (src_base.obj) PyBuffer_Release(&src_base);
+    if (dst_pages.obj) PyBuffer_Release(&dst_pages);
+    if (src_pages.obj) PyBuffer_Release(&src_pages);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"copy_pages", copy_pages, METH_VARARGS,
+     "copy_pages(dst, src, dst_base, src_base, dst_pages, src_pages, dst_page_nbytes, src_page_nbytes, inner, "
+     "chunk_nbytes): for o, p, i: dst[dst_base[o*inner+i] + dst_pages[p]*dst_page_nbytes :+chunk_nbytes] = "
+     "src[src_base[o*inner+i] + src_pages[p]*src_page_nbytes :+chunk_nbytes]"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_rowcopy", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__rowcopy(void) { return PyModule_Create(&module); }

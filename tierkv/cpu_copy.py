@@ -1,0 +1,117 @@
+"""CPU <-> CPU page copies for the ``kernel`` io backend.
+
+With the native module (tierkv/_rowcopy.c, built at install when a C compiler is there) a batch is
+one call: the pools' per-layout chunk offsets of page 0 plus the page ids, copied chunk by chunk in
+the destination's memory order without the GIL, adjacent chunks merged. Without it, token rows move
+with vectorised torch/numpy index ops (:func:`copy_rows`). Both must move exactly the same bytes; the
+test suite runs against each.
+"""
+
+from __future__ import annotations
+
+import threading
+from types import ModuleType
+
+import numpy as np
+import torch
+
+from tierkv.pools.kv import PagedKVBuffer
+
+try:
+    from tierkv import _rowcopy as native  # type: ignore[attr-defined]
+except ImportError:  # no compiler at install time: the torch fallback is used
+    native: ModuleType | None = None  # type: ignore[no-redef]
+
+
+def native_available() -> bool:
+    return native is not None
+
+
+def copy_page_chunks(src: PagedKVBuffer, src_pages: torch.Tensor, dst: PagedKVBuffer,
+                     dst_pages: torch.Tensor) -> None:
+    """Copy whole pages between two CPU pools with the native module, one call per batch."""
+    if native is None:
+        raise RuntimeError("tierkv._rowcopy is not built; use copy_rows")
+    # a page's token rows are adjacent on both sides: one chunk per page and (kv, layer)
+    whole_pages = src.page_size == 1 or (src.row_strides[3] == 1 and dst.row_strides[3] == 1)
+    order = dst.row_dim_order
+    if not whole_pages:
+        # token rows interleave across layers on one side: go page by page so that both sides'
+        # working set is one page (fits in cache), destination order within it
+        order = (2, *(d for d in order if d != 2))
+    src_base, inner = src.chunk_bases(whole_pages, order)
+    dst_base, _ = dst.chunk_bases(whole_pages, order)
+    chunk_nbytes = src.rows.shape[1] * (src.page_size if whole_pages else 1)
+    native.copy_pages(dst.rows_np, src.rows_np, dst_base, src_base, _int64_array(dst_pages),
+                      _int64_array(src_pages), dst.page_stride_nbytes, src.page_stride_nbytes, inner, chunk_nbytes)
+
+
+def _int64_array(pages: torch.Tensor) -> np.ndarray:
+    """The pages as a contiguous int64 numpy array, without a copy in the common case (the allocator
+    hands out CPU int64 tensors)."""
+    array = pages.numpy() if pages.device.type == "cpu" else pages.cpu().numpy()
+    if array.dtype != np.int64 or not array.flags.c_contiguous:
+        array = np.ascontiguousarray(array, dtype=np.int64)
+    return array
+
+
+_MIN_SEGMENT_ROWS = 8
+_staging = threading.local()
+
+
+def copy_rows(src: torch.Tensor, src_rows: torch.Tensor, src_order: tuple[int, ...], dst: torch.Tensor,
+              dst_rows: torch.Tensor, dst_order: tuple[int, ...]) -> None:
+    """Copy byte rows ``src[src_rows[i]] -> dst[dst_rows[i]]`` in as few passes over memory as possible.
+
+    ``*_rows`` are shaped ``[kv, layers, pages, rows-per-page]``; ``*_order`` lists those dims in each
+    side's memory order.
+
+    When the destination rows, taken in the destination's memory order, fall into long contiguous
+    segments, each segment is one ``index_select`` straight into it; else when the source rows do, one
+    ``index_copy_`` out of each; only when both sides are fragmented do rows go through a staging
+    buffer (reused, so its memory is not faulted in again on every copy).
+    """
+    for into_dst, order in ((True, dst_order), (False, src_order)):
+        s_rows, d_rows = src_rows.permute(order).reshape(-1), dst_rows.permute(order).reshape(-1)
+        segments = _segments(d_rows if into_dst else s_rows)
+        if segments is None:
+            continue
+        for a, b, first in segments:
+            if into_dst:
+                torch.index_select(src, 0, s_rows[a:b], out=dst.narrow(0, first, b - a))
+            else:
+                _scatter_rows(dst, d_rows[a:b], src.narrow(0, first, b - a))
+        return
+    s_rows, d_rows = src_rows.reshape(-1), dst_rows.reshape(-1)
+    staging = _staging_rows(len(s_rows), src)
+    torch.index_select(src, 0, s_rows, out=staging)
+    _scatter_rows(dst, d_rows, staging)
+
+
+def _segments(rows: torch.Tensor) -> list[tuple[int, int, int]] | None:
+    """``(start, end, first_row)`` of the runs of consecutive ``rows``; None when runs average short."""
+    first, n = int(rows[0]), len(rows)
+    if int(rows[-1]) - first == n - 1 and torch.equal(rows, torch.arange(first, first + n)):
+        return [(0, n, first)]  # the common case of one destination run in a page-first layout
+    breaks = torch.nonzero(rows[1:] - rows[:-1] != 1).flatten().add_(1).tolist()
+    if n < _MIN_SEGMENT_ROWS * (len(breaks) + 1):
+        return None
+    bounds = [0, *breaks, n]
+    return list(zip(bounds, bounds[1:], rows[bounds[:-1]].tolist()))
+
+
+def _scatter_rows(rows: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
+    """``rows[index] = values`` for CPU byte rows. numpy's fancy assignment moves each row with one
+    memmove (in 8-byte words when rows allow); torch's index_copy_ goes element by element, ~5x slower."""
+    word = np.int64 if rows.shape[1] % 8 == 0 else np.uint8
+    rows.numpy().view(word)[index.numpy()] = values.numpy().view(word)
+
+
+def _staging_rows(num_rows: int, like: torch.Tensor) -> torch.Tensor:
+    """A per-thread scratch of ``num_rows`` rows shaped like ``like``'s, grown (and touched) on demand."""
+    buf = getattr(_staging, "buf", None)
+    need = num_rows * like.shape[1]
+    if buf is None or buf.dtype != like.dtype or buf.numel() < need:
+        buf = torch.zeros(max(need, 1 << 16), dtype=like.dtype)
+        _staging.buf = buf
+    return buf[:need].view(num_rows, like.shape[1])

@@ -35,9 +35,9 @@ def copy_page_chunks(src: PagedKVBuffer, src_pages: torch.Tensor, dst: PagedKVBu
     # a page's token rows are adjacent on both sides: one chunk per page and (kv, layer)
     whole_pages = src.page_size == 1 or (src.row_strides[3] == 1 and dst.row_strides[3] == 1)
     order = dst.row_dim_order
-    if not whole_pages:
-        # token rows interleave across layers on one side: go page by page so that both sides'
-        # working set is one page (fits in cache), destination order within it
+    if order != src.row_dim_order:
+        # the layouts nest pages differently (page-first vs layer-first): go page by page, destination
+        # order within it, so that each side's working set is one page's scattered pieces (in cache)
         order = (2, *(d for d in order if d != 2))
     src_base, inner = src.chunk_bases(whole_pages, order)
     dst_base, _ = dst.chunk_bases(whole_pages, order)

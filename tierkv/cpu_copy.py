@@ -73,7 +73,7 @@ def copy_rows(src: torch.Tensor, src_rows: torch.Tensor, src_order: tuple[int, .
     """
     for into_dst, order in ((True, dst_order), (False, src_order)):
         s_rows, d_rows = src_rows.permute(order).reshape(-1), dst_rows.permute(order).reshape(-1)
-        segments = _segments(d_rows if into_dst else s_rows)
+        segments = page_segments(d_rows if into_dst else s_rows)
         if segments is None:
             continue
         for a, b, first in segments:
@@ -88,13 +88,17 @@ def copy_rows(src: torch.Tensor, src_rows: torch.Tensor, src_order: tuple[int, .
     _scatter_rows(dst, d_rows, staging)
 
 
-def _segments(rows: torch.Tensor) -> list[tuple[int, int, int]] | None:
-    """``(start, end, first_row)`` of the runs of consecutive ``rows``; None when runs average short."""
-    first, n = int(rows[0]), len(rows)
+def page_segments(rows: torch.Tensor, min_rows: int = _MIN_SEGMENT_ROWS) -> list[tuple[int, int, int]] | None:
+    """``(start, end, first_row)`` of the runs of consecutive ``rows``; None when they average fewer
+    than ``min_rows`` rows."""
+    n = len(rows)
+    if n == 0:
+        return []
+    first = int(rows[0])
     if int(rows[-1]) - first == n - 1 and torch.equal(rows, torch.arange(first, first + n)):
         return [(0, n, first)]  # the common case of one destination run in a page-first layout
     breaks = torch.nonzero(rows[1:] - rows[:-1] != 1).flatten().add_(1).tolist()
-    if n < _MIN_SEGMENT_ROWS * (len(breaks) + 1):
+    if n < min_rows * (len(breaks) + 1):
         return None
     bounds = [0, *breaks, n]
     return list(zip(bounds, bounds[1:], rows[bounds[:-1]].tolist()))

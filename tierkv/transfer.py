@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from tierkv import cpu_copy
+from tierkv import cpu_copy, device_copy
 from tierkv.pools.kv import DeviceKVPool, HostKVPool, PagedKVBuffer
 
 log = logging.getLogger(__name__)
@@ -59,9 +59,10 @@ def copy_pages(src: PagedKVBuffer, src_pages: torch.Tensor, dst: PagedKVBuffer, 
     """Copy whole pages between two pools of any layouts.
 
     ``kernel``: between CPU pools, one native chunk copy per batch when the extension is built (see
-    :mod:`tierkv.cpu_copy`); otherwise runs of consecutive pages as single strided copies when there
-    are few runs, and token rows with vectorised index copies when there are many. ``direct`` copies
-    page by page.
+    :mod:`tierkv.cpu_copy`); between an accelerator and the host, a device-side gather or scatter and
+    a DMA per contiguous host stretch (:mod:`tierkv.device_copy`); otherwise runs of consecutive pages
+    as single strided copies when there are few runs, and token rows with vectorised index copies when
+    there are many. ``direct`` copies page by page.
     """
     non_blocking = src.device.type == "cuda" or dst.device.type == "cuda"
     if io_backend == "direct":
@@ -72,6 +73,12 @@ def copy_pages(src: PagedKVBuffer, src_pages: torch.Tensor, dst: PagedKVBuffer, 
     if on_cpu and cpu_copy.native_available():
         cpu_copy.copy_page_chunks(src, src_pages, dst, dst_pages)
         return
+    if src.device.type == "cpu" and dst.device.type != "cpu":
+        if device_copy.staged_copy(dst, dst_pages, src, src_pages, to_host=False):
+            return
+    elif dst.device.type == "cpu" and src.device.type != "cpu":
+        if device_copy.staged_copy(src, src_pages, dst, dst_pages, to_host=True):
+            return
     runs = page_runs(src_pages, dst_pages)
     ps = src.page_size
     wide_rows = ps > 1 and src.row_strides[3] == 1 and dst.row_strides[3] == 1

@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tierkv import cpu_copy
-from tierkv.pools import HOST_LAYOUTS, DeviceKVPool, HostKVPool, KVSpec
+from tests.pool_helpers import random_pools
+from tierkv.pools import HOST_LAYOUTS, DeviceKVPool, KVSpec
 
 pytestmark = pytest.mark.skipif(not cpu_copy.native_available(), reason="tierkv._rowcopy is not built")
 
@@ -15,21 +16,11 @@ SPECS = [KVSpec(num_layers=2, kv_heads=2, head_dim=4, dtype=torch.float16),
          KVSpec(num_layers=3, attention="mla", kv_lora_rank=5, rope_dim=2, dtype=torch.bfloat16)]
 
 
-def _random_pools(spec, layout, page_size, seed=0):
-    device = DeviceKVPool(spec, 16 * page_size, page_size, "cpu")
-    host = HostKVPool(spec, 32 * page_size, page_size, layout, pin_memory=False)
-    g = torch.Generator().manual_seed(seed)
-    for pool in (device, host):
-        raw = pool.buffer.view(torch.uint8)
-        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))
-    return device, host
-
-
 @settings(max_examples=60, deadline=None)
 @given(data=st.data(), spec=st.sampled_from(SPECS), layout=st.sampled_from(HOST_LAYOUTS),
        page_size=st.sampled_from([1, 2, 4]), to_host=st.booleans())
 def test_native_copy_equals_a_canonical_gather_scatter(data, spec, layout, page_size, to_host):
-    device, host = _random_pools(spec, layout, page_size)
+    device, host = random_pools(spec, layout, page_size)
     src, dst = (device, host) if to_host else (host, device)
     n = data.draw(st.integers(0, min(src.num_pages, dst.num_pages)))
     src_pages = torch.tensor(data.draw(st.lists(st.integers(0, src.num_pages - 1), min_size=n, max_size=n)),
@@ -49,7 +40,7 @@ def test_native_copy_equals_a_canonical_gather_scatter(data, spec, layout, page_
 
 @pytest.mark.parametrize("bad_page", [-1, 16, 1 << 40])
 def test_a_page_outside_the_pool_is_an_error_and_nothing_is_written(bad_page):
-    device, host = _random_pools(SPECS[0], "page_first", 2)
+    device, host = random_pools(SPECS[0], "page_first", 2)
     before = [pool.buffer.view(torch.uint8).clone() for pool in (device, host)]
     with pytest.raises(ValueError, match=str(bad_page) if bad_page >= 0 else "negative"):
         cpu_copy.copy_page_chunks(host, torch.tensor([0, 1]), device, torch.tensor([3, bad_page]))
@@ -59,7 +50,7 @@ def test_a_page_outside_the_pool_is_an_error_and_nothing_is_written(bad_page):
 
 
 def test_malformed_arguments_are_rejected_by_the_native_module():
-    device, host = _random_pools(SPECS[0], "layer_first", 1)
+    device, host = random_pools(SPECS[0], "layer_first", 1)
     base, inner = device.chunk_bases(True, device.row_dim_order)
     pages = np.arange(2, dtype=np.int64)
     args = [host.rows_np, device.rows_np, base, base, pages, pages, 64, 64, inner, 16]
@@ -76,7 +67,7 @@ def test_malformed_arguments_are_rejected_by_the_native_module():
 
 
 def test_page_tensors_of_other_dtypes_and_strides_are_converted():
-    device, host = _random_pools(SPECS[0], "page_first_direct", 2)
+    device, host = random_pools(SPECS[0], "page_first_direct", 2)
     expected = device.gather_pages(torch.tensor([4, 5]))
     cpu_copy.copy_page_chunks(device, torch.tensor([4, 5], dtype=torch.int32), host, torch.tensor([[7, 0], [2, 0]])[:, 0])
     assert torch.equal(host.gather_pages(torch.tensor([7, 2])).view(torch.uint8), expected.view(torch.uint8))

@@ -5,20 +5,11 @@ import pytest
 import torch
 
 from tierkv.device_copy import staged_copy
-from tierkv.pools import HOST_LAYOUTS, DeviceKVPool, HostKVPool, KVSpec
+from tests.pool_helpers import random_pools
+from tierkv.pools import HOST_LAYOUTS, KVSpec
 
 SPECS = [KVSpec(num_layers=2, kv_heads=2, head_dim=4, dtype=torch.float16),
          KVSpec(num_layers=3, attention="mla", kv_lora_rank=5, rope_dim=2, dtype=torch.bfloat16)]
-
-
-def _random_pools(spec, layout, page_size):
-    device = DeviceKVPool(spec, 32 * page_size, page_size, "cpu")
-    host = HostKVPool(spec, 64 * page_size, page_size, layout, pin_memory=False)
-    g = torch.Generator().manual_seed(page_size)
-    for pool in (device, host):
-        raw = pool.buffer.view(torch.uint8)
-        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))
-    return device, host
 
 
 def _bytes(pool):
@@ -31,7 +22,7 @@ def _bytes(pool):
 @pytest.mark.parametrize("layout", HOST_LAYOUTS)
 @pytest.mark.parametrize("spec", SPECS, ids=["mha", "mla"])
 def test_staged_copy_moves_exactly_the_pages(spec, layout, page_size, to_host, host_pattern):
-    device, host = _random_pools(spec, layout, page_size)
+    device, host = random_pools(spec, layout, page_size, 32, 64, seed=page_size)
     device_pages = torch.tensor([9, 2, 30, 17, 3, 4, 21, 0])  # shuffled, as L1 hands them out
     host_pages = torch.arange(40, 48) if host_pattern == "one_run" else torch.cat(
         [torch.arange(5, 9), torch.arange(50, 54)])
@@ -49,7 +40,7 @@ def test_staged_copy_moves_exactly_the_pages(spec, layout, page_size, to_host, h
 
 @pytest.mark.parametrize("to_host", [True, False], ids=["write", "load"])
 def test_fragmented_host_pages_are_declined_untouched(to_host):
-    device, host = _random_pools(SPECS[0], "page_first", 1)
+    device, host = random_pools(SPECS[0], "page_first", 1, 32, 64)
     before = (_bytes(device), _bytes(host))
     host_pages = torch.arange(0, 64, 2)  # 32 single-page stretches: more DMAs than worth it
     assert not staged_copy(device, torch.arange(32), host, host_pages, to_host=to_host)
@@ -57,7 +48,7 @@ def test_fragmented_host_pages_are_declined_untouched(to_host):
 
 
 def test_an_empty_batch_copies_nothing():
-    device, host = _random_pools(SPECS[1], "layer_first", 4)
+    device, host = random_pools(SPECS[1], "layer_first", 4, 32, 64)
     before = (_bytes(device), _bytes(host))
     empty = torch.zeros(0, dtype=torch.int64)
     assert staged_copy(device, empty, host, empty, to_host=True)

@@ -19,10 +19,10 @@ static int get_int64s(PyObject *obj, Py_buffer *view, const char *name) {
     if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
         return -1;
     }
-    if (view->itemsize != 8 || view->format == NULL || view->format[0] == '\0' || strchr("ql", view->format[0]) == NULL
-        || view->format[1] != '\0') {
+    const char *f = view->format;
+    if (view->itemsize != 8 || f == NULL || f[0] == '\0' || strchr("ql", f[0]) == NULL || f[1] != '\0') {
         PyErr_Format(PyExc_TypeError, "%s must be a contiguous int64 array, got format %s itemsize %zd",
-                     name, view->format ? view->format : "?", view->itemsize);
+                     name, f ? f : "?", view->itemsize);
         PyBuffer_Release(view);
         return -1;
     }

@@ -1,7 +1,7 @@
 """Builds the optional native chunk copy (tierkv/_rowcopy.c); metadata lives in pyproject.toml.
 
 ``optional=True``: without a C compiler the package still installs and the CPU copies fall back to
-torch index ops (see tierkv/rowcopy.py).
+torch index ops (see tierkv/cpu_copy.py).
 """
 
 from setuptools import Extension, setup

@@ -15,7 +15,7 @@ from types import ModuleType
 import numpy as np
 import torch
 
-from tierkv.pools.kv import PagedKVBuffer
+from tierkv.pools.kv import PagedKVBuffer, rows_adjacent_per_page
 
 try:
     from tierkv import _rowcopy as native  # type: ignore[attr-defined]
@@ -33,7 +33,7 @@ def copy_page_chunks(src: PagedKVBuffer, src_pages: torch.Tensor, dst: PagedKVBu
     if native is None:
         raise RuntimeError("tierkv._rowcopy is not built; use copy_rows")
     # a page's token rows are adjacent on both sides: one chunk per page and (kv, layer)
-    whole_pages = src.page_size == 1 or (src.row_strides[3] == 1 and dst.row_strides[3] == 1)
+    whole_pages = rows_adjacent_per_page(src, dst)
     order = dst.row_dim_order
     if order != src.row_dim_order:
         # the layouts nest pages differently (page-first vs layer-first): go page by page, destination

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from tierkv.cpu_copy import page_segments
-from tierkv.pools.kv import PagedKVBuffer
+from tierkv.pools.kv import PagedKVBuffer, paired_page_rows
 
 # Up to this many DMAs per (kv, layer) piece of a page: one run of host pages needs one DMA in
 # page-first layouts and one per (kv, layer) in layer_first.
@@ -26,14 +26,8 @@ def staged_copy(device_pool: PagedKVBuffer, device_pages: torch.Tensor, host_poo
                 host_pages: torch.Tensor, to_host: bool, non_blocking: bool = True) -> bool:
     """Copy whole pages device -> host (``to_host``) or host -> device; False (nothing copied) when the
     host side would need too many DMAs. Runs on the current stream; the caller records its event."""
-    host_table, device_table = host_pool.rows, device_pool.rows
-    host_rows, device_rows = host_pool.page_rows(host_pages), device_pool.page_rows(device_pages)
-    ps = host_pool.page_size
-    if ps > 1 and host_pool.row_strides[3] == 1 and device_pool.row_strides[3] == 1:
-        # a page's token rows are adjacent on both sides: move them as one wide row
-        host_table, device_table = host_table.view(-1, ps * host_table.shape[1]), device_table.view(
-            -1, ps * device_table.shape[1])
-        host_rows, device_rows = host_rows[..., :1] // ps, device_rows[..., :1] // ps
+    host_table, host_rows, device_table, device_rows = paired_page_rows(host_pool, host_pages, device_pool,
+                                                                        device_pages)
     order = host_pool.row_dim_order
     host_flat, device_flat = host_rows.permute(order).reshape(-1), device_rows.permute(order).reshape(-1)
     segments = page_segments(host_flat, min_rows=1)

@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from tierkv import cpu_copy, device_copy
-from tierkv.pools.kv import DeviceKVPool, HostKVPool, PagedKVBuffer
+from tierkv.pools.kv import (DeviceKVPool, HostKVPool, PagedKVBuffer, paired_page_rows,
+                             rows_adjacent_per_page)
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +81,7 @@ def copy_pages(src: PagedKVBuffer, src_pages: torch.Tensor, dst: PagedKVBuffer, 
         if device_copy.staged_copy(src, src_pages, dst, dst_pages, to_host=True):
             return
     runs = page_runs(src_pages, dst_pages)
-    ps = src.page_size
-    wide_rows = ps > 1 and src.row_strides[3] == 1 and dst.row_strides[3] == 1
+    wide_rows = rows_adjacent_per_page(src, dst)
     run_nbytes = len(src_pages) * src.page_nbytes / max(len(runs), 1)
     # Per-run strided copies when runs are few, or large while rows are narrow (per-call overhead is
     # then small and no index is needed); otherwise row gathers. Cross-device copies always go by run.
@@ -89,10 +89,7 @@ def copy_pages(src: PagedKVBuffer, src_pages: torch.Tensor, dst: PagedKVBuffer, 
         for s, d, n in runs:
             dst.page_range(d, n).copy_(src.page_range(s, n), non_blocking=non_blocking)
         return
-    src_table, src_rows, dst_table, dst_rows = src.rows, src.page_rows(src_pages), dst.rows, dst.page_rows(dst_pages)
-    if wide_rows:  # a page's tokens are adjacent rows on both sides: move each page's rows as one row
-        src_table, dst_table = src.rows.view(-1, ps * src.rows.shape[1]), dst.rows.view(-1, ps * dst.rows.shape[1])
-        src_rows, dst_rows = src_rows[..., :1] // ps, dst_rows[..., :1] // ps
+    src_table, src_rows, dst_table, dst_rows = paired_page_rows(src, src_pages, dst, dst_pages)
     cpu_copy.copy_rows(src_table, src_rows, src.row_dim_order, dst_table, dst_rows, dst.row_dim_order)
 
 

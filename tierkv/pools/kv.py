@@ -146,6 +146,25 @@ class PagedKVBuffer:
         self.scatter_pages(pages, kv.unflatten(2, (len(pages), self.page_size)))
 
 
+def rows_adjacent_per_page(a: PagedKVBuffer, b: PagedKVBuffer) -> bool:
+    """True when, in both pools, each page's token rows for one (kv, layer) are adjacent, so a page
+    can move as one wide row (and page_size > 1, where that is worth anything)."""
+    return a.page_size > 1 and a.row_strides[3] == 1 and b.row_strides[3] == 1
+
+
+def paired_page_rows(a: PagedKVBuffer, a_pages: torch.Tensor, b: PagedKVBuffer, b_pages: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(a_table, a_rows, b_table, b_rows)``: each pool's byte-row table and the row indices of the
+    given pages (``[num_kv, layers, pages, k]``), widened to one row per page when
+    :func:`rows_adjacent_per_page`."""
+    a_rows, b_rows = a.page_rows(a_pages), b.page_rows(b_pages)
+    if not rows_adjacent_per_page(a, b):
+        return a.rows, a_rows, b.rows, b_rows
+    ps = a.page_size
+    return (a.rows.view(-1, ps * a.rows.shape[1]), a_rows[..., :1] // ps,
+            b.rows.view(-1, ps * b.rows.shape[1]), b_rows[..., :1] // ps)
+
+
 class DeviceKVPool(PagedKVBuffer):
     """L1: the accelerator pool attention reads. Layer-first so each layer's K/V is one tensor."""
 

@@ -98,7 +98,7 @@ BACKEND_BAD_OPTIONS = [
 ]
 
 
-@pytest.mark.parametrize("backend,name,value", BACKEND_BAD_OPTIONS)
+@pytest.mark.parametrize("backend,name,value", BACKEND_BAD_OPTIONS, ids=lambda v: repr(v)[:20])
 def test_bad_backend_options_are_refused_before_opening(backend, name, value, tmp_path):
     spec = {"redis": "redis://127.0.0.1:1", "mooncake": "mooncake://127.0.0.1:1",
             "file": f"file:{tmp_path}"}[backend]

@@ -148,3 +148,14 @@ def test_good_values_pass_and_are_normalised():
 def test_helpers_name_the_field(check, args):
     with pytest.raises(ValueError, match=args[0]):
         check(*args)
+
+
+@pytest.mark.parametrize("name,value", [
+    ("hang_s", 1e300), ("hang_s", INF), ("latency_s", NAN), ("latency_s", -0.5), ("latency_s", True),
+    ("error_rate", NAN), ("error_rate", 1.5), ("corrupt_get_rate", -0.1), ("partial_rate", "0.5"),
+    ("seed", True), ("seed", 1.0),
+], ids=lambda v: repr(v)[:20])
+def test_fault_injection_options_are_checked_like_the_others(name, value):
+    with pytest.raises(ValueError) as err:
+        open_store("memory", "ns", 64, {"faults": {name: value}})
+    assert f"faults.{name}" in str(err.value) and repr(value) in str(err.value)

@@ -31,7 +31,8 @@ BAD_BY_TYPE = {
 }
 # Constructor arguments that make the others valid (ReplayConfig needs a size).
 REQUIRED = {ReplayConfig: {"l1_tokens": 1024}}
-SECRET_FIELDS = {(EngineConfig, "l3"), (ReplayConfig, "l3")}  # a storage spec may hold a password: its value is never shown
+# A storage spec may hold a password: its value is never shown, only its type.
+SECRET_FIELDS = {(EngineConfig, "l3"), (ReplayConfig, "l3")}
 
 
 def _cases(config_cls):

@@ -1,8 +1,9 @@
 """Chained page hashes: the L3 key of a page names the page's tokens and every token before it.
 
 hash(page_0) = H(seed, tokens of page_0); hash(page_i) = H(hash(page_i-1), tokens of page_i). The seed
-comes from a :class:`HashNamespace` (model, tenant, KV layout, dtype, shape, TP shard), so two models,
-two tenants or two TP layouts never compute the same key for the same tokens. Keys are hex strings.
+comes from a :class:`HashNamespace` (model, tenant, KV layout, dtype, shape, TP shard) and the key's own
+``extra_key``, so two models, two tenants or two TP layouts never compute the same key for the same
+tokens. Keys are hex strings.
 """
 
 from __future__ import annotations

@@ -98,8 +98,7 @@ class StorageController:
     # ---- hashes -------------------------------------------------------------------------------
     def _seed(self, extra_key: str | None) -> str:
         if extra_key not in self._seeds:
-            ns = self.namespace if extra_key is None else dataclasses.replace(self.namespace, extra_key=extra_key)
-            self._seeds[extra_key] = ns.seed()
+            self._seeds[extra_key] = self.namespace.seed(extra_key)
         return self._seeds[extra_key]
 
     def path_hashes(self, node: TreeNode) -> list[str]:

@@ -71,8 +71,14 @@ class HashNamespace:
     @classmethod
     def for_spec(cls, model: str, spec, host_layout: str, tp_rank: int = 0, tp_size: int = 1,
                  extra_key: str | None = None, algorithm: str = "sha256") -> "HashNamespace":
-        """The namespace of one TP shard's pages, from a :class:`tierkv.pools.spec.KVSpec`."""
+        """The namespace of one TP shard's pages, from a :class:`tierkv.pools.spec.KVSpec`.
+
+        MLA's latent KV is not sharded: every rank holds the same bytes, so its pages are named without
+        the rank and one copy in L3 serves every rank (HiCache's ``backup_skip``).
+        """
         shape = (spec.num_kv, spec.num_layers, spec.heads, spec.dim)
+        if spec.attention == "mla":
+            tp_rank, tp_size = 0, 1
         return cls(model=model, extra_key=extra_key or "", kv_layout=f"{spec.attention}/{host_layout}",
                    kv_dtype=str(spec.dtype).removeprefix("torch."), kv_shape=shape, tp_rank=tp_rank,
                    tp_size=tp_size, algorithm=algorithm)

@@ -16,7 +16,7 @@ WRITE_POLICIES = {"write_through": 1, "write_through_selective": 2, "write_back"
 class CacheConfig:
     """Policies and sizes of the L1/L2 cache. Errors name the field and the bad value.
 
-    ``hicache_size_gb`` overrides ``hicache_ratio``; ``enable_host=False`` gives a plain L1-only radix cache.
+    ``hicache_size_gb`` (when not None or 0) overrides ``hicache_ratio``; ``enable_host=False`` gives a plain L1-only radix cache.
     """
 
     page_size: int = 1
@@ -37,8 +37,8 @@ class CacheConfig:
         check_choice("io_backend", self.io_backend, IO_BACKENDS)
         check_choice("host_layout", self.host_layout, HOST_LAYOUTS)
         check_number("hicache_ratio", self.hicache_ratio, minimum=0, exclusive_minimum=True)
-        if self.hicache_size_gb is not None:
-            check_number("hicache_size_gb", self.hicache_size_gb, minimum=0, exclusive_minimum=True)
+        if self.hicache_size_gb is not None:  # 0, as in HiCache: no absolute size, use the ratio
+            check_number("hicache_size_gb", self.hicache_size_gb, minimum=0)
         check_int("load_back_threshold", self.load_back_threshold, minimum=0)
         check_bool("bigram", self.bigram)
         check_bool("enable_host", self.enable_host)

@@ -523,6 +523,11 @@ class HiRadixCache:
     def protected_size(self) -> int:
         return self.tree.protected_size
 
+    def clear_storage_backend(self) -> bool:
+        """Empty L3 (this namespace's pages), keeping L1 and L2; False when no L3 is attached or its
+        backend cannot clear. Lock contract: takes no lock."""
+        return self.storage is not None and self.storage.clear_store()
+
     def reset(self, clear_storage: bool = False) -> None:
         """Drop every cached token in L1 and L2, and in L3 only when ``clear_storage`` (L3 may be shared
         by other servers). Lock contract: no request may hold a lock."""

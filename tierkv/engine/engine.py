@@ -50,8 +50,8 @@ class EngineConfig:
         check_int("page_size", self.page_size, minimum=1)
         check_int("l1_tokens", self.l1_tokens, minimum=self.page_size)
         check_number("hicache_ratio", self.hicache_ratio, minimum=0, exclusive_minimum=True)
-        if self.hicache_size_gb is not None:
-            check_number("hicache_size_gb", self.hicache_size_gb, minimum=0, exclusive_minimum=True)
+        if self.hicache_size_gb is not None:  # 0: use the ratio
+            check_number("hicache_size_gb", self.hicache_size_gb, minimum=0)
         check_choice("write_policy", self.write_policy, sorted(WRITE_POLICIES))
         check_choice("host_layout", self.host_layout, HOST_LAYOUTS)
         if self.kv_dtype is not None:

@@ -100,6 +100,10 @@ class StorageController:
         # HiCache's backup_skip: one copy of MLA KV, written by rank 0 (reads still agree across ranks)
         self.skip_backup_writes = cache.device_pool.spec.attention == "mla" and tp.rank != 0
         self.agree_found = tp.world_size > 1
+        self.max_tokens_in_flight = config.prefetch_max_tokens_in_flight
+        if self.max_tokens_in_flight is None:  # HiCache: room for prefetches is what L2 has beyond L1
+            room = cache.host_pool.num_slots - cache.device_pool.num_slots
+            self.max_tokens_in_flight = max(int(0.8 * room), cache.config.page_size)
         self._prefetch_worker = IOWorker("tierkv-prefetch")
         self._backup_worker = IOWorker("tierkv-backup")
 
@@ -140,7 +144,7 @@ class StorageController:
         anchor = path[anchor_index - 1] if anchor_index else self.tree.root
         anchor_len = sum(len(n) for n in path[:anchor_index])
         num_tokens = len(elems) - anchor_len
-        if self.tokens_in_flight + num_tokens > self.config.prefetch_max_tokens_in_flight:
+        if self.tokens_in_flight + num_tokens > self.max_tokens_in_flight:
             self.stats.prefetch_rate_limited += 1
             return False
         self.tree.inc_host_ref(anchor)  # before allocating: L2 eviction must not take the anchor
@@ -152,8 +156,10 @@ class StorageController:
         prior = self.path_hashes(anchor)[-1] if anchor_index else self._seed(key.extra_key)
         hashes = page_hashes(elems[anchor_len:], self.page_size, prior, self.namespace)
         pages = self.host_pool.allocator.slots_to_pages(host_slots).tolist()
+        config, ps = self.config, self.page_size
         prefetch = Prefetch(request_id, anchor, anchor_len, key, hashes, host_slots, pages,
-                            self.config.prefetch_timeout_s(num_tokens), agree_found=self.agree_found)
+                            config.prefetch_timeout_base, config.prefetch_timeout_per_ki_token * ps / 1024,
+                            agree_found=self.agree_found, min_found_pages=-(-config.prefetch_threshold // ps))
         self.prefetches[request_id] = prefetch
         self._prefetch_worker.submit(partial(prefetch.run, self.store, self.host_pool,
                                              self.config.prefetch_batch_pages))
@@ -191,9 +197,9 @@ class StorageController:
         prefetch.cancel.set()
         keep_tokens = keep_pages * self.page_size
         if keep_tokens:
-            self._insert(prefetch, keep_tokens)
-            self.cache.stats.storage_hit_tokens += keep_tokens
-            self.stats.prefetched_tokens += keep_tokens
+            new_tokens = self._insert(prefetch, keep_tokens)  # pages the tree already had are no L3 hit
+            self.cache.stats.storage_hit_tokens += new_tokens
+            self.stats.prefetched_tokens += new_tokens
         self.tree.dec_host_ref(prefetch.anchor)
         rest = prefetch.host_slots[keep_tokens:]
         if prefetch.agreed_finished:
@@ -203,11 +209,11 @@ class StorageController:
             prefetch.host_slots, prefetch.state = rest, "draining"
             self.draining.append(prefetch)
 
-    def _insert(self, prefetch: Prefetch, num_tokens: int) -> None:
-        """Hang the fetched pages under the anchor as host-only nodes.
+    def _insert(self, prefetch: Prefetch, num_tokens: int) -> int:
+        """Hang the fetched pages under the anchor as host-only nodes; the tokens new to the tree.
 
         Parts the tree already holds in L2 (another request got there first) free our copy; nodes on
-        the way that hold only device slots adopt ours as their backup.
+        the way that hold only device slots adopt ours as their backup (not new: the tree had them).
         """
         end = prefetch.anchor_len + num_tokens
         key = prefetch.key
@@ -232,6 +238,8 @@ class StorageController:
             leaf = self.tree.add_leaf(parent, elems[path.num_tokens:], key.extra_key)
             leaf.host_value = slots[offset:]
             leaf.hash_values = prefetch.hashes[offset // ps: num_tokens // ps]
+            return num_tokens - offset
+        return 0
 
     def _counted(self) -> list[Prefetch]:
         return [p for p in self.prefetches.values() if p.state == "running"] + self.draining
@@ -330,6 +338,16 @@ class StorageController:
     def flush(self) -> None:
         """Wait (bounded by io_wait_timeout_s) for in-flight I/O; the cache's next step retires it."""
         self.wait_idle()
+
+    def clear_store(self) -> bool:
+        """Empty the store after in-flight backups (bounded wait: they would re-add pages); False when
+        the backend cannot clear."""
+        self.wait_idle()
+        try:
+            self.store.clear()
+        except NotImplementedError:
+            return False
+        return True
 
     def reset(self, clear_store: bool = False) -> None:
         """Forget in-flight work (the cache has reset the tree and pools); empty the store if asked."""

@@ -45,7 +45,9 @@ class Prefetch:
     While running it holds one host_ref on ``anchor``. ``state`` moves running -> done, or running ->
     revoked (nothing found), or running -> draining (ended while the worker may still write into the
     slots it kept; they are freed once the worker is agreed finished). ``agree_found`` (several TP
-    ranks): the worker reads only the leading run of pages that every rank found, once agreed.
+    ranks): the worker reads only the leading run of pages that every rank found, once agreed, and
+    nothing when that run is under ``min_found_pages`` (the controller then revokes it). The timeout
+    budget is ``timeout_base_s`` plus ``timeout_per_page_s`` per page found (agreed), HiCache's rule.
     """
 
     request_id: str
@@ -55,10 +57,12 @@ class Prefetch:
     hashes: list[str]
     host_slots: torch.Tensor
     host_pages: list[int]
-    timeout_s: float
+    timeout_base_s: float
+    timeout_per_page_s: float
     started_s: float = field(default_factory=time.monotonic)
     state: str = "running"
     agree_found: bool = False
+    min_found_pages: int = 0
     # written by the worker thread only
     found_pages: int = 0
     completed_pages: int = 0
@@ -81,9 +85,14 @@ class Prefetch:
         """This rank's progress: MIN fields (completed pages, finished, 1 + pages found), MAX (terminated)."""
         finished = self.finished.is_set()  # read first: once set, completed_pages and failed are final
         found = 1 + self.found_pages if self.exists_done.is_set() else 0
-        timed_out = time.monotonic() - self.started_s >= self.timeout_s
+        timed_out = time.monotonic() - self.started_s >= self.budget_s
         terminated = (finished and self.failed) or timed_out
         return [self.completed_pages, int(finished), found], [int(terminated)]
+
+    @property
+    def budget_s(self) -> float:
+        """The timeout policy's budget: grows with the pages L3 holds, once agreed (base until then)."""
+        return self.timeout_base_s + self.timeout_per_page_s * max(self.agreed_found, 0)
 
     def agree(self, min_counts: list[int], max_counts: list[int]) -> None:
         """Record counts agreed across ranks (MIN fields, MAX fields; see the module docstring)."""
@@ -143,12 +152,13 @@ class Prefetch:
 
     def _pages_to_read(self) -> int:
         """The pages found here or, with several ranks, the count every rank found (0 when cancelled)."""
-        if not self.agree_found:
-            return self.found_pages
-        while not self.found_agreed.wait(_AGREEMENT_POLL_S):
-            if self.cancel.is_set():
-                return 0
-        return min(self.agreed_found, self.found_pages)
+        found = self.found_pages
+        if self.agree_found:
+            while not self.found_agreed.wait(_AGREEMENT_POLL_S):
+                if self.cancel.is_set():
+                    return 0
+            found = min(self.agreed_found, found)
+        return found if found >= self.min_found_pages else 0  # too short to be worth it: revoked
 
     def _read(self, store: PageStore, host_pool: HostKVPool, start: int, end: int) -> bool:
         pages = self.host_pages[start:end]

@@ -131,6 +131,11 @@ class HiRadixCache:
     def match_prefix(self, key: RadixKey) -> MatchResult:
         """Longest cached prefix of ``key`` in L1 and L2. Lock contract: takes no lock (caller locks).
 
+        ``last_host_node`` is the deepest node of the match, whichever tier holds it: pass it to
+        :meth:`init_load_back` (loads its host-only part) and :meth:`prefetch_from_storage` (continues
+        from its deepest L2-backed ancestor itself). Unlike HiCache's, it need not be backed up in L2
+        (a write_back node in L1 only): engines must not assume ``last_host_node.host_value`` is set.
+
         Device indices filled by another request's load still in flight are waited for (on CUDA the
         current stream waits on the load's event), so the returned KV is always ready to read.
         """
@@ -177,22 +182,31 @@ class HiRadixCache:
         self.tree.dec_lock_ref(node)
 
     # ---- insert and write policies -----------------------------------------------------------
-    def insert(self, key: RadixKey, device_slots: torch.Tensor, priority: int = 0) -> int:
+    def insert(self, key: RadixKey, device_slots: torch.Tensor, priority: int = 0, chunked: bool = False) -> int:
         """Cache ``key`` whose KV sits in ``device_slots``; returns how many of them the tree now owns.
 
         Slots duplicating KV the tree already holds are freed; slots past the returned count (a partial
-        last page) stay the caller's. Lock contract: takes no lock; may lock nodes for a write-through.
+        last page) stay the caller's. Hits are counted as HiCache counts them: not under write_back,
+        not for a ``chunked`` insert (one chunk of a prefill in progress: the prompt has not been
+        reused), and not for nodes this insert revived (recomputed KV for a host-only node).
+        Lock contract: takes no lock; may lock nodes for a write-through.
         """
         if not isinstance(device_slots, torch.Tensor) or device_slots.dim() != 1 or device_slots.dtype != torch.int64:
             raise TypeError(f"device_slots must be a 1-D int64 tensor, got {_describe(device_slots)}")
         if not isinstance(priority, int):
             raise TypeError(f"priority must be an int, got {priority!r}")
+        if not isinstance(chunked, bool):
+            raise TypeError(f"chunked must be a bool, got {chunked!r}")
         result = self.tree.insert(key, device_slots, priority)
         self._free_duplicates(device_slots, result.shared)
-        for node in result.path:
-            node.hit_count += 1
         threshold = self.config.write_threshold
-        if self.transfer is not None and threshold is not None:
+        if threshold is None or chunked:
+            return result.prefix_len + (len(result.new_node) if result.new_node else 0)
+        revived = {id(n) for n in result.revived}
+        for node in result.path:
+            if id(node) not in revived:
+                node.hit_count += 1
+        if self.transfer is not None:
             hot = [n for n in result.path if n.host_value is None and n.hit_count >= threshold]
             if hot:
                 self.write_backup(hot[-1])
@@ -336,9 +350,10 @@ class HiRadixCache:
     def init_load_back(self, last_node: TreeNode, mem_quota: int | None = None) -> LoadResult:
         """Load the host-only part of ``last_node``'s path into L1 in one batch, or none of it.
 
-        Skipped when under ``load_back_threshold`` tokens, over ``mem_quota`` or when L1 has no room
-        even after eviction. Lock contract: loaded nodes stay locked until the load is acknowledged;
-        the caller must :meth:`PendingLoad.wait` before reading the KV.
+        Skipped when under ``load_back_threshold`` tokens, over ``mem_quota`` less the L1 tokens that
+        locking the path makes unevictable (HiCache's delta: the quota counts them as room), or when
+        L1 has no room even after eviction. Lock contract: loaded nodes stay locked until the load is
+        acknowledged; the caller must :meth:`PendingLoad.wait` before reading the KV.
         """
         path = self.tree.path_to_root(last_node)
         host_only = [n for n in path if n.device_value is None]
@@ -347,13 +362,15 @@ class HiRadixCache:
         num_tokens = sum(len(n) for n in host_only)
         if num_tokens == 0 or self.transfer is None:
             return LoadResult(self._path_indices(device_part), last_device)
-        too_small = num_tokens < self.config.load_back_threshold
-        if too_small or (mem_quota is not None and num_tokens > mem_quota):
+        if num_tokens < self.config.load_back_threshold:
             return LoadResult(self._path_indices(device_part), last_device)
         # Locked from here to the ack: making room in L1 must not evict the prefix we extend, and the
         # write-backs that eviction may cause must not evict from L2 the nodes we load.
+        evictable_before = self.tree.evictable_size
         self.tree.inc_lock_ref(last_node)
-        device_slots = self._alloc_device(num_tokens)
+        newly_locked = evictable_before - self.tree.evictable_size
+        over_quota = mem_quota is not None and num_tokens > mem_quota - newly_locked
+        device_slots = None if over_quota else self._alloc_device(num_tokens)
         if device_slots is None:
             self.tree.dec_lock_ref(last_node)
             return LoadResult(self._path_indices(device_part), last_device)

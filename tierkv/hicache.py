@@ -6,6 +6,7 @@ I/O) never touch the tree; their results arrive through ack queues drained by :m
 Tier invariants (checked by :meth:`check_integrity`): nodes holding device slots form a subtree at the
 root, and so do nodes holding host slots; every node holds one or both. A node's slots in each tier are
 owned by it alone, and every allocated slot is owned by a node, an in-flight operation or a caller.
+A node whose L1 load failed is ``invalid`` (locked, never matched) until its locks go; then it is dropped.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from tierkv.eviction import eviction_order, get_policy
 from tierkv.pools.kv import DeviceKVPool, HostKVPool, host_pool_tokens
 from tierkv.hashing import HashNamespace
 from tierkv.radix import RadixKey, RadixTree, TreeNode
+from tierkv.retire import Retirements
 from tierkv.storage.base import PageStore
 from tierkv.storage.config import StorageConfig
 from tierkv.storage.controller import StorageController
@@ -71,6 +73,7 @@ class PendingLoad:
     node: TreeNode
     device_slots: torch.Tensor
     handle: CopyHandle
+    failed: bool = False  # seen failed: its nodes are marked invalid
 
     def wait(self) -> bool:
         """Block until the KV is in L1; False if the copy failed (its slots hold no valid KV)."""
@@ -119,6 +122,7 @@ class HiRadixCache:
             self.host_pool = host_pool or self._make_host_pool()
             self.transfer = TransferController(device_pool, self.host_pool, self.config.io_backend)
         self.storage: StorageController | None = None  # the L3 tier: see attach_storage
+        self._failed_loads: list[PendingLoad] = []  # whose invalid nodes are still in the tree
 
     def _make_host_pool(self) -> HostKVPool:
         cfg, spec = self.config, self.device_pool.spec
@@ -135,15 +139,18 @@ class HiRadixCache:
         current stream waits on the load's event), so the returned KV is always ready to read.
         """
         path = self.tree.match(key)
+        self._note_failed_loads()
+        if self._failed_loads:  # nothing from an invalid node on, not even its L2 part: it is loaded
+            _cut(path, next((i for i, n in enumerate(path.nodes) if n.invalid), len(path.nodes)))
         device_nodes = []
         for node in path.nodes:
             if node.device_value is None:
                 break
             device_nodes.append(node)
         usable = self._wait_for_loads(device_nodes)
-        if usable < len(device_nodes):  # a failed load: its nodes are garbage until retired
-            device_nodes, path.nodes = device_nodes[:usable], path.nodes[:usable]
-            path.num_tokens = sum(len(n) for n in path.nodes)
+        if usable < len(device_nodes):  # a failed load: its nodes are garbage until dropped
+            device_nodes = device_nodes[:usable]
+            _cut(path, usable)
         last_device = device_nodes[-1] if device_nodes else self.tree.root
         device_hit = sum(len(n) for n in device_nodes)
         host_hit = path.num_tokens - device_hit
@@ -165,6 +172,7 @@ class HiRadixCache:
             if hit:
                 item.handle.wait_on_current_stream()
                 if item.handle.error is not None:
+                    self._mark_failed(item.payload)
                     usable = min(usable, hit[0])
         return usable
 
@@ -175,18 +183,29 @@ class HiRadixCache:
     def dec_lock_ref(self, node: TreeNode) -> None:
         """Lock contract: releases one lock taken by :meth:`inc_lock_ref` on ``node``."""
         self.tree.dec_lock_ref(node)
+        if self._failed_loads:
+            self._drop_failed_loads()
 
     # ---- insert and write policies -----------------------------------------------------------
     def insert(self, key: RadixKey, device_slots: torch.Tensor, priority: int = 0) -> int:
         """Cache ``key`` whose KV sits in ``device_slots``; returns how many of them the tree now owns.
 
         Slots duplicating KV the tree already holds are freed; slots past the returned count (a partial
-        last page) stay the caller's. Lock contract: takes no lock; may lock nodes for a write-through.
+        last page, or what lies below a node whose load failed) stay the caller's. The slots covering
+        the key must be allocated, whole pages, each given once; a bad call changes nothing.
+        Lock contract: takes no lock; may lock nodes for a write-through.
         """
         if not isinstance(device_slots, torch.Tensor) or device_slots.dim() != 1 or device_slots.dtype != torch.int64:
             raise TypeError(f"device_slots must be a 1-D int64 tensor, got {_describe(device_slots)}")
         if not isinstance(priority, int):
             raise TypeError(f"priority must be an int, got {priority!r}")
+        num_elems = len(self.tree.elements(key))
+        if len(device_slots) < num_elems:
+            raise ValueError(f"device_slots has {len(device_slots)} slots for a key of {num_elems} tokens")
+        self.device_pool.allocator.check_allocated(device_slots[:num_elems], "device_slots")
+        self._note_failed_loads()
+        if self._failed_loads:
+            key, device_slots = self._stop_at_invalid(key, device_slots)
         result = self.tree.insert(key, device_slots, priority)
         self._free_duplicates(device_slots, result.shared)
         for node in result.path:
@@ -197,6 +216,17 @@ class HiRadixCache:
             if hot:
                 self.write_backup(hot[-1])
         return result.prefix_len + (len(result.new_node) if result.new_node else 0)
+
+    def _stop_at_invalid(self, key: RadixKey, device_slots: torch.Tensor) -> tuple[RadixKey, torch.Tensor]:
+        """Cut ``key`` at the end of the first invalid node on its path: KV computed below a failed
+        load may rest on its garbage, so none of it is cached (the caller keeps those slots)."""
+        path = self.tree.match(key, touch=False)
+        bad = next((i for i, n in enumerate(path.nodes) if n.invalid), None)
+        if bad is None:
+            return key, device_slots
+        end = sum(len(n) for n in path.nodes[:bad + 1])
+        ids = key.token_ids[: end + (1 if self.tree.bigram else 0)]
+        return RadixKey(ids, key.extra_key), device_slots[:end]
 
     def _free_duplicates(self, device_slots: torch.Tensor, shared: list[tuple[TreeNode, int, int]]) -> None:
         """Free the caller's slots that duplicate KV already held by ``shared`` nodes, in one batch
@@ -262,15 +292,22 @@ class HiRadixCache:
         return counts
 
     def apply_progress(self, counts: list[int]) -> None:
-        """Retire the agreed number of completed operations. Lock contract: releases their locks."""
+        """Retire the agreed number of completed operations. Lock contract: releases their locks.
+
+        Each is retired on its own: one that raises strands no other; the first error is raised last.
+        """
         if self.transfer is None:
             return
+        retirements = Retirements()
         for handle, pending in self.transfer.pop_done(self.transfer.writes, counts[0]):
-            self._finish_write(pending, handle)
+            retirements.run(self._finish_write, pending, handle)
         for handle, pending in self.transfer.pop_done(self.transfer.loads, counts[1]):
-            self._finish_load(pending, handle)
+            retirements.run(self._finish_load, pending, handle)
         if self.storage is not None:
-            self.storage.apply_progress(counts[2:])
+            retirements.run(self.storage.apply_progress, counts[2:])
+        if self._failed_loads:
+            retirements.run(self._drop_failed_loads)
+        retirements.raise_first()
 
     def step(self) -> None:
         """Once per scheduler step: agree on progress across TP ranks (one collective) and apply it."""
@@ -311,14 +348,47 @@ class HiRadixCache:
         self.tree.dec_host_ref(pending.node)
         if handle.error is not None:
             self.stats.failed_copies += 1
-            self._drop_loaded(pending)
+            self._mark_failed(pending)
 
-    def _drop_loaded(self, pending: PendingLoad) -> None:
-        """A failed load left garbage in its device slots: evict them again (unlocked nodes only)."""
-        for n in reversed(self.tree.path_to_root(pending.node)):
-            if n.device_value is not None and n.lock_ref == 0 and torch.isin(n.device_value,
-                                                                             pending.device_slots).all():
-                self.device_pool.free(self.tree.clear_device_value(n))
+    # ---- failed loads: garbage in L1, invalid at once, dropped when unlocked ------------------------
+    def _note_failed_loads(self) -> None:
+        """Mark the nodes of every load seen failed (before its retirement) invalid."""
+        if self.transfer is not None:
+            for item in self.transfer.loads:
+                if item.handle.error is not None and item.handle.done():
+                    self._mark_failed(item.payload)
+
+    def _mark_failed(self, pending: PendingLoad) -> None:
+        if pending.failed:
+            return
+        pending.failed = True
+        for n in self.tree.path_to_root(pending.node):  # the loaded nodes, however split since
+            if n.device_value is not None and torch.isin(n.device_value, pending.device_slots).all():
+                n.invalid = True
+        self._failed_loads.append(pending)
+
+    def _drop_failed_loads(self) -> None:
+        """Evict from L1 every invalid node no longer locked, with its L1 descendants (their KV may
+        rest on the garbage); nodes with no L2 copy go. Lock contract: locked nodes are kept for later."""
+        for pending in list(self._failed_loads):
+            top = next((n for n in self.tree.path_to_root(pending.node) if n.invalid), None)
+            if top is not None and top.lock_ref > 0:
+                continue
+            self._failed_loads.remove(pending)
+            if top is None:
+                continue
+            subtree = [top]
+            for n in subtree:  # breadth first: parents before children
+                subtree.extend(n.children.values())
+            freed = []
+            for n in reversed(subtree):
+                n.invalid = False
+                if n.device_value is not None:
+                    freed.append(self.tree.clear_device_value(n))
+                    if n.host_value is None:
+                        self.tree.remove_leaf(n)
+            if freed:
+                self.device_pool.free(torch.cat(freed))
 
     def flush(self) -> None:
         """Wait for every copy in flight (and L3 I/O, bounded) and retire it. Lock contract: releases their locks."""
@@ -338,6 +408,9 @@ class HiRadixCache:
         the caller must :meth:`PendingLoad.wait` before reading the KV.
         """
         path = self.tree.path_to_root(last_node)
+        if any(n.invalid for n in path):  # a failed load's nodes: not reloadable until dropped
+            path = path[:next(i for i, n in enumerate(path) if n.invalid)]
+            last_node = path[-1] if path else self.tree.root
         host_only = [n for n in path if n.device_value is None]
         device_part = path[: len(path) - len(host_only)]
         last_device = device_part[-1] if device_part else self.tree.root
@@ -477,10 +550,14 @@ class HiRadixCache:
 
     def alloc_device(self, num_tokens: int) -> torch.Tensor | None:
         """Slots for a request's new tokens, evicting from L1 if needed. Lock contract: takes no lock."""
+        self.device_pool.allocator.check_num_tokens(num_tokens)  # before evicting anything
         return self._alloc_device(num_tokens)
 
     def alloc_host(self, num_tokens: int) -> torch.Tensor | None:
         """L2 slots, evicting from L2 if needed (for the L3 tier). Lock contract: takes no lock."""
+        if self.host_pool is None:
+            raise ValueError("this cache has no host (L2) tier")
+        self.host_pool.allocator.check_num_tokens(num_tokens)
         return self._alloc_host(num_tokens)
 
     # ---- L3 storage (tierkv.storage.controller) --------------------------------------------------
@@ -524,12 +601,15 @@ class HiRadixCache:
         """Drop every cached token in L1 and L2, and in L3 only when ``clear_storage`` (L3 may be shared
         by other servers). Lock contract: no request may hold a lock."""
         self.flush()
+        if self.storage is not None:  # first: L3 I/O still in flight keeps owning its host slots
+            self.storage.reset(clear_storage)
         self.tree.reset()
+        self._failed_loads.clear()
         self.device_pool.allocator.reset()
         if self.host_pool is not None:
-            self.host_pool.allocator.reset()
-        if self.storage is not None:
-            self.storage.reset(clear_storage)
+            owned = self.storage.owned_host_slots() if self.storage is not None else []
+            self.host_pool.allocator.reset(keep=torch.cat(owned) if owned else None)
+            self.step()  # frees at once what drained but is already finished on every rank
         self.stats = CacheStats()
 
     def close(self) -> None:
@@ -544,6 +624,9 @@ class HiRadixCache:
                         caller_host_slots: torch.Tensor | None = None) -> None:
         """Check the tree and that every allocated slot has exactly one owner (tree, in-flight, caller)."""
         self.tree.check_integrity()
+        for n in self.tree.nodes():
+            if n.invalid and (n.device_value is None or n.lock_ref == 0):
+                raise AssertionError(f"invalid node {n.id} not dropped once unlocked")
         device_owned = [n.device_value for n in self.tree.nodes() if n.device_value is not None]
         if caller_device_slots is not None:
             device_owned.append(caller_device_slots)
@@ -555,6 +638,13 @@ class HiRadixCache:
             if caller_host_slots is not None:
                 host_owned.append(caller_host_slots)
             _check_ownership("host", self.host_pool, host_owned)
+
+
+def _cut(path, num_nodes: int) -> None:
+    """Keep the first ``num_nodes`` nodes of a match path."""
+    if num_nodes < len(path.nodes):
+        path.nodes = path.nodes[:num_nodes]
+        path.num_tokens = sum(len(n) for n in path.nodes)
 
 
 def _describe(value: object) -> str:

@@ -27,11 +27,14 @@ class SlotAllocator:
         self._page_offsets = np.arange(page_size, dtype=np.int64)
         self.reset()
 
-    def reset(self) -> None:
-        self._free_pages = np.arange(self.num_pages, dtype=np.int64)
+    def reset(self, keep: torch.Tensor | None = None) -> None:
+        """Free every page but those of the slots ``keep`` (held by an owner that outlives the reset)."""
+        self._is_free = np.ones(self.num_pages, dtype=np.bool_)
+        if keep is not None and keep.numel():
+            self._is_free[self._slots_to_pages(keep)] = False
+        self._free_pages = np.flatnonzero(self._is_free).astype(np.int64)
         self._released: list[np.ndarray] = []
         self._num_released = 0
-        self._is_free = np.ones(self.num_pages, dtype=np.bool_)
 
     @property
     def num_free_slots(self) -> int:
@@ -41,10 +44,30 @@ class SlotAllocator:
     def num_used_slots(self) -> int:
         return self.num_slots - self.num_free_slots
 
-    def alloc(self, num_tokens: int) -> torch.Tensor | None:
-        """Slots for ``num_tokens`` (a multiple of page_size), or None when not enough are free."""
+    def check_num_tokens(self, num_tokens: int) -> None:
+        """Raise unless ``num_tokens`` is an int >= 0 and a multiple of page_size."""
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)):
+            raise TypeError(f"num_tokens must be an int, got {num_tokens!r}")
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         if num_tokens % self.page_size:
             raise ValueError(f"num_tokens {num_tokens} is not a multiple of page_size {self.page_size}")
+
+    def check_allocated(self, slots: torch.Tensor, name: str) -> None:
+        """Raise ValueError unless ``slots`` are whole aligned pages in range, allocated, each given once."""
+        try:
+            pages = self._slots_to_pages(slots)
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from None
+        free = self._is_free[pages]
+        if free.any():
+            raise ValueError(f"{name}: pages {pages[free].tolist()[:8]} are not allocated")
+        if len(pages) > 1 and not (np.diff(pages) > 0).all() and not _all_distinct(pages):
+            raise ValueError(f"{name}: pages {_duplicates(pages).tolist()[:8]} given more than once")
+
+    def alloc(self, num_tokens: int) -> torch.Tensor | None:
+        """Slots for ``num_tokens`` (a multiple of page_size), or None when not enough are free."""
+        self.check_num_tokens(num_tokens)
         num_pages = num_tokens // self.page_size
         if num_pages > len(self._free_pages):
             self._merge_released()

@@ -6,6 +6,8 @@ import logging
 import threading
 from dataclasses import dataclass, field
 
+import torch
+
 from tierkv.pools.kv import HostKVPool
 from tierkv.radix import TreeNode
 from tierkv.storage.base import PageStore
@@ -17,6 +19,10 @@ log = logging.getLogger(__name__)
 class Backup:
     """Writes ``hashes`` from ``host_pages``; holds one host_ref on ``node`` until the controller retires it.
 
+    ``host_slots`` are the slots of ``host_pages``: the tree owns them while ``state`` is running; when a
+    reset drops the tree under a backup still in flight, the backup drains: it owns them itself until
+    its worker has returned (the worker may still read them), like a draining prefetch.
+
     Pages already present at the head (batch_exists) are skipped. Only ``done`` and the page counts are
     written by the worker thread.
     """
@@ -24,21 +30,40 @@ class Backup:
     node: TreeNode
     hashes: list[str]
     host_pages: list[int]
+    host_slots: torch.Tensor
     page_size: int
+    state: str = "running"
     done: threading.Event = field(default_factory=threading.Event)
+    cancel: threading.Event = field(default_factory=threading.Event)
     skipped_pages: int = 0
     written_pages: int = 0
     failed_pages: int = 0
+    agreed_finished: bool = False  # scheduler thread only, once draining
 
     @property
     def num_tokens(self) -> int:
         return len(self.hashes) * self.page_size
+
+    @property
+    def finished(self) -> threading.Event:
+        """The worker has returned (the name a draining prefetch uses for the same event)."""
+        return self.done
+
+    def local_counts(self) -> list[int]:
+        """While draining, in a prefetch's progress layout: [0, finished, finished]."""
+        finished = int(self.done.is_set())
+        return [0, finished, finished]
+
+    def agree(self, counts: list[int]) -> None:
+        self.agreed_finished = self.agreed_finished or bool(counts[1])
 
     def run(self, store: PageStore, host_pool: HostKVPool, batch_pages: int) -> None:
         """Skip the leading run already stored and write the rest (host-pool page views where possible)."""
         try:
             self.skipped_pages = store.batch_exists(self.hashes)
             for start in range(self.skipped_pages, len(self.hashes), batch_pages):
+                if self.cancel.is_set():  # the cache was reset: these pages are no longer wanted
+                    return
                 end = min(len(self.hashes), start + batch_pages)
                 values = [host_pool.read_page(p) for p in self.host_pages[start:end]]
                 ok = store.batch_set(self.hashes[start:end], values)

@@ -19,12 +19,11 @@ import torch
 
 from tierkv.config import CacheConfig
 from tierkv.eviction import eviction_order, get_policy
+from tierkv.failed_loads import FailedLoads
 from tierkv.pools.kv import DeviceKVPool, HostKVPool, host_pool_tokens
-from tierkv.hashing import HashNamespace
 from tierkv.radix import RadixKey, RadixTree, TreeNode
 from tierkv.retire import Retirements
-from tierkv.storage.base import PageStore
-from tierkv.storage.config import StorageConfig
+from tierkv.hicache_l3 import StorageTierMethods
 from tierkv.storage.controller import StorageController
 from tierkv.tp import TPGroup
 from tierkv.transfer import CopyHandle, TransferController, resolve_host_layout
@@ -102,8 +101,11 @@ class LoadResult:
     loaded_tokens: int = 0
 
 
-class HiRadixCache:
-    """Prefix cache over L1 (device) and L2 (host) tiers; see the module docstring for contracts."""
+class HiRadixCache(StorageTierMethods):
+    """Prefix cache over L1 (device) and L2 (host) tiers; see the module docstring for contracts.
+
+    The L3 tier's methods (attach_storage, prefetch_from_storage, ...) come from :mod:`tierkv.hicache_l3`.
+    """
 
     def __init__(self, device_pool: DeviceKVPool, config: CacheConfig | None = None,
                  host_pool: HostKVPool | None = None, tp: TPGroup | None = None) -> None:
@@ -122,7 +124,7 @@ class HiRadixCache:
             self.host_pool = host_pool or self._make_host_pool()
             self.transfer = TransferController(device_pool, self.host_pool, self.config.io_backend)
         self.storage: StorageController | None = None  # the L3 tier: see attach_storage
-        self._failed_loads: list[PendingLoad] = []  # whose invalid nodes are still in the tree
+        self.failed_loads = FailedLoads(self.tree, device_pool)
 
     def _make_host_pool(self) -> HostKVPool:
         cfg, spec = self.config, self.device_pool.spec
@@ -140,7 +142,7 @@ class HiRadixCache:
         """
         path = self.tree.match(key)
         self._note_failed_loads()
-        if self._failed_loads:  # nothing from an invalid node on, not even its L2 part: it is loaded
+        if self.failed_loads:  # nothing from an invalid node on, not even its L2 part: it is loaded
             _cut(path, next((i for i, n in enumerate(path.nodes) if n.invalid), len(path.nodes)))
         device_nodes = []
         for node in path.nodes:
@@ -172,7 +174,7 @@ class HiRadixCache:
             if hit:
                 item.handle.wait_on_current_stream()
                 if item.handle.error is not None:
-                    self._mark_failed(item.payload)
+                    self.failed_loads.mark(item.payload)
                     usable = min(usable, hit[0])
         return usable
 
@@ -183,8 +185,8 @@ class HiRadixCache:
     def dec_lock_ref(self, node: TreeNode) -> None:
         """Lock contract: releases one lock taken by :meth:`inc_lock_ref` on ``node``."""
         self.tree.dec_lock_ref(node)
-        if self._failed_loads:
-            self._drop_failed_loads()
+        if self.failed_loads:
+            self.failed_loads.drop_unlocked()
 
     # ---- insert and write policies -----------------------------------------------------------
     def insert(self, key: RadixKey, device_slots: torch.Tensor, priority: int = 0) -> int:
@@ -204,8 +206,8 @@ class HiRadixCache:
             raise ValueError(f"device_slots has {len(device_slots)} slots for a key of {num_elems} tokens")
         self.device_pool.allocator.check_allocated(device_slots[:num_elems], "device_slots")
         self._note_failed_loads()
-        if self._failed_loads:
-            key, device_slots = self._stop_at_invalid(key, device_slots)
+        if self.failed_loads:
+            key, device_slots = self.failed_loads.cut_key(key, device_slots)
         result = self.tree.insert(key, device_slots, priority)
         self._free_duplicates(device_slots, result.shared)
         for node in result.path:
@@ -216,17 +218,6 @@ class HiRadixCache:
             if hot:
                 self.write_backup(hot[-1])
         return result.prefix_len + (len(result.new_node) if result.new_node else 0)
-
-    def _stop_at_invalid(self, key: RadixKey, device_slots: torch.Tensor) -> tuple[RadixKey, torch.Tensor]:
-        """Cut ``key`` at the end of the first invalid node on its path: KV computed below a failed
-        load may rest on its garbage, so none of it is cached (the caller keeps those slots)."""
-        path = self.tree.match(key, touch=False)
-        bad = next((i for i, n in enumerate(path.nodes) if n.invalid), None)
-        if bad is None:
-            return key, device_slots
-        end = sum(len(n) for n in path.nodes[:bad + 1])
-        ids = key.token_ids[: end + (1 if self.tree.bigram else 0)]
-        return RadixKey(ids, key.extra_key), device_slots[:end]
 
     def _free_duplicates(self, device_slots: torch.Tensor, shared: list[tuple[TreeNode, int, int]]) -> None:
         """Free the caller's slots that duplicate KV already held by ``shared`` nodes, in one batch
@@ -305,8 +296,8 @@ class HiRadixCache:
             retirements.run(self._finish_load, pending, handle)
         if self.storage is not None:
             retirements.run(self.storage.apply_progress, counts[2:])
-        if self._failed_loads:
-            retirements.run(self._drop_failed_loads)
+        if self.failed_loads:
+            retirements.run(self.failed_loads.drop_unlocked)
         retirements.raise_first()
 
     def step(self) -> None:
@@ -348,47 +339,12 @@ class HiRadixCache:
         self.tree.dec_host_ref(pending.node)
         if handle.error is not None:
             self.stats.failed_copies += 1
-            self._mark_failed(pending)
+            self.failed_loads.mark(pending)
 
-    # ---- failed loads: garbage in L1, invalid at once, dropped when unlocked ------------------------
     def _note_failed_loads(self) -> None:
-        """Mark the nodes of every load seen failed (before its retirement) invalid."""
-        if self.transfer is not None:
-            for item in self.transfer.loads:
-                if item.handle.error is not None and item.handle.done():
-                    self._mark_failed(item.payload)
-
-    def _mark_failed(self, pending: PendingLoad) -> None:
-        if pending.failed:
-            return
-        pending.failed = True
-        for n in self.tree.path_to_root(pending.node):  # the loaded nodes, however split since
-            if n.device_value is not None and torch.isin(n.device_value, pending.device_slots).all():
-                n.invalid = True
-        self._failed_loads.append(pending)
-
-    def _drop_failed_loads(self) -> None:
-        """Evict from L1 every invalid node no longer locked, with its L1 descendants (their KV may
-        rest on the garbage); nodes with no L2 copy go. Lock contract: locked nodes are kept for later."""
-        for pending in list(self._failed_loads):
-            top = next((n for n in self.tree.path_to_root(pending.node) if n.invalid), None)
-            if top is not None and top.lock_ref > 0:
-                continue
-            self._failed_loads.remove(pending)
-            if top is None:
-                continue
-            subtree = [top]
-            for n in subtree:  # breadth first: parents before children
-                subtree.extend(n.children.values())
-            freed = []
-            for n in reversed(subtree):
-                n.invalid = False
-                if n.device_value is not None:
-                    freed.append(self.tree.clear_device_value(n))
-                    if n.host_value is None:
-                        self.tree.remove_leaf(n)
-            if freed:
-                self.device_pool.free(torch.cat(freed))
+        """Mark the nodes of loads seen failed invalid at once, before their retirement."""
+        if self.transfer is not None and self.transfer.loads:
+            self.failed_loads.note(self.transfer.loads)
 
     def flush(self) -> None:
         """Wait for every copy in flight (and L3 I/O, bounded) and retire it. Lock contract: releases their locks."""
@@ -560,34 +516,6 @@ class HiRadixCache:
         self.host_pool.allocator.check_num_tokens(num_tokens)
         return self._alloc_host(num_tokens)
 
-    # ---- L3 storage (tierkv.storage.controller) --------------------------------------------------
-    def attach_storage(self, store: PageStore, config: StorageConfig, namespace: HashNamespace | str) -> None:
-        """Add the L3 tier: prefetch into L2 and backup from L2 against ``store``. Lock contract: none."""
-        if self.storage is not None:
-            raise ValueError("this cache already has a storage tier")
-        if self.transfer is None:
-            raise ValueError("an L3 tier needs the host (L2) tier: enable_host=True")
-        self.storage = StorageController(self, store, config, namespace)
-
-    def prefetch_from_storage(self, request_id: str, last_host_node: TreeNode, key: RadixKey) -> bool:
-        """Start fetching the part of ``key`` beyond ``last_host_node`` from L3 into L2; True if started.
-
-        Lock contract: protects the L2 path it extends (host_ref) until the prefetch ends or is revoked.
-        """
-        return self.storage is not None and self.storage.prefetch(request_id, last_host_node, key)
-
-    def check_prefetch_progress(self, request_id: str) -> bool:
-        """True when the request may be scheduled; then its prefetch has ended and its pages are in the tree.
-
-        Lock contract: on ending, releases the prefetch's host_ref; new nodes are host-only and unlocked.
-        """
-        return self.storage is None or self.storage.check_prefetch(request_id)
-
-    def release_prefetch(self, request_id: str) -> None:
-        """Abort the request's prefetch, inserting nothing. Lock contract: releases its host_ref."""
-        if self.storage is not None:
-            self.storage.release(request_id)
-
     # ---- maintenance -------------------------------------------------------------------------
     @property
     def evictable_size(self) -> int:
@@ -604,7 +532,7 @@ class HiRadixCache:
         if self.storage is not None:  # first: L3 I/O still in flight keeps owning its host slots
             self.storage.reset(clear_storage)
         self.tree.reset()
-        self._failed_loads.clear()
+        self.failed_loads.clear()
         self.device_pool.allocator.reset()
         if self.host_pool is not None:
             owned = self.storage.owned_host_slots() if self.storage is not None else []
@@ -624,20 +552,18 @@ class HiRadixCache:
                         caller_host_slots: torch.Tensor | None = None) -> None:
         """Check the tree and that every allocated slot has exactly one owner (tree, in-flight, caller)."""
         self.tree.check_integrity()
-        for n in self.tree.nodes():
-            if n.invalid and (n.device_value is None or n.lock_ref == 0):
-                raise AssertionError(f"invalid node {n.id} not dropped once unlocked")
+        self.failed_loads.check()
         device_owned = [n.device_value for n in self.tree.nodes() if n.device_value is not None]
         if caller_device_slots is not None:
             device_owned.append(caller_device_slots)
-        _check_ownership("device", self.device_pool, device_owned)
+        self.device_pool.allocator.check_ownership("device", device_owned)
         if self.host_pool is not None:
             host_owned = [n.host_value for n in self.tree.nodes() if n.host_value is not None]
             if self.storage is not None:
                 host_owned += self.storage.owned_host_slots()
             if caller_host_slots is not None:
                 host_owned.append(caller_host_slots)
-            _check_ownership("host", self.host_pool, host_owned)
+            self.host_pool.allocator.check_ownership("host", host_owned)
 
 
 def _cut(path, num_nodes: int) -> None:
@@ -651,28 +577,3 @@ def _describe(value: object) -> str:
     if isinstance(value, torch.Tensor):
         return f"a {value.dim()}-D {value.dtype} tensor"
     return type(value).__name__
-
-
-def _check_ownership(tier: str, pool: DeviceKVPool | HostKVPool, owned: list[torch.Tensor]) -> None:
-    slots = torch.cat(owned) if owned else _EMPTY
-    if slots.dtype != torch.int64:
-        raise AssertionError(f"{tier} slots of dtype {slots.dtype}, expected int64")
-    if len(slots) and (slots.min() < 0 or slots.max() >= pool.num_slots):
-        raise AssertionError(f"{tier} slots outside [0, {pool.num_slots})")
-    if pool.page_size > 1:  # every owner holds whole aligned pages, so pages are freed whole
-        if any(len(v) % pool.page_size for v in owned):
-            raise AssertionError(f"{tier} slots owned in partial pages")
-        rows = slots.view(-1, pool.page_size)
-        aligned = rows[:, :1] - rows[:, :1] % pool.page_size + torch.arange(pool.page_size)
-        if not torch.equal(rows, aligned):
-            raise AssertionError(f"{tier} slots not in whole aligned pages")
-    counts = torch.bincount(slots, minlength=pool.num_slots) if len(slots) else torch.zeros(
-        pool.num_slots, dtype=torch.int64)
-    if (counts > 1).any():
-        raise AssertionError(f"{tier} slots owned twice: {torch.nonzero(counts > 1).flatten()[:8].tolist()}")
-    allocated = pool.allocator.owned_mask().repeat_interleave(pool.page_size)
-    owned_mask = counts > 0
-    if not torch.equal(allocated, owned_mask):
-        leaked = torch.nonzero(allocated & ~owned_mask).flatten()[:8].tolist()
-        stray = torch.nonzero(owned_mask & ~allocated).flatten()[:8].tolist()
-        raise AssertionError(f"{tier} pool: leaked slots {leaked}, owned but free {stray}")

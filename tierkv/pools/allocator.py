@@ -129,6 +129,32 @@ class SlotAllocator:
             self._free_pages = merged
             self._released, self._num_released = [], 0
 
+    def check_ownership(self, tier: str, owned: list[torch.Tensor]) -> None:
+        """Raise AssertionError unless every allocated slot is in exactly one of ``owned`` (whole
+        aligned pages, in range) and no free slot is in any. For integrity checks."""
+        slots = torch.cat(owned) if owned else torch.empty(0, dtype=torch.int64)
+        if slots.dtype != torch.int64:
+            raise AssertionError(f"{tier} slots of dtype {slots.dtype}, expected int64")
+        if len(slots) and (slots.min() < 0 or slots.max() >= self.num_slots):
+            raise AssertionError(f"{tier} slots outside [0, {self.num_slots})")
+        if self.page_size > 1:  # every owner holds whole aligned pages, so pages are freed whole
+            if any(len(v) % self.page_size for v in owned):
+                raise AssertionError(f"{tier} slots owned in partial pages")
+            rows = slots.view(-1, self.page_size)
+            aligned = rows[:, :1] - rows[:, :1] % self.page_size + torch.arange(self.page_size)
+            if not torch.equal(rows, aligned):
+                raise AssertionError(f"{tier} slots not in whole aligned pages")
+        counts = torch.bincount(slots, minlength=self.num_slots) if len(slots) else torch.zeros(
+            self.num_slots, dtype=torch.int64)
+        if (counts > 1).any():
+            raise AssertionError(f"{tier} slots owned twice: {torch.nonzero(counts > 1).flatten()[:8].tolist()}")
+        allocated = self.owned_mask().repeat_interleave(self.page_size)
+        owned_mask = counts > 0
+        if not torch.equal(allocated, owned_mask):
+            leaked = torch.nonzero(allocated & ~owned_mask).flatten()[:8].tolist()
+            stray = torch.nonzero(owned_mask & ~allocated).flatten()[:8].tolist()
+            raise AssertionError(f"{tier} pool: leaked slots {leaked}, owned but free {stray}")
+
 
 def _all_distinct(pages: np.ndarray) -> bool:
     ordered = np.sort(pages)

@@ -25,6 +25,7 @@ class SlotAllocator:
         self.num_pages = num_slots // page_size
         self.num_slots = self.num_pages * page_size
         self._page_offsets = np.arange(page_size, dtype=np.int64)
+        self._positions: np.ndarray | None = None  # scratch for check_allocated
         self.reset()
 
     def reset(self, keep: torch.Tensor | None = None) -> None:
@@ -54,15 +55,30 @@ class SlotAllocator:
             raise ValueError(f"num_tokens {num_tokens} is not a multiple of page_size {self.page_size}")
 
     def check_allocated(self, slots: torch.Tensor, name: str) -> None:
-        """Raise ValueError unless ``slots`` are whole aligned pages in range, allocated, each given once."""
-        try:
-            pages = self._slots_to_pages(slots)
-        except ValueError as exc:
-            raise ValueError(f"{name}: {exc}") from None
+        """Raise ValueError unless ``slots`` (1-D int64) are whole aligned pages in range, allocated,
+        each given once. Vectorised numpy: inserts call it on every prompt's slots."""
+        slots_np = slots.detach().cpu().numpy()
+        if len(slots_np) == 0:
+            return
+        if self.page_size == 1:
+            pages = slots_np
+        else:
+            try:
+                pages = self._slots_to_pages(slots)
+            except ValueError as exc:
+                raise ValueError(f"{name}: {exc}") from None
+        if pages.min() < 0 or pages.max() >= self.num_pages:
+            raise ValueError(f"{name}: slot out of range [0, {self.num_slots})")
         free = self._is_free[pages]
         if free.any():
             raise ValueError(f"{name}: pages {pages[free].tolist()[:8]} are not allocated")
-        if len(pages) > 1 and not (np.diff(pages) > 0).all() and not _all_distinct(pages):
+        # each page given once: write each position into a scratch array; a repeated page keeps
+        # only its last position (O(n), no sort)
+        if self._positions is None:
+            self._positions = np.zeros(self.num_pages, dtype=np.int64)
+        order = np.arange(len(pages))
+        self._positions[pages] = order
+        if not (self._positions[pages] == order).all():
             raise ValueError(f"{name}: pages {_duplicates(pages).tolist()[:8]} given more than once")
 
     def alloc(self, num_tokens: int) -> torch.Tensor | None:

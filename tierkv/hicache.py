@@ -203,7 +203,8 @@ class HiRadixCache(StorageTierMethods):
             raise TypeError(f"priority must be an int, got {priority!r}")
         num_elems = len(self.tree.elements(key))
         if len(device_slots) < num_elems:
-            raise ValueError(f"device_slots has {len(device_slots)} slots for a key of {num_elems} tokens")
+            raise ValueError(f"device_slots of length {len(device_slots)} is shorter than the key's {num_elems} "
+                             "elements")
         self.device_pool.allocator.check_allocated(device_slots[:num_elems], "device_slots")
         self._note_failed_loads()
         if self.failed_loads:

@@ -40,7 +40,8 @@ def _gated_cache(blobs: dict | None = None):
     cache = make_cache(page_size=PS, device_tokens=8 * PS)
     assert cache.host_pool.num_pages == 16
     store = GatedStore("test-ns", cache.host_pool.page_nbytes, blobs)
-    cache.attach_storage(store, storage_config(io_wait_timeout_s=0.05), "test-model")
+    cache.attach_storage(store, storage_config(io_wait_timeout_s=0.05, prefetch_max_tokens_in_flight=16 * PS),
+                         "test-model")
     return cache, store
 
 

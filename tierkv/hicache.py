@@ -274,16 +274,19 @@ class HiRadixCache(StorageTierMethods):
             offset += len(n)
 
     # ---- completion of asynchronous work -------------------------------------------------------
-    def local_progress(self) -> list[int]:
-        """Counts of completed operations at the head of each ack queue, in a fixed order."""
+    def local_progress(self) -> tuple[list[int], list[int]]:
+        """This rank's progress: MIN counts (completed operations at the head of each ack queue, then
+        storage's) and MAX flags (storage's "terminated" votes), in a fixed order."""
         if self.transfer is None:
-            return [0, 0]
+            return [0, 0], []
         counts = [self.transfer.num_done(self.transfer.writes), self.transfer.num_done(self.transfer.loads)]
+        flags: list[int] = []
         if self.storage is not None:
-            counts += self.storage.local_progress()
-        return counts
+            storage_counts, flags = self.storage.local_progress()
+            counts += storage_counts
+        return counts, flags
 
-    def apply_progress(self, counts: list[int]) -> None:
+    def apply_progress(self, min_counts: list[int], max_counts: list[int] = ()) -> None:
         """Retire the agreed number of completed operations. Lock contract: releases their locks.
 
         Each is retired on its own: one that raises strands no other; the first error is raised last.
@@ -291,29 +294,29 @@ class HiRadixCache(StorageTierMethods):
         if self.transfer is None:
             return
         retirements = Retirements()
-        for handle, pending in self.transfer.pop_done(self.transfer.writes, counts[0]):
+        for handle, pending in self.transfer.pop_done(self.transfer.writes, min_counts[0]):
             retirements.run(self._finish_write, pending, handle)
-        for handle, pending in self.transfer.pop_done(self.transfer.loads, counts[1]):
+        for handle, pending in self.transfer.pop_done(self.transfer.loads, min_counts[1]):
             retirements.run(self._finish_load, pending, handle)
         if self.storage is not None:
-            retirements.run(self.storage.apply_progress, counts[2:])
+            retirements.run(self.storage.apply_progress, list(min_counts[2:]), list(max_counts))
         if self.failed_loads:
             retirements.run(self.failed_loads.drop_unlocked)
         retirements.raise_first()
 
     def step(self) -> None:
         """Once per scheduler step: agree on progress across TP ranks (one collective) and apply it."""
-        self.apply_progress(self.tp.all_reduce_min(self.local_progress()))
+        self.apply_progress(*self.tp.agree(*self.local_progress()))
 
     def writing_check(self) -> None:
         """Retire finished writes only (a step without loads or storage). Lock contract: as apply_progress."""
-        counts = self.local_progress()
-        self.apply_progress(self.tp.all_reduce_min([counts[0], 0] + [0] * (len(counts) - 2)))
+        counts, flags = self.local_progress()
+        self.apply_progress(*self.tp.agree([counts[0], 0] + [0] * (len(counts) - 2), [0] * len(flags)))
 
     def loading_check(self) -> None:
         """Retire finished loads only. Lock contract: as apply_progress."""
-        counts = self.local_progress()
-        self.apply_progress(self.tp.all_reduce_min([0, counts[1]] + [0] * (len(counts) - 2)))
+        counts, flags = self.local_progress()
+        self.apply_progress(*self.tp.agree([0, counts[1]] + [0] * (len(counts) - 2), [0] * len(flags)))
 
     def _finish_write(self, pending: PendingWrite, handle: CopyHandle) -> None:
         self.tree.dec_lock_ref(pending.node)

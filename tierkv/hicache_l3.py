@@ -46,3 +46,8 @@ class StorageTierMethods:
         """Abort the request's prefetch, inserting nothing. Lock contract: releases its host_ref."""
         if self.storage is not None:
             self.storage.release(request_id)
+
+    def clear_storage_backend(self) -> bool:
+        """Empty L3 (this namespace's pages), keeping L1 and L2; False when no L3 is attached or its
+        backend cannot clear. Lock contract: takes no lock."""
+        return self.storage is not None and self.storage.clear_store()

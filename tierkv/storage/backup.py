@@ -44,18 +44,16 @@ class Backup:
     def num_tokens(self) -> int:
         return len(self.hashes) * self.page_size
 
-    @property
-    def finished(self) -> threading.Event:
-        """The worker has returned (the name a draining prefetch uses for the same event)."""
-        return self.done
+    def local_counts(self) -> tuple[list[int], list[int]]:
+        """While draining, in a prefetch's progress layout: MIN [0, finished, 0], MAX [0]."""
+        return [0, int(self.done.is_set()), 0], [0]
 
-    def local_counts(self) -> list[int]:
-        """While draining, in a prefetch's progress layout: [0, finished, finished]."""
-        finished = int(self.done.is_set())
-        return [0, finished, finished]
+    def agree(self, min_counts: list[int], max_counts: list[int]) -> None:
+        self.agreed_finished = self.agreed_finished or bool(min_counts[1])
 
-    def agree(self, counts: list[int]) -> None:
-        self.agreed_finished = self.agreed_finished or bool(counts[1])
+    def wait_worker(self, timeout_s: float) -> bool:
+        """Wait until the worker has returned; False on timeout."""
+        return self.done.wait(timeout_s)
 
     def run(self, store: PageStore, host_pool: HostKVPool, batch_pages: int) -> None:
         """Skip the leading run already stored and write the rest (host-pool page views where possible)."""

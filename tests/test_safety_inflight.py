@@ -58,6 +58,15 @@ def _assert_exact_hit(cache, key: RadixKey, kv: torch.Tensor) -> int:
     return got.shape[2]
 
 
+def _open_and_retire(cache, store, gate: str, worker_done) -> None:
+    """Let the stuck worker return; the next steps retire it: nothing stays drained, nothing leaks."""
+    store.gates[gate].set()
+    assert worker_done.wait(10)
+    cache.flush()
+    cache.check_integrity()
+    assert not cache.storage.draining
+
+
 @pytest.mark.parametrize("gate", ["exists", "get"])
 def test_reset_during_stuck_prefetch_keeps_its_host_slots(gate):
     cache, store = _gated_cache()
@@ -81,11 +90,7 @@ def test_reset_during_stuck_prefetch_keeps_its_host_slots(gate):
     kv3 = compute_and_insert(cache, key3, seed=6)
     cache.flush()
     cache.check_integrity()
-    store.gates[gate].set()
-    assert prefetch.finished.wait(10)
-    cache.flush()
-    cache.check_integrity()
-    assert not cache.storage.draining  # retired once its worker returned: nothing leaked
+    _open_and_retire(cache, store, gate, prefetch.finished)
     _assert_exact_hit(cache, key2, kv2)
     _assert_exact_hit(cache, key3, kv3)
     cache.check_integrity()
@@ -107,11 +112,7 @@ def test_reset_during_stuck_backup_never_poisons_l3(gate):
     kv2 = compute_and_insert(cache, key2, seed=5)
     cache.step()
     cache.check_integrity()
-    store.gates[gate].set()
-    assert backup.done.wait(10)
-    cache.flush()
-    cache.check_integrity()
-    assert not cache.storage.draining
+    _open_and_retire(cache, store, gate, backup.done)
     _assert_exact_hit(cache, key2, kv2)
     cache.close()
     # another process reading key1 from the shared L3 gets key1's KV or a miss, never key2's

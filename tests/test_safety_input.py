@@ -103,8 +103,7 @@ def _bad_alloc(cache, data) -> None:
 
 def _bad_insert(cache, data) -> None:
     key = _key(data, cache.config.page_size)
-    got = _request_slots(cache, key)
-    if got is None:
+    if (got := _request_slots(cache, key)) is None:
         return
     slots, fresh = got
     kind = data.draw(st.sampled_from(BAD_INSERTS))
@@ -120,11 +119,10 @@ def _bad_insert(cache, data) -> None:
 
 def _good_insert(cache, data) -> None:
     key = _key(data, cache.config.page_size)
-    got = _request_slots(cache, key)
-    if got is None:
+    if (got := _request_slots(cache, key)) is None:
         return
-    slots, _ = got
-    owned = cache.insert(key, slots)
+    owned = cache.insert(key, got[0])
+    slots = got[0]
     cache.device_pool.free(slots[owned:])
     cache.flush()
 

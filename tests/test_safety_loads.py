@@ -29,6 +29,21 @@ def _assert_no_garbage_hit(cache, key: RadixKey, kv: torch.Tensor) -> None:
     assert not m.last_host_node.invalid
 
 
+def _random_kv(cache, num_tokens: int) -> torch.Tensor:
+    spec = cache.device_pool.spec
+    return torch.randn(spec.num_kv, spec.num_layers, num_tokens, spec.heads, spec.dim).to(spec.dtype)
+
+
+def _assert_dropped_and_reloaded(cache, key: RadixKey, kv: torch.Tensor) -> None:
+    """No invalid node is left; with copies working again, the prefix loads back exactly from L2."""
+    assert not any(n.invalid for n in cache.tree.nodes())
+    cache.check_integrity()
+    cache.transfer.delay_hook = None
+    assert torch.equal(load_hit(cache, key), kv)
+    cache.check_integrity()
+    cache.close()
+
+
 def _gated_copies(cache):
     """Copies block until their kind's gate opens; loads then fail."""
     gates = {"load": threading.Event(), "write": threading.Event()}
@@ -53,8 +68,7 @@ def test_failed_load_with_write_through_in_flight_at_retirement():
     # of the new pages locks the loaded nodes
     longer = RadixKey(list(key.token_ids) + random_tokens(2 * PS, seed=3))
     new = cache.alloc_device(2 * PS)
-    spec = cache.device_pool.spec
-    tail = torch.randn(spec.num_kv, spec.num_layers, 2 * PS, spec.heads, spec.dim).to(spec.dtype)
+    tail = _random_kv(cache, 2 * PS)
     cache.device_pool.write_tokens(new, tail)
     assert cache.insert(longer, torch.cat([load.device_indices, new])) == len(longer)
     gates["load"].set()
@@ -66,12 +80,7 @@ def test_failed_load_with_write_through_in_flight_at_retirement():
     cache.check_integrity()
     gates["write"].set()
     cache.flush()  # the write retires: the invalid nodes are unlocked, so dropped
-    assert not any(n.invalid for n in cache.tree.nodes())
-    cache.check_integrity()
-    cache.transfer.delay_hook = None
-    assert torch.equal(load_hit(cache, key), kv)
-    cache.check_integrity()
-    cache.close()
+    _assert_dropped_and_reloaded(cache, key, kv)
 
 
 def test_failed_load_kept_locked_by_a_careless_caller_then_insert():
@@ -90,8 +99,7 @@ def test_failed_load_kept_locked_by_a_careless_caller_then_insert():
     # another request computed the prompt itself and inserts it, plus 2 pages
     longer = RadixKey(list(key.token_ids) + random_tokens(2 * PS, seed=3))
     slots = cache.alloc_device(len(longer))
-    spec = cache.device_pool.spec
-    fresh = torch.randn(spec.num_kv, spec.num_layers, 2 * PS, spec.heads, spec.dim).to(spec.dtype)
+    fresh = _random_kv(cache, 2 * PS)
     cache.device_pool.write_tokens(slots, torch.cat([kv, fresh], dim=2))
     owned = cache.insert(longer, slots)
     cache.device_pool.free(slots[owned:])
@@ -100,9 +108,4 @@ def test_failed_load_kept_locked_by_a_careless_caller_then_insert():
     _assert_no_garbage_hit(cache, longer, torch.cat([kv, fresh], dim=2))
     cache.check_integrity()
     cache.dec_lock_ref(load.last_node)  # the lock goes: the garbage goes with it
-    assert not any(n.invalid for n in cache.tree.nodes())
-    cache.check_integrity()
-    cache.transfer.delay_hook = None
-    assert torch.equal(load_hit(cache, key), kv)
-    cache.check_integrity()
-    cache.close()
+    _assert_dropped_and_reloaded(cache, key, kv)

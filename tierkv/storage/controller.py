@@ -213,10 +213,15 @@ class StorageController:
         """Insert the first ``keep_pages`` pages, drop the anchor's host_ref, free or drain the rest."""
         prefetch.cancel.set()
         keep_tokens = keep_pages * self.page_size
-        if keep_tokens:
-            new_tokens = self._insert(prefetch, keep_tokens)  # pages the tree already had are no L3 hit
-            self.cache.stats.storage_hit_tokens += new_tokens
-            self.stats.prefetched_tokens += new_tokens
+        try:
+            if keep_tokens:
+                new_tokens = self._insert(prefetch, keep_tokens)  # pages the tree already had are no L3 hit
+                self.cache.stats.storage_hit_tokens += new_tokens
+                self.stats.prefetched_tokens += new_tokens
+        finally:  # even if the insert failed: the anchor must not stay protected, nor the rest be lost
+            self._release_rest(prefetch, keep_tokens)
+
+    def _release_rest(self, prefetch: Prefetch, keep_tokens: int) -> None:
         self.tree.dec_host_ref(prefetch.anchor)
         rest = prefetch.host_slots[keep_tokens:]
         if prefetch.agreed_finished:

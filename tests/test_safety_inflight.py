@@ -207,6 +207,34 @@ def test_failing_backup_retirement_strands_no_other_backup(monkeypatch):
     cache.close()
 
 
+def test_failing_prefetch_insert_releases_its_anchor_and_slots(monkeypatch):
+    cache = make_cache(page_size=PS)
+    cache.attach_storage(FakeStore("test-ns", cache.host_pool.page_nbytes), storage_config(), "test-model")
+    head, key = _key(1), _key(2)
+    key = RadixKey(list(head.token_ids) + list(key.token_ids))
+    compute_and_insert(cache, key, seed=3)
+    cache.flush()
+    drop_l1_l2(cache)
+    compute_and_insert(cache, head, seed=4)  # the anchor: in L2, the prefetch extends it
+    cache.flush()
+    m = cache.match_prefix(key)
+    anchor = m.last_host_node
+    assert cache.prefetch_from_storage("r", anchor, key)
+    cache.flush()
+    assert anchor.host_ref == 1
+
+    def insert(prefetch, num_tokens):
+        raise RuntimeError("injected: insert failed")
+
+    monkeypatch.setattr(cache.storage, "_insert", insert)
+    with pytest.raises(RuntimeError, match="injected"):
+        cache.check_prefetch_progress("r")
+    assert anchor.host_ref == 0
+    cache.flush()
+    cache.check_integrity()
+    cache.close()
+
+
 # ---- item 9: bounded seed cache -------------------------------------------------------------------
 def test_seed_cache_is_bounded_and_evicted_seeds_recompute_alike(monkeypatch):
     monkeypatch.setattr(controller_module, "MAX_CACHED_SEEDS", 4)

@@ -218,8 +218,19 @@ class StorageController:
                 new_tokens = self._insert(prefetch, keep_tokens)  # pages the tree already had are no L3 hit
                 self.cache.stats.storage_hit_tokens += new_tokens
                 self.stats.prefetched_tokens += new_tokens
+        except Exception:
+            self._free_unadopted(prefetch.host_slots[:keep_tokens])
+            raise
         finally:  # even if the insert failed: the anchor must not stay protected, nor the rest be lost
             self._release_rest(prefetch, keep_tokens)
+
+    def _free_unadopted(self, slots: torch.Tensor) -> None:
+        """After a failed insert: free the pages of ``slots`` that no node took and that are not freed
+        yet (a full scan of the tree, on this failure path only)."""
+        held = [n.host_value for n in self.tree.nodes() if n.host_value is not None]
+        adopted = torch.isin(slots, torch.cat(held)) if held else torch.zeros(len(slots), dtype=torch.bool)
+        allocated = self.host_pool.allocator.owned_mask().repeat_interleave(self.page_size)[slots]
+        self.host_pool.free(slots[allocated & ~adopted])
 
     def _release_rest(self, prefetch: Prefetch, keep_tokens: int) -> None:
         self.tree.dec_host_ref(prefetch.anchor)

@@ -20,10 +20,10 @@ import torch
 from tierkv.config import CacheConfig
 from tierkv.eviction import eviction_order, get_policy
 from tierkv.failed_loads import FailedLoads
-from tierkv.pools.kv import DeviceKVPool, HostKVPool, host_pool_tokens
-from tierkv.radix import RadixKey, RadixTree, TreeNode
-from tierkv.retire import Retirements
 from tierkv.hicache_l3 import StorageTierMethods
+from tierkv.pools.kv import DeviceKVPool, HostKVPool, host_pool_tokens
+from tierkv.radix import MatchPath, RadixKey, RadixTree, TreeNode
+from tierkv.retire import Retirements
 from tierkv.storage.controller import StorageController
 from tierkv.tp import TPGroup
 from tierkv.transfer import CopyHandle, TransferController, resolve_host_layout
@@ -570,7 +570,7 @@ class HiRadixCache(StorageTierMethods):
             self.host_pool.allocator.check_ownership("host", host_owned)
 
 
-def _cut(path, num_nodes: int) -> None:
+def _cut(path: MatchPath, num_nodes: int) -> None:
     """Keep the first ``num_nodes`` nodes of a match path."""
     if num_nodes < len(path.nodes):
         path.nodes = path.nodes[:num_nodes]

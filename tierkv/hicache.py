@@ -6,6 +6,7 @@ I/O) never touch the tree; their results arrive through ack queues drained by :m
 Tier invariants (checked by :meth:`check_integrity`): nodes holding device slots form a subtree at the
 root, and so do nodes holding host slots; every node holds one or both. A node's slots in each tier are
 owned by it alone, and every allocated slot is owned by a node, an in-flight operation or a caller.
+A node whose L1 load failed is ``invalid`` (locked, never matched) until its locks go; then it is dropped.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ import torch
 
 from tierkv.config import CacheConfig
 from tierkv.eviction import eviction_order, get_policy
+from tierkv.failed_loads import FailedLoads
+from tierkv.hicache_l3 import StorageTierMethods
 from tierkv.pools.kv import DeviceKVPool, HostKVPool, host_pool_tokens
-from tierkv.hashing import HashNamespace
-from tierkv.radix import RadixKey, RadixTree, TreeNode
-from tierkv.storage.base import PageStore
-from tierkv.storage.config import StorageConfig
+from tierkv.radix import MatchPath, RadixKey, RadixTree, TreeNode
+from tierkv.retire import Retirements
 from tierkv.storage.controller import StorageController
 from tierkv.tp import TPGroup
 from tierkv.transfer import CopyHandle, TransferController, resolve_host_layout
@@ -71,6 +72,7 @@ class PendingLoad:
     node: TreeNode
     device_slots: torch.Tensor
     handle: CopyHandle
+    failed: bool = False  # seen failed: its nodes are marked invalid
 
     def wait(self) -> bool:
         """Block until the KV is in L1; False if the copy failed (its slots hold no valid KV)."""
@@ -99,8 +101,11 @@ class LoadResult:
     loaded_tokens: int = 0
 
 
-class HiRadixCache:
-    """Prefix cache over L1 (device) and L2 (host) tiers; see the module docstring for contracts."""
+class HiRadixCache(StorageTierMethods):
+    """Prefix cache over L1 (device) and L2 (host) tiers; see the module docstring for contracts.
+
+    The L3 tier's methods (attach_storage, prefetch_from_storage, ...) come from :mod:`tierkv.hicache_l3`.
+    """
 
     def __init__(self, device_pool: DeviceKVPool, config: CacheConfig | None = None,
                  host_pool: HostKVPool | None = None, tp: TPGroup | None = None) -> None:
@@ -119,6 +124,7 @@ class HiRadixCache:
             self.host_pool = host_pool or self._make_host_pool()
             self.transfer = TransferController(device_pool, self.host_pool, self.config.io_backend)
         self.storage: StorageController | None = None  # the L3 tier: see attach_storage
+        self.failed_loads = FailedLoads(self.tree, device_pool)
 
     def _make_host_pool(self) -> HostKVPool:
         cfg, spec = self.config, self.device_pool.spec
@@ -140,15 +146,18 @@ class HiRadixCache:
         current stream waits on the load's event), so the returned KV is always ready to read.
         """
         path = self.tree.match(key)
+        self._note_failed_loads()
+        if self.failed_loads:  # nothing from an invalid node on, not even its L2 part: it is loaded
+            _cut(path, next((i for i, n in enumerate(path.nodes) if n.invalid), len(path.nodes)))
         device_nodes = []
         for node in path.nodes:
             if node.device_value is None:
                 break
             device_nodes.append(node)
         usable = self._wait_for_loads(device_nodes)
-        if usable < len(device_nodes):  # a failed load: its nodes are garbage until retired
-            device_nodes, path.nodes = device_nodes[:usable], path.nodes[:usable]
-            path.num_tokens = sum(len(n) for n in path.nodes)
+        if usable < len(device_nodes):  # a failed load: its nodes are garbage until dropped
+            device_nodes = device_nodes[:usable]
+            _cut(path, usable)
         last_device = device_nodes[-1] if device_nodes else self.tree.root
         device_hit = sum(len(n) for n in device_nodes)
         host_hit = path.num_tokens - device_hit
@@ -170,6 +179,7 @@ class HiRadixCache:
             if hit:
                 item.handle.wait_on_current_stream()
                 if item.handle.error is not None:
+                    self.failed_loads.mark(item.payload)
                     usable = min(usable, hit[0])
         return usable
 
@@ -180,15 +190,19 @@ class HiRadixCache:
     def dec_lock_ref(self, node: TreeNode) -> None:
         """Lock contract: releases one lock taken by :meth:`inc_lock_ref` on ``node``."""
         self.tree.dec_lock_ref(node)
+        if self.failed_loads:
+            self.failed_loads.drop_unlocked()
 
     # ---- insert and write policies -----------------------------------------------------------
     def insert(self, key: RadixKey, device_slots: torch.Tensor, priority: int = 0, chunked: bool = False) -> int:
         """Cache ``key`` whose KV sits in ``device_slots``; returns how many of them the tree now owns.
 
         Slots duplicating KV the tree already holds are freed; slots past the returned count (a partial
-        last page) stay the caller's. Hits are counted as HiCache counts them: not under write_back,
-        not for a ``chunked`` insert (one chunk of a prefill in progress: the prompt has not been
-        reused), and not for nodes this insert revived (recomputed KV for a host-only node).
+        last page, or what lies below a node whose load failed) stay the caller's. The slots covering
+        the key must be allocated, whole pages, each given once; a bad call changes nothing. Hits are
+        counted as HiCache counts them: not under write_back, not for a ``chunked`` insert (one chunk
+        of a prefill in progress: the prompt has not been reused), and not for nodes this insert
+        revived (recomputed KV for a host-only node).
         Lock contract: takes no lock; may lock nodes for a write-through.
         """
         if not isinstance(device_slots, torch.Tensor) or device_slots.dim() != 1 or device_slots.dtype != torch.int64:
@@ -197,6 +211,14 @@ class HiRadixCache:
             raise TypeError(f"priority must be an int, got {priority!r}")
         if not isinstance(chunked, bool):
             raise TypeError(f"chunked must be a bool, got {chunked!r}")
+        num_elems = len(self.tree.elements(key))
+        if len(device_slots) < num_elems:
+            raise ValueError(f"device_slots of length {len(device_slots)} is shorter than the key's {num_elems} "
+                             "elements")
+        self.device_pool.allocator.check_allocated(device_slots[:num_elems], "device_slots")
+        self._note_failed_loads()
+        if self.failed_loads:
+            key, device_slots = self.failed_loads.cut_key(key, device_slots)
         result = self.tree.insert(key, device_slots, priority)
         self._free_duplicates(device_slots, result.shared)
         threshold = self.config.write_threshold
@@ -279,15 +301,22 @@ class HiRadixCache:
         return counts, flags
 
     def apply_progress(self, min_counts: list[int], max_counts: list[int] = ()) -> None:
-        """Retire the agreed number of completed operations. Lock contract: releases their locks."""
+        """Retire the agreed number of completed operations. Lock contract: releases their locks.
+
+        Each is retired on its own: one that raises strands no other; the first error is raised last.
+        """
         if self.transfer is None:
             return
+        retirements = Retirements()
         for handle, pending in self.transfer.pop_done(self.transfer.writes, min_counts[0]):
-            self._finish_write(pending, handle)
+            retirements.run(self._finish_write, pending, handle)
         for handle, pending in self.transfer.pop_done(self.transfer.loads, min_counts[1]):
-            self._finish_load(pending, handle)
+            retirements.run(self._finish_load, pending, handle)
         if self.storage is not None:
-            self.storage.apply_progress(list(min_counts[2:]), list(max_counts))
+            retirements.run(self.storage.apply_progress, list(min_counts[2:]), list(max_counts))
+        if self.failed_loads:
+            retirements.run(self.failed_loads.drop_unlocked)
+        retirements.raise_first()
 
     def step(self) -> None:
         """Once per scheduler step: agree on progress across TP ranks (one collective) and apply it."""
@@ -328,14 +357,12 @@ class HiRadixCache:
         self.tree.dec_host_ref(pending.node)
         if handle.error is not None:
             self.stats.failed_copies += 1
-            self._drop_loaded(pending)
+            self.failed_loads.mark(pending)
 
-    def _drop_loaded(self, pending: PendingLoad) -> None:
-        """A failed load left garbage in its device slots: evict them again (unlocked nodes only)."""
-        for n in reversed(self.tree.path_to_root(pending.node)):
-            if n.device_value is not None and n.lock_ref == 0 and torch.isin(n.device_value,
-                                                                             pending.device_slots).all():
-                self.device_pool.free(self.tree.clear_device_value(n))
+    def _note_failed_loads(self) -> None:
+        """Mark the nodes of loads seen failed invalid at once, before their retirement."""
+        if self.transfer is not None and self.transfer.loads:
+            self.failed_loads.note(self.transfer.loads)
 
     def flush(self) -> None:
         """Wait for every copy in flight (and L3 I/O, bounded) and retire it. Lock contract: releases their locks."""
@@ -356,6 +383,9 @@ class HiRadixCache:
         acknowledged; the caller must :meth:`PendingLoad.wait` before reading the KV.
         """
         path = self.tree.path_to_root(last_node)
+        if any(n.invalid for n in path):  # a failed load's nodes: not reloadable until dropped
+            path = path[:next(i for i, n in enumerate(path) if n.invalid)]
+            last_node = path[-1] if path else self.tree.root
         host_only = [n for n in path if n.device_value is None]
         device_part = path[: len(path) - len(host_only)]
         last_device = device_part[-1] if device_part else self.tree.root
@@ -497,39 +527,15 @@ class HiRadixCache:
 
     def alloc_device(self, num_tokens: int) -> torch.Tensor | None:
         """Slots for a request's new tokens, evicting from L1 if needed. Lock contract: takes no lock."""
+        self.device_pool.allocator.check_num_tokens(num_tokens)  # before evicting anything
         return self._alloc_device(num_tokens)
 
     def alloc_host(self, num_tokens: int) -> torch.Tensor | None:
         """L2 slots, evicting from L2 if needed (for the L3 tier). Lock contract: takes no lock."""
+        if self.host_pool is None:
+            raise ValueError("this cache has no host (L2) tier")
+        self.host_pool.allocator.check_num_tokens(num_tokens)
         return self._alloc_host(num_tokens)
-
-    # ---- L3 storage (tierkv.storage.controller) --------------------------------------------------
-    def attach_storage(self, store: PageStore, config: StorageConfig, namespace: HashNamespace | str) -> None:
-        """Add the L3 tier: prefetch into L2 and backup from L2 against ``store``. Lock contract: none."""
-        if self.storage is not None:
-            raise ValueError("this cache already has a storage tier")
-        if self.transfer is None:
-            raise ValueError("an L3 tier needs the host (L2) tier: enable_host=True")
-        self.storage = StorageController(self, store, config, namespace)
-
-    def prefetch_from_storage(self, request_id: str, last_host_node: TreeNode, key: RadixKey) -> bool:
-        """Start fetching the part of ``key`` beyond ``last_host_node`` from L3 into L2; True if started.
-
-        Lock contract: protects the L2 path it extends (host_ref) until the prefetch ends or is revoked.
-        """
-        return self.storage is not None and self.storage.prefetch(request_id, last_host_node, key)
-
-    def check_prefetch_progress(self, request_id: str) -> bool:
-        """True when the request may be scheduled; then its prefetch has ended and its pages are in the tree.
-
-        Lock contract: on ending, releases the prefetch's host_ref; new nodes are host-only and unlocked.
-        """
-        return self.storage is None or self.storage.check_prefetch(request_id)
-
-    def release_prefetch(self, request_id: str) -> None:
-        """Abort the request's prefetch, inserting nothing. Lock contract: releases its host_ref."""
-        if self.storage is not None:
-            self.storage.release(request_id)
 
     # ---- maintenance -------------------------------------------------------------------------
     @property
@@ -540,21 +546,19 @@ class HiRadixCache:
     def protected_size(self) -> int:
         return self.tree.protected_size
 
-    def clear_storage_backend(self) -> bool:
-        """Empty L3 (this namespace's pages), keeping L1 and L2; False when no L3 is attached or its
-        backend cannot clear. Lock contract: takes no lock."""
-        return self.storage is not None and self.storage.clear_store()
-
     def reset(self, clear_storage: bool = False) -> None:
         """Drop every cached token in L1 and L2, and in L3 only when ``clear_storage`` (L3 may be shared
         by other servers). Lock contract: no request may hold a lock."""
         self.flush()
+        if self.storage is not None:  # first: L3 I/O still in flight keeps owning its host slots
+            self.storage.reset(clear_storage)
         self.tree.reset()
+        self.failed_loads.clear()
         self.device_pool.allocator.reset()
         if self.host_pool is not None:
-            self.host_pool.allocator.reset()
-        if self.storage is not None:
-            self.storage.reset(clear_storage)
+            owned = self.storage.owned_host_slots() if self.storage is not None else []
+            self.host_pool.allocator.reset(keep=torch.cat(owned) if owned else None)
+            self.step()  # frees at once what drained but is already finished on every rank
         self.stats = CacheStats()
 
     def close(self) -> None:
@@ -569,45 +573,28 @@ class HiRadixCache:
                         caller_host_slots: torch.Tensor | None = None) -> None:
         """Check the tree and that every allocated slot has exactly one owner (tree, in-flight, caller)."""
         self.tree.check_integrity()
+        self.failed_loads.check()
         device_owned = [n.device_value for n in self.tree.nodes() if n.device_value is not None]
         if caller_device_slots is not None:
             device_owned.append(caller_device_slots)
-        _check_ownership("device", self.device_pool, device_owned)
+        self.device_pool.allocator.check_ownership("device", device_owned)
         if self.host_pool is not None:
             host_owned = [n.host_value for n in self.tree.nodes() if n.host_value is not None]
             if self.storage is not None:
                 host_owned += self.storage.owned_host_slots()
             if caller_host_slots is not None:
                 host_owned.append(caller_host_slots)
-            _check_ownership("host", self.host_pool, host_owned)
+            self.host_pool.allocator.check_ownership("host", host_owned)
+
+
+def _cut(path: MatchPath, num_nodes: int) -> None:
+    """Keep the first ``num_nodes`` nodes of a match path."""
+    if num_nodes < len(path.nodes):
+        path.nodes = path.nodes[:num_nodes]
+        path.num_tokens = sum(len(n) for n in path.nodes)
 
 
 def _describe(value: object) -> str:
     if isinstance(value, torch.Tensor):
         return f"a {value.dim()}-D {value.dtype} tensor"
     return type(value).__name__
-
-
-def _check_ownership(tier: str, pool: DeviceKVPool | HostKVPool, owned: list[torch.Tensor]) -> None:
-    slots = torch.cat(owned) if owned else _EMPTY
-    if slots.dtype != torch.int64:
-        raise AssertionError(f"{tier} slots of dtype {slots.dtype}, expected int64")
-    if len(slots) and (slots.min() < 0 or slots.max() >= pool.num_slots):
-        raise AssertionError(f"{tier} slots outside [0, {pool.num_slots})")
-    if pool.page_size > 1:  # every owner holds whole aligned pages, so pages are freed whole
-        if any(len(v) % pool.page_size for v in owned):
-            raise AssertionError(f"{tier} slots owned in partial pages")
-        rows = slots.view(-1, pool.page_size)
-        aligned = rows[:, :1] - rows[:, :1] % pool.page_size + torch.arange(pool.page_size)
-        if not torch.equal(rows, aligned):
-            raise AssertionError(f"{tier} slots not in whole aligned pages")
-    counts = torch.bincount(slots, minlength=pool.num_slots) if len(slots) else torch.zeros(
-        pool.num_slots, dtype=torch.int64)
-    if (counts > 1).any():
-        raise AssertionError(f"{tier} slots owned twice: {torch.nonzero(counts > 1).flatten()[:8].tolist()}")
-    allocated = pool.allocator.owned_mask().repeat_interleave(pool.page_size)
-    owned_mask = counts > 0
-    if not torch.equal(allocated, owned_mask):
-        leaked = torch.nonzero(allocated & ~owned_mask).flatten()[:8].tolist()
-        stray = torch.nonzero(owned_mask & ~allocated).flatten()[:8].tolist()
-        raise AssertionError(f"{tier} pool: leaked slots {leaked}, owned but free {stray}")

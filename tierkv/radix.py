@@ -106,6 +106,7 @@ class TreeNode:
     __slots__ = (
         "id", "key", "extra_key", "parent", "children", "_device_value", "_host_value", "hash_values",
         "lock_ref", "host_ref", "hit_count", "last_access_time", "creation_time", "priority", "_frontiers",
+        "invalid",
     )
 
     def __init__(self, key: list, extra_key: str | None, parent: "TreeNode | None", tick: int) -> None:
@@ -124,6 +125,7 @@ class TreeNode:
         self.last_access_time = tick
         self.creation_time = tick
         self.priority = 0
+        self.invalid = False  # device_value is garbage (a failed load): never matched, dropped when unlocked
 
     @property
     def device_value(self) -> Any:
@@ -348,6 +350,7 @@ class RadixTree:
         top.last_access_time = child.last_access_time
         top.hit_count, top.priority = child.hit_count, child.priority
         top.lock_ref, top.host_ref = child.lock_ref, child.host_ref
+        top.invalid = child.invalid
         if child.device_value is not None:
             top.device_value = child.device_value[:n]
             child.device_value = child.device_value[n:]

@@ -25,6 +25,7 @@ from tierkv.storage.base import PageStore
 from tierkv.storage.config import StorageConfig
 from tierkv.storage.controller import StorageController
 from tierkv.tp import TPGroup
+from tierkv.layer_load import DeferredLoads, LayerLoads
 from tierkv.transfer import CopyHandle, TransferController, resolve_host_layout
 
 log = logging.getLogger(__name__)
@@ -70,10 +71,12 @@ class PendingLoad:
 
     node: TreeNode
     device_slots: torch.Tensor
-    handle: CopyHandle
+    handle: CopyHandle | None  # None while deferred (init_load_back(defer=True) until start_loading)
 
     def wait(self) -> bool:
         """Block until the KV is in L1; False if the copy failed (its slots hold no valid KV)."""
+        if self.handle is None:
+            raise RuntimeError("this load was deferred and is not started: call HiRadixCache.start_loading()")
         self.handle.wait()
         return self.handle.error is None
 
@@ -118,6 +121,7 @@ class HiRadixCache:
         if self.config.enable_host:
             self.host_pool = host_pool or self._make_host_pool()
             self.transfer = TransferController(device_pool, self.host_pool, self.config.io_backend)
+            self.deferred_loads = DeferredLoads(self.transfer)
         self.storage: StorageController | None = None  # the L3 tier: see attach_storage
 
     def _make_host_pool(self) -> HostKVPool:
@@ -159,7 +163,11 @@ class HiRadixCache:
 
     def _wait_for_loads(self, device_nodes: list[TreeNode]) -> int:
         """Wait for in-flight loads into these nodes; how many leading nodes hold valid KV."""
-        if self.transfer is None or not self.transfer.loads or not device_nodes:
+        if self.transfer is None or not device_nodes:
+            return len(device_nodes)
+        if self.deferred_loads.queued and self.deferred_loads.touches(self._path_indices(device_nodes)):
+            self.deferred_loads.start()  # a caller may read this KV now: start the queued copy and wait
+        if not self.transfer.loads:
             return len(device_nodes)
         usable = len(device_nodes)
         for item in list(self.transfer.loads):
@@ -340,6 +348,7 @@ class HiRadixCache:
     def flush(self) -> None:
         """Wait for every copy in flight (and L3 I/O, bounded) and retire it. Lock contract: releases their locks."""
         if self.transfer is not None:
+            self.deferred_loads.start()
             self.transfer.synchronize()
         self.step()
         if self.storage is not None:  # the writes just retired may have started backups to L3
@@ -347,13 +356,14 @@ class HiRadixCache:
             self.step()
 
     # ---- load back ---------------------------------------------------------------------------
-    def init_load_back(self, last_node: TreeNode, mem_quota: int | None = None) -> LoadResult:
+    def init_load_back(self, last_node: TreeNode, mem_quota: int | None = None, defer: bool = False) -> LoadResult:
         """Load the host-only part of ``last_node``'s path into L1 in one batch, or none of it.
 
         Skipped when under ``load_back_threshold`` tokens, over ``mem_quota`` less the L1 tokens that
         locking the path makes unevictable (HiCache's delta: the quota counts them as room), or when
         L1 has no room even after eviction. Lock contract: loaded nodes stay locked until the load is
-        acknowledged; the caller must :meth:`PendingLoad.wait` before reading the KV.
+        acknowledged; the caller must :meth:`PendingLoad.wait` before reading the KV. ``defer`` queues
+        the copy for :meth:`start_loading` (one layer-wise batch with the rest of the scheduler step's).
         """
         path = self.tree.path_to_root(last_node)
         host_only = [n for n in path if n.device_value is None]
@@ -380,10 +390,20 @@ class HiRadixCache:
             self.tree.set_device_value(n, device_slots[offset:offset + len(n)])
             offset += len(n)
         self.tree.inc_host_ref(last_node)
-        pending = PendingLoad(last_node, device_slots, handle=None)  # type: ignore[arg-type]
-        pending.handle = self.transfer.load(host_slots, device_slots, pending)
+        pending = PendingLoad(last_node, device_slots, handle=None)
+        if defer:
+            self.deferred_loads.queue(pending, host_slots)
+        else:
+            pending.handle = self.transfer.load(host_slots, device_slots, pending)
         self.stats.loaded_tokens += num_tokens
         return LoadResult(self._path_indices(path), last_node, pending, num_tokens)
+
+    def start_loading(self) -> LayerLoads:
+        """Start the deferred loads as one layer-wise batch; the forward pass calls ``wait_layer(i)`` on
+        the result before layer ``i`` reads KV. Lock contract: takes none (each load holds its own)."""
+        if self.transfer is None:
+            return LayerLoads()
+        return self.deferred_loads.start()
 
     @staticmethod
     def _path_indices(nodes: list[TreeNode]) -> torch.Tensor:

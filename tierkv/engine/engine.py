@@ -43,6 +43,7 @@ class EngineConfig:
     max_running_requests: int = 16
     chunk_tokens: int = 256
     model_id: str | None = None
+    layerwise_load: bool = True
 
     def __post_init__(self) -> None:
         check_choice("mode", self.mode, CACHE_MODES)
@@ -85,7 +86,8 @@ class Engine:
         self.cache = HiRadixCache(self.device_pool, cache_cfg)
         self.runner = ModelRunner(self.model, self.device_pool)
         self.scheduler = Scheduler(self.runner, self.cache, SchedulerConfig(
-            cfg.max_running_requests, cfg.chunk_tokens, use_prefix_cache=cfg.mode != "none"))
+            cfg.max_running_requests, cfg.chunk_tokens, use_prefix_cache=cfg.mode != "none",
+            layerwise_load=cfg.layerwise_load))
         if cfg.mode == "l1+l2+l3":
             from tierkv.engine.prefetch import attach_l3
             attach_l3(self, cfg.l3, cfg.storage_extra or {})

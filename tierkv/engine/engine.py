@@ -17,7 +17,7 @@ from tierkv.engine.scheduler import Scheduler, SchedulerConfig
 from tierkv.hicache import HiRadixCache
 from tierkv.pools.kv import HOST_LAYOUTS, DeviceKVPool
 from tierkv.pools.spec import parse_dtype
-from tierkv.validate import check_choice, check_int, check_number, check_text
+from tierkv.validate import check_bool, check_choice, check_int, check_number, check_text
 
 CACHE_MODES = ("none", "l1", "l1+l2", "l1+l2+l3")
 MODE_LABELS = {"none": "no cache", "l1": "L1 only", "l1+l2": "L1+L2", "l1+l2+l3": "L1+L2+L3"}
@@ -70,6 +70,7 @@ class EngineConfig:
         check_int("chunk_tokens", self.chunk_tokens, minimum=1)
         if self.model_id is not None:
             check_text("model_id", self.model_id, allow_empty=False)
+        check_bool("layerwise_load", self.layerwise_load)
 
 
 class Engine:

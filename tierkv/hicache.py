@@ -12,15 +12,17 @@ A node whose L1 load failed is ``invalid`` (locked, never matched) until its loc
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from tierkv.cache_records import (CacheStats, LoadResult, MatchResult, PendingLoad, PendingWrite,  # noqa: F401
+                                  _WriteBackBatch)
 from tierkv.config import CacheConfig
 from tierkv.eviction import eviction_order, get_policy
 from tierkv.failed_loads import FailedLoads
 from tierkv.hicache_l3 import StorageTierMethods
+from tierkv.layer_load import DeferredLoads, LayerLoads
 from tierkv.pools.kv import DeviceKVPool, HostKVPool, host_pool_tokens
 from tierkv.radix import MatchPath, RadixKey, RadixTree, TreeNode
 from tierkv.retire import Retirements
@@ -31,74 +33,6 @@ from tierkv.transfer import CopyHandle, TransferController, resolve_host_layout
 log = logging.getLogger(__name__)
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
-
-
-@dataclass
-class MatchResult:
-    """What a prefix lookup found: the L1 part (usable now) and the L2 part behind it."""
-
-    device_indices: torch.Tensor
-    last_device_node: TreeNode
-    last_host_node: TreeNode
-    host_hit_length: int
-
-
-@dataclass
-class CacheStats:
-    device_hit_tokens: int = 0
-    host_hit_tokens: int = 0
-    storage_hit_tokens: int = 0
-    evicted_device_tokens: int = 0
-    evicted_host_tokens: int = 0
-    written_tokens: int = 0
-    loaded_tokens: int = 0
-    write_skipped_tokens: int = 0
-    failed_copies: int = 0
-
-
-@dataclass
-class PendingWrite:
-    """An L1 -> L2 backup in flight: ``node``'s path is locked (L1) and protected (L2) until it completes."""
-
-    node: TreeNode
-    host_slots: torch.Tensor
-    num_tokens: int
-
-
-@dataclass
-class PendingLoad:
-    """An L2 -> L1 load in flight: ``node``'s path is locked and protected until it completes."""
-
-    node: TreeNode
-    device_slots: torch.Tensor
-    handle: CopyHandle
-    failed: bool = False  # seen failed: its nodes are marked invalid
-
-    def wait(self) -> bool:
-        """Block until the KV is in L1; False if the copy failed (its slots hold no valid KV)."""
-        self.handle.wait()
-        return self.handle.error is None
-
-
-@dataclass
-class _WriteBackBatch:
-    """Write-backs of one eviction pass: copied in one batch, then the evicted device slots are freed."""
-
-    device_slots: list[torch.Tensor] = field(default_factory=list)
-    host_slots: list[torch.Tensor] = field(default_factory=list)
-    protected: list[TreeNode] = field(default_factory=list)  # host_ref held until the copy ends
-    backed_up: list[TreeNode] = field(default_factory=list)  # every node given host slots
-    evicted_slots: list[torch.Tensor] = field(default_factory=list)
-
-
-@dataclass
-class LoadResult:
-    """Outcome of :meth:`HiRadixCache.init_load_back`: the device indices of the whole usable prefix."""
-
-    device_indices: torch.Tensor
-    last_node: TreeNode
-    pending: PendingLoad | None = None
-    loaded_tokens: int = 0
 
 
 class HiRadixCache(StorageTierMethods):
@@ -123,6 +57,7 @@ class HiRadixCache(StorageTierMethods):
         if self.config.enable_host:
             self.host_pool = host_pool or self._make_host_pool()
             self.transfer = TransferController(device_pool, self.host_pool, self.config.io_backend)
+            self.deferred_loads = DeferredLoads(self.transfer)
         self.storage: StorageController | None = None  # the L3 tier: see attach_storage
         self.failed_loads = FailedLoads(self.tree, device_pool)
 
@@ -168,7 +103,11 @@ class HiRadixCache(StorageTierMethods):
 
     def _wait_for_loads(self, device_nodes: list[TreeNode]) -> int:
         """Wait for in-flight loads into these nodes; how many leading nodes hold valid KV."""
-        if self.transfer is None or not self.transfer.loads or not device_nodes:
+        if self.transfer is None or not device_nodes:
+            return len(device_nodes)
+        if self.deferred_loads.queued and self.deferred_loads.touches(self._path_indices(device_nodes)):
+            self.deferred_loads.start()  # a caller may read this KV now: start the queued copy and wait
+        if not self.transfer.loads:
             return len(device_nodes)
         usable = len(device_nodes)
         for item in list(self.transfer.loads):
@@ -367,6 +306,7 @@ class HiRadixCache(StorageTierMethods):
     def flush(self) -> None:
         """Wait for every copy in flight (and L3 I/O, bounded) and retire it. Lock contract: releases their locks."""
         if self.transfer is not None:
+            self.deferred_loads.start()
             self.transfer.synchronize()
         self.step()
         if self.storage is not None:  # the writes just retired may have started backups to L3
@@ -374,13 +314,14 @@ class HiRadixCache(StorageTierMethods):
             self.step()
 
     # ---- load back ---------------------------------------------------------------------------
-    def init_load_back(self, last_node: TreeNode, mem_quota: int | None = None) -> LoadResult:
+    def init_load_back(self, last_node: TreeNode, mem_quota: int | None = None, defer: bool = False) -> LoadResult:
         """Load the host-only part of ``last_node``'s path into L1 in one batch, or none of it.
 
         Skipped when under ``load_back_threshold`` tokens, over ``mem_quota`` less the L1 tokens that
         locking the path makes unevictable (HiCache's delta: the quota counts them as room), or when
         L1 has no room even after eviction. Lock contract: loaded nodes stay locked until the load is
-        acknowledged; the caller must :meth:`PendingLoad.wait` before reading the KV.
+        acknowledged; the caller must :meth:`PendingLoad.wait` before reading the KV. ``defer`` queues
+        the copy for :meth:`start_loading` (one layer-wise batch with the rest of the scheduler step's).
         """
         path = self.tree.path_to_root(last_node)
         if any(n.invalid for n in path):  # a failed load's nodes: not reloadable until dropped
@@ -410,10 +351,20 @@ class HiRadixCache(StorageTierMethods):
             self.tree.set_device_value(n, device_slots[offset:offset + len(n)])
             offset += len(n)
         self.tree.inc_host_ref(last_node)
-        pending = PendingLoad(last_node, device_slots, handle=None)  # type: ignore[arg-type]
-        pending.handle = self.transfer.load(host_slots, device_slots, pending)
+        pending = PendingLoad(last_node, device_slots, handle=None)
+        if defer:
+            self.deferred_loads.queue(pending, host_slots)
+        else:
+            pending.handle = self.transfer.load(host_slots, device_slots, pending)
         self.stats.loaded_tokens += num_tokens
         return LoadResult(self._path_indices(path), last_node, pending, num_tokens)
+
+    def start_loading(self) -> LayerLoads:
+        """Start the deferred loads as one layer-wise batch; the forward pass calls ``wait_layer(i)`` on
+        the result before layer ``i`` reads KV. Lock contract: takes none (each load holds its own)."""
+        if self.transfer is None:
+            return LayerLoads()
+        return self.deferred_loads.start()
 
     @staticmethod
     def _path_indices(nodes: list[TreeNode]) -> torch.Tensor:

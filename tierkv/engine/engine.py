@@ -17,7 +17,7 @@ from tierkv.engine.scheduler import Scheduler, SchedulerConfig
 from tierkv.hicache import HiRadixCache
 from tierkv.pools.kv import HOST_LAYOUTS, DeviceKVPool
 from tierkv.pools.spec import parse_dtype
-from tierkv.validate import check_choice, check_int, check_number, check_text
+from tierkv.validate import check_bool, check_choice, check_int, check_number, check_text
 
 CACHE_MODES = ("none", "l1", "l1+l2", "l1+l2+l3")
 MODE_LABELS = {"none": "no cache", "l1": "L1 only", "l1+l2": "L1+L2", "l1+l2+l3": "L1+L2+L3"}
@@ -43,6 +43,7 @@ class EngineConfig:
     max_running_requests: int = 16
     chunk_tokens: int = 256
     model_id: str | None = None
+    layerwise_load: bool = True
 
     def __post_init__(self) -> None:
         check_choice("mode", self.mode, CACHE_MODES)
@@ -69,6 +70,7 @@ class EngineConfig:
         check_int("chunk_tokens", self.chunk_tokens, minimum=1)
         if self.model_id is not None:
             check_text("model_id", self.model_id, allow_empty=False)
+        check_bool("layerwise_load", self.layerwise_load)
 
 
 class Engine:
@@ -85,7 +87,8 @@ class Engine:
         self.cache = HiRadixCache(self.device_pool, cache_cfg)
         self.runner = ModelRunner(self.model, self.device_pool)
         self.scheduler = Scheduler(self.runner, self.cache, SchedulerConfig(
-            cfg.max_running_requests, cfg.chunk_tokens, use_prefix_cache=cfg.mode != "none"))
+            cfg.max_running_requests, cfg.chunk_tokens, use_prefix_cache=cfg.mode != "none",
+            layerwise_load=cfg.layerwise_load))
         if cfg.mode == "l1+l2+l3":
             from tierkv.engine.prefetch import attach_l3
             attach_l3(self, cfg.l3, cfg.storage_extra or {})

@@ -83,15 +83,19 @@ class PagedKVBuffer:
         """Bytes between the same row of two consecutive pages in :attr:`rows`."""
         return self.row_strides[2] * self.rows.shape[1]
 
-    def chunk_bases(self, whole_pages: bool, order: tuple[int, ...]) -> tuple[np.ndarray, int]:
+    def chunk_bases(self, whole_pages: bool, order: tuple[int, ...], layer: int | None = None
+                    ) -> tuple[np.ndarray, int]:
         """Byte offsets in :attr:`rows` of page 0's chunks, flat in ``order`` of the canonical ``(kv, layer,
         page, token-in-page)`` dims with the page dim left out, and how many follow the page dim there.
 
         A chunk is a token row, or with ``whole_pages`` all of a page's rows for one (kv, layer), valid
-        only when they are adjacent (``row_strides[3] == 1``). Cached: a pool sees few orders."""
-        key = (whole_pages, order)
+        only when they are adjacent (``row_strides[3] == 1``). ``layer``: that layer's chunks only (a
+        layer-wise load). Cached: a pool sees few orders."""
+        key = (whole_pages, order, layer)
         if key not in self._chunk_bases:
             base = self._row_base[..., :1] if whole_pages else self._row_base
+            if layer is not None:
+                base = base[:, layer:layer + 1]
             base = base.permute(order).numpy() * self.rows.shape[1]
             page_pos = order.index(2)
             inner = int(np.prod(base.shape[page_pos + 1:]))

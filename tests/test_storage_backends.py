@@ -274,6 +274,30 @@ def test_file_keys_stay_inside_the_directory(tmp_path):
         store.path("../" + key)
 
 
+def test_file_symlinks_planted_in_the_store_are_never_followed(tmp_path):
+    store = open_store(f"file://{tmp_path}/l3", "ns", PAGE_NBYTES)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    keys, pages = make_keys(3), make_pages(3)
+    # A subdirectory of the store replaced by a link to somewhere else (issue 11, item 10) ...
+    os.symlink(outside, os.path.join(store.directory, keys[0][:2]))
+    # ... and a page replaced by a link to a file outside, holding a valid page of that key.
+    assert store.batch_set(keys[1:2], pages[1:2]) == [True]
+    os.replace(store.path(keys[1]), outside / "stolen.page")
+    os.symlink(outside / "stolen.page", store.path(keys[1]))
+    before = sorted(p.name for p in outside.rglob("*"))
+    assert store.batch_set(keys[:1], pages[:1]) == [False]
+    assert store.batch_exists(keys[:1]) == 0 and store.batch_exists(keys[1:2]) == 0
+    assert store.batch_get(keys[:2], empty_pages(2)) == [False, False]
+    assert sorted(p.name for p in outside.rglob("*")) == before  # nothing written outside the store
+    assert store.stats.errors >= 2 and store.stats.set_pages == 1
+    # A write over the planted page replaces the link itself, never the file it points to.
+    assert store.batch_set(keys[1:2], pages[1:2]) == [True]
+    assert not os.path.islink(store.path(keys[1])) and store.batch_exists(keys[1:2]) == 1
+    store.clear()
+    assert os.path.isfile(outside / "stolen.page") and sorted(p.name for p in outside.rglob("*")) == before
+
+
 def test_file_write_error_is_false_and_counted(tmp_path, monkeypatch):
     store = open_store(f"file:{tmp_path}", "ns", PAGE_NBYTES)
     keys, pages = make_keys(2), make_pages(2)

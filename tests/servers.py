@@ -76,15 +76,17 @@ class RedisServer:
 
     port: int
     password: str | None = None
+    extra_args: tuple[str, ...] = ()
     workdir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="tierkv-redis-"))
     proc: subprocess.Popen | None = None
 
     @classmethod
-    def start(cls, password: str | None = None) -> "RedisServer":
+    def start(cls, password: str | None = None, extra_args: tuple[str, ...] = ()) -> "RedisServer":
+        """``extra_args`` go to redis-server as they are (e.g. ``("--maxmemory", "8mb")``)."""
         binary = REDIS_SERVER if os.path.exists(REDIS_SERVER) else shutil.which("redis-server")
         if not binary:
             raise ServerUnavailable("redis-server is not installed (scripts/setup_env.sh installs it)")
-        server = cls(port=free_port(), password=password)
+        server = cls(port=free_port(), password=password, extra_args=tuple(extra_args))
         server.binary = binary
         server.restart()
         return server
@@ -105,6 +107,7 @@ class RedisServer:
                 "--appendonly", "no", "--dir", self.workdir, "--daemonize", "no", "--loglevel", "warning"]
         if self.password:
             args += ["--requirepass", self.password]
+        args += list(self.extra_args)
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      start_new_session=True)
         wait_for_port(self.port, self.proc, 10.0, "redis-server")

@@ -373,6 +373,57 @@ def test_redis_backoff_skips_the_network_until_the_window_ends(redis_server):
     assert store.stats.errors == errors + 1
 
 
+def _fill_until_refused(store: PageStore, page_nbytes: int, num_pages: int) -> tuple[list, list, list]:
+    keys = make_keys(num_pages, seed=5)
+    gen = torch.Generator().manual_seed(5)
+    pages = [torch.randint(0, 256, (page_nbytes,), dtype=torch.uint8, generator=gen) for _ in keys]
+    done: list[bool] = []
+    for start in range(0, num_pages, 4):
+        done += store.batch_set(keys[start:start + 4], pages[start:start + 4])
+    return keys, pages, done
+
+
+def test_redis_full_refuses_writes_but_still_serves_what_it_holds():
+    """maxmemory + noeviction answers SET with OOM: writes back off, reads go on (issue 11, item 8)."""
+    import redis
+    from tests.servers import RedisServer, running
+    with running(lambda: RedisServer.start(extra_args=("--maxmemory-policy", "noeviction"))) as server:
+        admin = redis.Redis(port=server.port)
+        admin.config_set("maxmemory", admin.info("memory")["used_memory"] + (1 << 20))
+        page_nbytes = 64 << 10
+        store = open_store(server.url, "ns", page_nbytes, {"retry_backoff_s": 30.0, "batch_pages": 2})
+        keys, pages, done = _fill_until_refused(store, page_nbytes, 48)
+        stored = sum(done)
+        assert 0 < stored < len(keys) and done == [True] * stored + [False] * (len(keys) - stored)
+        assert store.stats.errors >= 1
+        # Inside the 30 s write window: the stored pages are all still found and read.
+        assert store.batch_exists(keys) == stored
+        targets = [torch.zeros(page_nbytes, dtype=torch.uint8) for _ in keys]
+        assert store.batch_get(keys, targets) == done
+        assert all(torch.equal(t, p) for t, p, ok in zip(targets, pages, done) if ok)
+        assert store.stats.get_pages == stored
+        assert store.read_backoff.ready() and not store.write_backoff.ready()
+        store.clear()
+        store.close()
+        admin.close()
+
+
+def test_redis_ttl_s_sets_an_expiry_on_every_page(redis_server):
+    import redis
+    store = _redis_store(redis_server, ttl_s=90.5)
+    keys, pages = make_keys(3), make_pages(3)
+    assert store.batch_set(keys, pages) == [True] * 3
+    admin = redis.Redis(port=redis_server.port)
+    assert all(90 < admin.pttl(store.redis_key(k)) / 1000 <= 91 for k in keys)  # EX rounds up
+    targets = empty_pages(3)
+    assert store.batch_get(keys, targets) == [True] * 3 and torch.equal(targets[2], pages[2])
+    for bad in (0, -1.0, float("nan"), float("inf"), True, "60"):
+        with pytest.raises(ValueError, match="ttl_s"):
+            _redis_store(redis_server, ttl_s=bad)
+    store.clear()
+    admin.close()
+
+
 def test_redis_password_db_and_prefix(caplog):
     from tests.servers import RedisServer, running
     with running(lambda: RedisServer.start(password="pw-s3cret")) as server:

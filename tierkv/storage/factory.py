@@ -15,10 +15,10 @@ from tierkv.storage.base import PageStore
 
 # Backend keys allowed in extra_config, with their types (float also accepts int).
 BACKEND_OPTIONS: dict[str, dict[str, type]] = {
-    "memory": {},
-    "file": {"dir": str, "fsync": bool},
+    "memory": {"max_bytes": int},
+    "file": {"dir": str, "fsync": bool, "max_bytes": int},
     "redis": {"host": str, "port": int, "db": int, "username": str, "password": str, "key_prefix": str,
-              "timeout_s": float, "batch_pages": int, "retry_backoff_s": float},
+              "timeout_s": float, "batch_pages": int, "retry_backoff_s": float, "ttl_s": float},
     "mooncake": {"master": str, "metadata_server": str, "local_hostname": str, "protocol": str,
                  "device_name": str, "global_segment_size": int, "local_buffer_size": int,
                  "key_prefix": str, "replica_num": int, "retry_backoff_s": float},
@@ -114,13 +114,14 @@ def open_store(spec: str, namespace: str, page_nbytes: int, extra_config: dict |
                                 namespace, page_nbytes, faults)
     if backend == "memory":
         from tierkv.storage.memory import MemoryStore
-        return MemoryStore(namespace, page_nbytes)
+        return MemoryStore(namespace, page_nbytes, max_bytes=options.get("max_bytes"))
     if backend == "file":
         from tierkv.storage.file import FileStore
         if "dir" not in options:
             raise ValueError("file storage needs a directory: file:///abs/dir, file:dir or extra_config "
                              "'dir'")
-        return FileStore(namespace, page_nbytes, root=options["dir"], fsync=options.get("fsync", False))
+        return FileStore(namespace, page_nbytes, root=options["dir"], fsync=options.get("fsync", False),
+                         max_bytes=options.get("max_bytes"))
     if backend == "redis":
         from tierkv.storage.redis_store import RedisStore
         return RedisStore(namespace, page_nbytes, **options)

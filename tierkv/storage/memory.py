@@ -1,4 +1,9 @@
-"""In-process page store: a dict of blobs (payload then header). The reference backend for tests."""
+"""In-process page store: a dict of blobs (payload then header). The reference backend for tests.
+
+Each page is one numpy buffer of exactly the stored size (no tensor or per-page object beyond it), so
+memory use stays close to the stored bytes. With ``max_bytes`` the least recently used pages (read
+or written) of this store are dropped when a write takes it over the bound.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,7 @@ import threading
 import numpy as np
 import torch
 
-from tierkv.storage.base import PageStore, check_key
+from tierkv.storage.base import LruIndex, PageStore, check_key, check_max_bytes
 from tierkv.storage.page_format import copy_with_checksum
 
 
@@ -16,12 +21,24 @@ class MemoryStore(PageStore):
 
     name = "memory"
 
-    def __init__(self, namespace: str, page_nbytes: int, blobs: dict[str, np.ndarray] | None = None) -> None:
+    def __init__(self, namespace: str, page_nbytes: int, blobs: dict[str, np.ndarray] | None = None,
+                 max_bytes: int | None = None) -> None:
         super().__init__(namespace, page_nbytes)
         # Keys are prefixed by the namespace digest so stores sharing ``blobs`` stay apart.
         self._prefix = self.namespace_tag + ":"
         self.blobs = {} if blobs is None else blobs
         self._lock = threading.Lock()
+        self.max_bytes = check_max_bytes(max_bytes, self.format.blob_nbytes)
+        # Only this store's own pages count towards its bound, even when ``blobs`` is shared.
+        self._index = LruIndex(self.max_bytes) if self.max_bytes is not None else None
+
+    @property
+    def size_bytes(self) -> int:
+        """Bytes of this store's pages (payload and header)."""
+        with self._lock:
+            if self._index is not None:
+                return self._index.size_bytes
+            return sum(len(b) for s, b in self.blobs.items() if s.startswith(self._prefix))
 
     def _slot(self, key: str) -> str:
         return self._prefix + check_key(key)
@@ -40,8 +57,11 @@ class MemoryStore(PageStore):
         found = []
         with self._timed("get"):
             for key, view in zip(keys, views):
+                slot = self._slot(key)
                 with self._lock:
-                    blob = self.blobs.get(self._slot(key))
+                    blob = self.blobs.get(slot)
+                    if blob is not None and self._index is not None:
+                        self._index.touch(slot)
                 if blob is None:
                     found.append(False)
                     continue
@@ -63,16 +83,29 @@ class MemoryStore(PageStore):
                 payload_checksum = copy_with_checksum(memoryview(blob)[:self.page_nbytes], view)
                 header = self.format.header(key, view, payload_checksum)
                 blob[self.page_nbytes:] = np.frombuffer(header, np.uint8)
-                with self._lock:
-                    self.blobs[self._slot(key)] = blob
+                self._put(self._slot(key), blob)
                 self._count(set_pages=1, set_bytes=self.page_nbytes)
         return [True] * len(keys)
 
-    def _drop(self, key: str) -> None:
+    def _put(self, slot: str, blob: np.ndarray) -> None:
         with self._lock:
-            self.blobs.pop(self._slot(key), None)
+            self.blobs[slot] = blob
+            victims = [] if self._index is None else self._index.add(slot, len(blob))
+            for victim in victims:
+                self.blobs.pop(victim, None)
+        if victims:
+            self._count(evicted_pages=len(victims))
+
+    def _drop(self, key: str) -> None:
+        slot = self._slot(key)
+        with self._lock:
+            self.blobs.pop(slot, None)
+            if self._index is not None:
+                self._index.remove(slot)
 
     def clear(self) -> None:
         with self._lock:
             for slot in [s for s in self.blobs if s.startswith(self._prefix)]:
                 del self.blobs[slot]
+            if self._index is not None:
+                self._index.clear()

@@ -1,5 +1,6 @@
 """One suite, every backend: each test runs against memory, file, redis and mooncake (when runnable)."""
 
+import errno
 import os
 import subprocess
 import sys
@@ -311,6 +312,56 @@ def test_file_write_error_is_false_and_counted(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert store.batch_exists(keys) == 0
     assert not [p for p in tmp_path.rglob("*") if p.is_file()]  # no temp file left behind
+
+
+def _store_warnings(caplog) -> list:
+    return [r for r in caplog.records if r.name.startswith("tierkv.storage") and r.levelname == "WARNING"]
+
+
+def test_file_full_disk_warns_once_and_backs_off_writes(tmp_path, monkeypatch, caplog):
+    """One warning, not one per page per backup; later writes skip the disk (issue 11, item 11)."""
+    import tierkv.storage.file as file_backend
+    store = open_store(f"file:{tmp_path}", "ns", PAGE_NBYTES, {"retry_backoff_s": 30.0})
+    keys, pages = make_keys(10), make_pages(10)
+    assert store.batch_set(keys[:2], pages[:2]) == [True, True]
+    attempts = []
+
+    def no_space(fd, data, offset):
+        attempts.append(offset)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(file_backend, "_write_all", no_space)
+    with caplog.at_level("WARNING"):
+        for _ in range(3):
+            assert store.batch_set(keys[2:], pages[2:]) == [False] * 8
+    assert len(_store_warnings(caplog)) == 1 and "disk full" in caplog.text
+    assert store.stats.errors == 24 and len(attempts) == 1
+    targets = empty_pages(10)
+    assert store.batch_get(keys, targets) == [True, True] + [False] * 8  # reads go on
+    assert torch.equal(targets[1], pages[1])
+    assert not [p for p in tmp_path.rglob("*.tmp")]
+
+
+def test_store_warnings_are_rate_limited_with_a_count(tmp_path, monkeypatch, caplog):
+    """A failing disk that is not full (EIO) is tried page by page, but logs once per interval."""
+    import tierkv.storage.file as file_backend
+    store = open_store(f"file:{tmp_path}", "ns", PAGE_NBYTES)
+    now = [0.0]
+    store._error_log.clock = lambda: now[0]  # a fake clock: no waiting, no timing
+    keys, pages = make_keys(20), make_pages(20)
+
+    def io_error(fd, data, offset):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(file_backend, "_write_all", io_error)
+    with caplog.at_level("WARNING"):
+        assert store.batch_set(keys[:19], pages[:19]) == [False] * 19
+        assert len(_store_warnings(caplog)) == 1
+        now[0] += store._error_log.interval_s
+        assert store.batch_set(keys[19:], pages[19:]) == [False]
+    warnings = _store_warnings(caplog)
+    assert len(warnings) == 2 and "and 18 more like it" in warnings[1].getMessage()
+    assert store.stats.errors == 20
 
 
 def test_file_truncated_page_is_a_miss(tmp_path):

@@ -67,8 +67,8 @@ class Backoff:
     MAX_FACTOR = 64
 
     def __init__(self, base_s: float) -> None:
-        if base_s <= 0:
-            raise ValueError(f"retry_backoff_s must be > 0, got {base_s!r}")
+        if isinstance(base_s, bool) or not isinstance(base_s, (int, float)) or not 0 < base_s < float("inf"):
+            raise ValueError(f"retry_backoff_s must be a finite number > 0, got {base_s!r}")
         self.base_s = base_s
         self._lock = threading.Lock()
         self._retry_at = 0.0

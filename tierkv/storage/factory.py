@@ -16,7 +16,7 @@ from tierkv.storage.base import PageStore
 # Backend keys allowed in extra_config, with their types (float also accepts int).
 BACKEND_OPTIONS: dict[str, dict[str, type]] = {
     "memory": {"max_bytes": int},
-    "file": {"dir": str, "fsync": bool, "max_bytes": int},
+    "file": {"dir": str, "fsync": bool, "max_bytes": int, "retry_backoff_s": float},
     "redis": {"host": str, "port": int, "db": int, "username": str, "password": str, "key_prefix": str,
               "timeout_s": float, "batch_pages": int, "retry_backoff_s": float, "ttl_s": float},
     "mooncake": {"master": str, "metadata_server": str, "local_hostname": str, "protocol": str,
@@ -121,7 +121,7 @@ def open_store(spec: str, namespace: str, page_nbytes: int, extra_config: dict |
             raise ValueError("file storage needs a directory: file:///abs/dir, file:dir or extra_config "
                              "'dir'")
         return FileStore(namespace, page_nbytes, root=options["dir"], fsync=options.get("fsync", False),
-                         max_bytes=options.get("max_bytes"))
+                         max_bytes=options.get("max_bytes"), retry_backoff_s=options.get("retry_backoff_s", 1.0))
     if backend == "redis":
         from tierkv.storage.redis_store import RedisStore
         return RedisStore(namespace, page_nbytes, **options)

@@ -11,6 +11,10 @@ Every path below the namespace directory is walked one component at a time under
 descriptors with ``O_NOFOLLOW``: a symlink planted anywhere inside the store (a subdirectory or a
 page) is refused, never followed, so nothing is read or written outside the store.
 
+A disk that is full or read-only (ENOSPC, EDQUOT, EROFS, EACCES, EPERM) stops writes for a backoff
+window (``retry_backoff_s``, doubling per failure up to 64x): the writes inside it answer False at
+once, and reads go on.
+
 With ``max_bytes`` the store keeps an LRU index of its pages (rebuilt from the directory at start,
 ordered by modification time, which a hit refreshes) and removes the least recently used pages when a
 write takes it over the bound.
@@ -29,7 +33,7 @@ from typing import Iterator
 import torch
 import xxhash
 
-from tierkv.storage.base import LruIndex, PageStore, check_key, check_max_bytes, is_key
+from tierkv.storage.base import Backoff, LruIndex, PageStore, check_key, check_max_bytes, is_key
 from tierkv.storage.page_format import HEADER_SIZE
 
 PAGE_SUFFIX = ".page"
@@ -37,6 +41,8 @@ PAGE_SUFFIX = ".page"
 # in L2/L3, large enough that the extra syscalls cost nothing measurable (best of 256 KiB-64 MiB here).
 IO_CHUNK_NBYTES = 1 << 20
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+# Write failures that the next page would hit too: back off instead of failing page by page.
+_DISK_REFUSALS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
 
 
 def _write_all(fd: int, data: memoryview, offset: int) -> None:
@@ -75,8 +81,9 @@ class FileStore(PageStore):
     name = "file"
 
     def __init__(self, namespace: str, page_nbytes: int, root: str, fsync: bool = False,
-                 max_bytes: int | None = None) -> None:
+                 max_bytes: int | None = None, retry_backoff_s: float = 1.0) -> None:
         super().__init__(namespace, page_nbytes)
+        self.write_backoff = Backoff(retry_backoff_s)
         # The root is the operator's choice and may itself be a symlink; below it nothing is followed.
         self.root = os.path.realpath(root)
         self.fsync = fsync
@@ -203,14 +210,22 @@ class FileStore(PageStore):
             return [self._set_one(key, view) for key, view in zip(keys, views)]
 
     def _set_one(self, key: str, view: memoryview) -> bool:
+        if not self.write_backoff.ready():
+            self._count(errors=1)
+            return False
         name = key + PAGE_SUFFIX
         temp = f"{name}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
             with self._leaf_dir(key, create=True) as leaf:
                 self._write_page(leaf, key, name, temp, view)
         except OSError as err:
-            self._error(f"write {self.path(key)}" + (" (disk full)" if err.errno == errno.ENOSPC else ""), err)
+            refused = err.errno in _DISK_REFUSALS
+            self._error(f"write {self.path(key)}" + (" (disk full or read-only: writes back off)" if refused
+                                                     else ""), err)
+            if refused:
+                self.write_backoff.failed()
             return False
+        self.write_backoff.succeeded()
         self._count(set_pages=1, set_bytes=self.page_nbytes)
         self._stored(key)
         return True

@@ -50,21 +50,24 @@ class Backend:
         self.shared_blobs: dict = {}
         self.cached = cached
 
-    def open(self, namespace: str = "ns-a", page_nbytes: int = PAGE_NBYTES) -> PageStore:
+    def open(self, namespace: str = "ns-a", page_nbytes: int = PAGE_NBYTES, **extra) -> PageStore:
+        """A store of this backend; ``extra`` are more backend keys (``page_key``, ``max_bytes``)."""
         if self.name == "memory":
             from tierkv.storage.memory import MemoryStore
-            store = MemoryStore(namespace, page_nbytes, blobs=self.shared_blobs)
+            store = MemoryStore(namespace, page_nbytes, blobs=self.shared_blobs, **extra)
         elif self.name == "file":
-            store = open_store(f"file://{self.tmp_path}/l3", namespace, page_nbytes)
+            store = open_store(f"file://{self.tmp_path}/l3", namespace, page_nbytes, extra)
         elif self.name == "redis":
             store = open_store(self.server.url, namespace, page_nbytes,
-                               {"key_prefix": f"t{os.getpid()}:", "timeout_s": 1.0, "retry_backoff_s": 0.05})
+                               {"key_prefix": f"t{os.getpid()}:", "timeout_s": 1.0, "retry_backoff_s": 0.05,
+                                **extra})
         else:
             # A Mooncake client takes ~2 s to close (segment unmount): reuse one per namespace.
-            if (namespace, page_nbytes) not in self.cached:
-                self.cached[namespace, page_nbytes] = open_store(
-                    self.server.url, namespace, page_nbytes, self.server.client_config())
-            store = self.cached[namespace, page_nbytes]
+            cache_key = (namespace, page_nbytes, tuple(sorted(extra.items())))
+            if cache_key not in self.cached:
+                self.cached[cache_key] = open_store(
+                    self.server.url, namespace, page_nbytes, {**self.server.client_config(), **extra})
+            store = self.cached[cache_key]
             store.stats = StoreStats()
         self.stores.append(store)
         return store
@@ -241,6 +244,30 @@ def test_one_writer_and_one_reader_thread_never_see_a_torn_page(backend):
     thread.join()
     assert seen and all(seen)
     assert store.stats.corrupt_pages == 0 and store.stats.errors == 0
+
+
+SECRET = "s3cret-page-key-0123456789"
+
+
+def test_a_planted_page_with_a_valid_checksum_is_a_miss_with_a_page_key(backend, caplog):
+    """Issue 11, item 13: every header field is public, so without a MAC anyone who can write to the
+    store can plant KV; with a page_key such a page (correct xxh3 and all) is a miss."""
+    keys, pages = make_keys(3), make_pages(3)
+    attacker = backend.open()  # no key: writes well-formed pages with a correct checksum
+    assert attacker.batch_set(keys, pages) == [True] * 3
+    targets = empty_pages(3)
+    assert backend.open().batch_get(keys, targets) == [True] * 3  # served, without a key
+    assert torch.equal(targets[1], pages[1])
+    with caplog.at_level("DEBUG"):
+        keyed = backend.open(page_key=SECRET)
+        assert keyed.batch_get(keys, empty_pages(3)) == [False] * 3
+        assert keyed.stats.corrupt_pages == 3
+        # Pages written with the key round-trip; another key, or none, cannot read them.
+        assert keyed.batch_set(keys, pages) == [True] * 3
+        assert keyed.batch_get(keys, targets) == [True] * 3 and torch.equal(targets[2], pages[2])
+        assert backend.open(page_key=SECRET[::-1]).batch_get(keys, empty_pages(3)) == [False] * 3
+        assert backend.open().batch_get(keys, empty_pages(3)) == [False] * 3
+    assert SECRET not in caplog.text and SECRET[::-1] not in caplog.text and SECRET not in repr(keyed.format)
 
 
 # File-only behaviours.

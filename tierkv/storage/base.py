@@ -24,7 +24,7 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -191,10 +191,11 @@ class PageStore(ABC):
 
     name = "abstract"
 
-    def __init__(self, namespace: str, page_nbytes: int) -> None:
+    def __init__(self, namespace: str, page_nbytes: int, page_key: bytes | str | None = None) -> None:
         if not isinstance(page_nbytes, int) or page_nbytes < 1:
             raise ValueError(f"page_nbytes must be an int >= 1, got {page_nbytes!r}")
-        self.format = PageFormat(namespace, page_nbytes)
+        # With a page_key every page carries a MAC and pages without a valid one are misses.
+        self.format = PageFormat(namespace, page_nbytes, page_key)
         self.namespace = namespace
         # 32 hex chars naming the namespace in paths and remote key prefixes.
         self.namespace_tag = namespace_digest(namespace).hex()
@@ -231,11 +232,11 @@ class PageStore(ABC):
 
     # Helpers for implementations.
 
-    def _verified(self, key: str, header: bytes | memoryview, payload: memoryview,
-                  payload_checksum: int | None = None) -> bool:
-        """True if the stored page checks out; otherwise log, count, remove it and return False."""
+    def _verified(self, key: str, header: bytes | memoryview, payload: memoryview, state: Any = None) -> bool:
+        """True if the stored page checks out (``state``: its payload hasher, already fed, if any);
+        otherwise log, count, remove it and return False."""
         try:
-            self.format.verify(key, header, payload, payload_checksum)
+            self.format.verify(key, header, payload, state)
         except PageFormatError as err:
             self._corrupt_log.warning("%s store: dropping corrupt page: %s", self.name, err)
             self._count(corrupt_pages=1)

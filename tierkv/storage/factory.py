@@ -4,14 +4,22 @@ Specs: ``memory``; ``file`` / ``file:///abs/dir`` / ``file:rel/dir``; ``redis`` 
 ``redis://[user][:password]@host:port/db`` (``valkey://`` is an alias); ``mooncake`` /
 ``mooncake://master_host:port``. Values named in the URL are defaults; the same key in
 ``extra_config`` overrides them. A ``"faults"`` object in ``extra_config`` wraps any backend in
-:class:`tierkv.storage.faults.FaultyStore`.
+:class:`tierkv.storage.faults.FaultyStore`. A ``"page_key"`` (or the file ``$TIERKV_PAGE_KEY_FILE``
+names) makes every page carry a MAC; ``"max_bytes"`` bounds the file and memory backends (LRU) and
+``"ttl_s"`` gives Redis pages an expiry.
 """
 
 from __future__ import annotations
 
+import os
 from urllib.parse import unquote, urlsplit
 
 from tierkv.storage.base import PageStore
+from tierkv.storage.page_format import check_page_key
+
+# A file holding the page key (the shared secret that authenticates L3 pages), when the extra config
+# names none: keeps the secret out of command lines and config files.
+PAGE_KEY_FILE_ENV = "TIERKV_PAGE_KEY_FILE"
 
 # Backend keys allowed in extra_config, with their types (float also accepts int).
 BACKEND_OPTIONS: dict[str, dict[str, type]] = {
@@ -23,9 +31,12 @@ BACKEND_OPTIONS: dict[str, dict[str, type]] = {
                  "device_name": str, "global_segment_size": int, "local_buffer_size": int,
                  "key_prefix": str, "replica_num": int, "retry_backoff_s": float},
 }
-# Every backend may be wrapped in fault injection (tests, chaos runs): see tierkv.storage.faults.
+# Every backend may be wrapped in fault injection (tests, chaos runs): see tierkv.storage.faults; and
+# every backend may authenticate its pages with a shared secret: see tierkv.storage.page_format.
 for _options in BACKEND_OPTIONS.values():
     _options["faults"] = dict
+    _options["page_key"] = str
+SECRET_OPTIONS = ("password", "page_key")
 _ALIASES = {"valkey": "redis"}
 
 
@@ -95,10 +106,26 @@ def check_options(backend: str, options: dict) -> dict:
         ok = (isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float
               else isinstance(value, kind) and (kind is bool or not isinstance(value, bool)))
         if not ok:
-            shown = "***" if key == "password" else repr(value)
+            shown = "***" if key in SECRET_OPTIONS else repr(value)
             raise ValueError(f"{backend} storage option {key!r} must be {kind.__name__}, got {shown} "
                              f"({type(value).__name__})")
     return options
+
+
+def resolve_page_key(options: dict) -> bytes | None:
+    """Pop ``page_key`` from ``options``; without one, read the file ``$TIERKV_PAGE_KEY_FILE`` names.
+
+    Errors name the option or the file, never the key.
+    """
+    page_key = options.pop("page_key", None)
+    path = os.environ.get(PAGE_KEY_FILE_ENV)
+    if page_key is None and path:
+        try:
+            with open(path, "rb") as key_file:
+                page_key = key_file.read().strip()
+        except OSError as err:
+            raise ValueError(f"{PAGE_KEY_FILE_ENV}={path!r}: cannot read the page key: {err.strerror}") from None
+    return check_page_key(page_key)
 
 
 def open_store(spec: str, namespace: str, page_nbytes: int, extra_config: dict | None = None) -> PageStore:
@@ -107,25 +134,32 @@ def open_store(spec: str, namespace: str, page_nbytes: int, extra_config: dict |
     if extra_config is not None and not isinstance(extra_config, dict):
         raise ValueError(f"extra_config must be a dict, got {type(extra_config).__name__}")
     options = check_options(backend, {**options, **(extra_config or {})})
+    page_key = resolve_page_key(options)
     faults = options.pop("faults", None)
     if faults is not None:
         from tierkv.storage.faults import wrap_with_faults
-        return wrap_with_faults(lambda inner_nbytes: open_store(spec, namespace, inner_nbytes, options),
-                                namespace, page_nbytes, faults)
+        return wrap_with_faults(lambda inner_nbytes: _open_backend(backend, namespace, inner_nbytes, options),
+                                namespace, page_nbytes, faults, page_key)
+    return _open_backend(backend, namespace, page_nbytes, options, page_key)
+
+
+def _open_backend(backend: str, namespace: str, page_nbytes: int, options: dict,
+                  page_key: bytes | None = None) -> PageStore:
     if backend == "memory":
         from tierkv.storage.memory import MemoryStore
-        return MemoryStore(namespace, page_nbytes, max_bytes=options.get("max_bytes"))
+        return MemoryStore(namespace, page_nbytes, max_bytes=options.get("max_bytes"), page_key=page_key)
     if backend == "file":
         from tierkv.storage.file import FileStore
         if "dir" not in options:
             raise ValueError("file storage needs a directory: file:///abs/dir, file:dir or extra_config "
                              "'dir'")
         return FileStore(namespace, page_nbytes, root=options["dir"], fsync=options.get("fsync", False),
-                         max_bytes=options.get("max_bytes"), retry_backoff_s=options.get("retry_backoff_s", 1.0))
+                         max_bytes=options.get("max_bytes"), retry_backoff_s=options.get("retry_backoff_s", 1.0),
+                         page_key=page_key)
     if backend == "redis":
         from tierkv.storage.redis_store import RedisStore
-        return RedisStore(namespace, page_nbytes, **options)
+        return RedisStore(namespace, page_nbytes, **options, page_key=page_key)
     if "master" not in options:
         raise ValueError("mooncake storage needs a master: mooncake://host:port or extra_config 'master'")
     from tierkv.storage.mooncake_store import MooncakeStore
-    return MooncakeStore(namespace, page_nbytes, **options)
+    return MooncakeStore(namespace, page_nbytes, **options, page_key=page_key)

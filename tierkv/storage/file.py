@@ -28,7 +28,7 @@ import shutil
 import stat
 import threading
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 import xxhash
@@ -51,19 +51,20 @@ def _write_all(fd: int, data: memoryview, offset: int) -> None:
         data, offset = data[written:], offset + written
 
 
-def write_with_checksum(fd: int, payload: memoryview, offset: int) -> int:
-    """Write ``payload`` at ``offset`` chunk by chunk, hashing each chunk while it is in cache."""
-    state = xxhash.xxh3_64()
+def write_with_checksum(fd: int, payload: memoryview, offset: int, state: Any = None) -> Any:
+    """Write ``payload`` at ``offset`` chunk by chunk, feeding each chunk to ``state`` (a payload hasher,
+    xxh3-64 if None) while it is in cache; return the hasher."""
+    state = xxhash.xxh3_64() if state is None else state
     for start in range(0, len(payload), IO_CHUNK_NBYTES):
         chunk = payload[start:start + IO_CHUNK_NBYTES]
         state.update(chunk)
         _write_all(fd, chunk, offset + start)
-    return state.intdigest()
+    return state
 
 
-def read_with_checksum(fd: int, payload: memoryview, offset: int) -> tuple[int, int]:
-    """Read into ``payload`` from ``offset`` chunk by chunk; (bytes read, checksum of them)."""
-    state = xxhash.xxh3_64()
+def read_with_checksum(fd: int, payload: memoryview, offset: int, state: Any = None) -> tuple[int, Any]:
+    """Read into ``payload`` from ``offset`` chunk by chunk; (bytes read, the hasher fed with them)."""
+    state = xxhash.xxh3_64() if state is None else state
     done = 0
     while done < len(payload):
         chunk = payload[done:done + IO_CHUNK_NBYTES]
@@ -72,7 +73,7 @@ def read_with_checksum(fd: int, payload: memoryview, offset: int) -> tuple[int, 
             break
         state.update(chunk[:got])
         done += got
-    return done, state.intdigest()
+    return done, state
 
 
 class FileStore(PageStore):
@@ -81,8 +82,9 @@ class FileStore(PageStore):
     name = "file"
 
     def __init__(self, namespace: str, page_nbytes: int, root: str, fsync: bool = False,
-                 max_bytes: int | None = None, retry_backoff_s: float = 1.0) -> None:
-        super().__init__(namespace, page_nbytes)
+                 max_bytes: int | None = None, retry_backoff_s: float = 1.0,
+                 page_key: bytes | str | None = None) -> None:
+        super().__init__(namespace, page_nbytes, page_key)
         self.write_backoff = Backoff(retry_backoff_s)
         # The root is the operator's choice and may itself be a symlink; below it nothing is followed.
         self.root = os.path.realpath(root)
@@ -178,7 +180,7 @@ class FileStore(PageStore):
 
     def _get_one(self, key: str, view: memoryview) -> bool:
         header = bytearray(HEADER_SIZE)
-        read, payload_checksum = 0, None
+        read, state = 0, None
         try:
             with self._leaf_dir(key, create=False) as leaf:
                 if leaf is None:
@@ -187,7 +189,7 @@ class FileStore(PageStore):
             try:
                 size = os.fstat(fd).st_size
                 if size == self.format.blob_nbytes and os.preadv(fd, [header], self.page_nbytes) == HEADER_SIZE:
-                    read, payload_checksum = read_with_checksum(fd, view, 0)
+                    read, state = read_with_checksum(fd, view, 0, self.format.payload_hasher(key))
                 if self._index is not None:
                     os.utime(fd)  # the page's mtime is its last use: the LRU order after a restart
             finally:
@@ -198,7 +200,7 @@ class FileStore(PageStore):
             self._error(f"read {self.path(key)}", err)
             return False
         # A short or oversized file fails verify on its length (the header then names the expected one).
-        if not self._verified(key, header, view[:read], payload_checksum if read == len(view) else None):
+        if not self._verified(key, header, view[:read], state if read == len(view) else None):
             return False
         self._indexed(key)
         self._count(get_pages=1, get_bytes=self.page_nbytes)
@@ -241,8 +243,8 @@ class FileStore(PageStore):
         try:
             try:
                 # The checksum comes from the same cache-hot pass as the write.
-                payload_checksum = write_with_checksum(fd, view, 0)
-                _write_all(fd, memoryview(self.format.header(key, view, payload_checksum)), self.page_nbytes)
+                state = write_with_checksum(fd, view, 0, self.format.payload_hasher(key))
+                _write_all(fd, memoryview(self.format.header(key, view, state)), self.page_nbytes)
                 if self.fsync:
                     os.fsync(fd)
             finally:
@@ -333,7 +335,8 @@ class FileStore(PageStore):
                 with os.scandir(leaf) as entries:
                     for entry in entries:
                         key = entry.name[:-len(PAGE_SUFFIX)]
-                        if entry.name.endswith(PAGE_SUFFIX) and is_key(key) and entry.is_file(follow_symlinks=False):
+                        if (entry.name.endswith(PAGE_SUFFIX) and is_key(key)
+                                and entry.is_file(follow_symlinks=False)):
                             found.append((entry.stat(follow_symlinks=False).st_mtime, key))
         found.sort()
         for _, key in found:

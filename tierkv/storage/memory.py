@@ -22,8 +22,8 @@ class MemoryStore(PageStore):
     name = "memory"
 
     def __init__(self, namespace: str, page_nbytes: int, blobs: dict[str, np.ndarray] | None = None,
-                 max_bytes: int | None = None) -> None:
-        super().__init__(namespace, page_nbytes)
+                 max_bytes: int | None = None, page_key: bytes | str | None = None) -> None:
+        super().__init__(namespace, page_nbytes, page_key)
         # Keys are prefixed by the namespace digest so stores sharing ``blobs`` stay apart.
         self._prefix = self.namespace_tag + ":"
         self.blobs = {} if blobs is None else blobs
@@ -66,10 +66,10 @@ class MemoryStore(PageStore):
                     found.append(False)
                     continue
                 header, payload = self.format.split(memoryview(blob))
-                payload_checksum = None
+                state = None
                 if len(payload) == self.page_nbytes:
-                    payload_checksum = copy_with_checksum(view, payload)
-                ok = self._verified(key, header, payload, payload_checksum)
+                    state = copy_with_checksum(view, payload, self.format.payload_hasher(key))
+                ok = self._verified(key, header, payload, state)
                 if ok:
                     self._count(get_pages=1, get_bytes=self.page_nbytes)
                 found.append(ok)
@@ -80,8 +80,9 @@ class MemoryStore(PageStore):
         with self._timed("set"):
             for key, view in zip(keys, views):
                 blob = np.empty(self.format.blob_nbytes, dtype=np.uint8)  # no zero-fill before the copy
-                payload_checksum = copy_with_checksum(memoryview(blob)[:self.page_nbytes], view)
-                header = self.format.header(key, view, payload_checksum)
+                state = copy_with_checksum(memoryview(blob)[:self.page_nbytes], view,
+                                           self.format.payload_hasher(key))
+                header = self.format.header(key, view, state)
                 blob[self.page_nbytes:] = np.frombuffer(header, np.uint8)
                 self._put(self._slot(key), blob)
                 self._count(set_pages=1, set_bytes=self.page_nbytes)

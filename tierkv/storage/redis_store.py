@@ -36,8 +36,9 @@ class RedisStore(PageStore):
     def __init__(self, namespace: str, page_nbytes: int, host: str = "127.0.0.1", port: int = 6379,
                  db: int = 0, username: str | None = None, password: str | None = None,
                  key_prefix: str = "tierkv:", timeout_s: float = 5.0, batch_pages: int = 8,
-                 retry_backoff_s: float = 0.5, ttl_s: float | None = None) -> None:
-        super().__init__(namespace, page_nbytes)
+                 retry_backoff_s: float = 0.5, ttl_s: float | None = None,
+                 page_key: bytes | str | None = None) -> None:
+        super().__init__(namespace, page_nbytes, page_key)
         if timeout_s <= 0:
             raise ValueError(f"redis timeout_s must be > 0, got {timeout_s!r}")
         if ttl_s is not None and not (isinstance(ttl_s, (int, float)) and not isinstance(ttl_s, bool)
@@ -118,10 +119,10 @@ class RedisStore(PageStore):
         if blob is None:
             return False
         header, payload = self.format.split(memoryview(blob))
-        payload_checksum = None
+        state = None
         if len(payload) == self.page_nbytes:
-            payload_checksum = copy_with_checksum(view, payload)
-        if not self._verified(key, header, payload, payload_checksum):
+            state = copy_with_checksum(view, payload, self.format.payload_hasher(key))
+        if not self._verified(key, header, payload, state):
             return False
         self._count(get_pages=1, get_bytes=self.page_nbytes)
         return True

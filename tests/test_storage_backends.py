@@ -246,6 +246,30 @@ def test_one_writer_and_one_reader_thread_never_see_a_torn_page(backend):
     assert store.stats.corrupt_pages == 0 and store.stats.errors == 0
 
 
+BLOB_NBYTES = PAGE_NBYTES + HEADER_SIZE
+
+
+@pytest.mark.parametrize("backend", ["memory", "file"], indirect=True)
+def test_max_bytes_bounds_the_store_evicting_the_least_recently_used(backend):
+    """Issue 15, item 5: a bounded L3 evicts by recency (reads count as use) and never exceeds its bound."""
+    store = backend.open(max_bytes=4 * BLOB_NBYTES + 100)
+    keys, pages = make_keys(8), make_pages(8)
+    assert store.batch_set(keys[:4], pages[:4]) == [True] * 4
+    assert store.batch_get(keys[:1], empty_pages(1)) == [True]  # page 0 is now the most recent
+    assert store.batch_set(keys[4:5], pages[4:5]) == [True]
+    present = [store.batch_exists([k]) for k in keys[:5]]
+    assert present == [1, 0, 1, 1, 1] and store.stats.evicted_pages == 1
+    assert store.batch_set(keys[5:], pages[5:]) == [True] * 3
+    present = [store.batch_exists([k]) for k in keys]
+    assert sum(present) == 4 and present[5:] == [1, 1, 1] and store.size_bytes == 4 * BLOB_NBYTES
+    targets = empty_pages(8)
+    found = store.batch_get(keys, targets)
+    assert found == [bool(p) for p in present]
+    assert all(torch.equal(t, p) for t, p, ok in zip(targets, pages, found) if ok)
+    with pytest.raises(ValueError, match="max_bytes"):
+        backend.open(max_bytes=BLOB_NBYTES - 1)
+
+
 SECRET = "s3cret-page-key-0123456789"
 
 
@@ -292,6 +316,34 @@ def test_file_survives_a_new_store_and_a_new_process(tmp_path):
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert out.returncode == 0, out.stderr
     assert int(out.stdout) == sum(int(p.sum()) for p in pages)
+
+
+def _age(store, keys: list[str], start_s: float = 1_000_000.0) -> None:
+    """Give ``keys`` increasing modification times (oldest first): a deterministic recency order."""
+    for i, key in enumerate(keys):
+        os.utime(store.path(key), (start_s + i, start_s + i))
+
+
+def test_file_max_bytes_index_survives_a_restart(tmp_path):
+    """The file L3 rebuilds its index and size from the directory: the bound holds across restarts."""
+    url, keys, pages = f"file://{tmp_path}", make_keys(6), make_pages(6)
+    first = open_store(url, "ns", PAGE_NBYTES, {"max_bytes": 8 * BLOB_NBYTES})
+    assert first.batch_set(keys[:5], pages[:5]) == [True] * 5
+    _age(first, keys[:5])
+    (tmp_path / "stray.txt").write_text("not a page")  # ignored, never counted nor removed
+    again = open_store(url, "ns", PAGE_NBYTES, {"max_bytes": 8 * BLOB_NBYTES})
+    assert again.size_bytes == 5 * BLOB_NBYTES and again.batch_exists(keys[:5]) == 5
+    assert again.batch_get(keys[:1], empty_pages(1)) == [True]  # a hit refreshes page 0's mtime
+    # Restart with a smaller bound: the least recently used pages go at once (1 and 2, not 0).
+    smaller = open_store(url, "ns", PAGE_NBYTES, {"max_bytes": 3 * BLOB_NBYTES})
+    assert smaller.size_bytes == 3 * BLOB_NBYTES and smaller.stats.evicted_pages == 2
+    on_disk = lambda: [os.path.exists(smaller.path(k)) for k in keys]  # noqa: E731 (exists would touch)
+    assert on_disk() == [True, False, False, True, True, False]
+    assert smaller.batch_set(keys[5:], pages[5:]) == [True]  # evicts page 3, the oldest left
+    assert on_disk() == [True, False, False, False, True, True]
+    assert (tmp_path / "stray.txt").exists()
+    pages_on_disk = [p for p in tmp_path.rglob("*.page")]
+    assert len(pages_on_disk) == 3 and sum(p.stat().st_size for p in pages_on_disk) == smaller.size_bytes
 
 
 def test_file_keys_stay_inside_the_directory(tmp_path):

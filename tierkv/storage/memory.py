@@ -52,6 +52,8 @@ class MemoryStore(PageStore):
             for i, slot in enumerate(slots):
                 if slot not in self.blobs:
                     return i
+                if self.max_bytes is not None:  # a page asked for is in use, as in the file store
+                    self.blobs[slot] = self.blobs.pop(slot)
         return len(slots)
 
     def batch_get(self, keys: list[str], targets: list[torch.Tensor]) -> list[bool]:

@@ -223,3 +223,5 @@ def test_close_with_two_hung_workers_waits_one_io_wait_timeout_in_all(monkeypatc
         assert len(waits) == 2 and sum(waits) <= storage.config.io_wait_timeout_s
     finally:
         store.hang.set()
+        monkeypatch.undo()
+    cache.close()  # stops the copy threads too: no thread outlives the test

@@ -16,6 +16,7 @@ from tierkv.storage.memory import MemoryStore
     ("redis://bob:pw@host:7000", "redis",
      {"host": "host", "port": 7000, "username": "bob", "password": "pw"}),
     ("valkey://host:7000", "redis", {"host": "host", "port": 7000}),
+    ("redis+cluster://:pw@host:7000", "redis_cluster", {"host": "host", "port": 7000, "password": "pw"}),
     ("mooncake://127.0.0.1:50051", "mooncake", {"master": "127.0.0.1:50051"}),
 ])
 def test_specs_by_name_and_url(spec, backend, options):
@@ -63,7 +64,7 @@ def test_wrong_password_type_does_not_echo_it():
 
 
 def test_every_backend_has_an_options_table():
-    assert set(BACKEND_OPTIONS) == {"memory", "file", "redis", "mooncake"}
+    assert set(BACKEND_OPTIONS) == {"memory", "file", "redis", "redis_cluster", "mooncake"}
 
 
 def test_open_redis_is_lazy_and_validates():

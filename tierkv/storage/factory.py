@@ -1,7 +1,8 @@
 """Open a page store from a name or URL plus backend keys from the extra-config JSON.
 
 Specs: ``memory``; ``file`` / ``file:///abs/dir`` / ``file:rel/dir``; ``redis`` /
-``redis://[user][:password]@host:port/db`` (``valkey://`` is an alias); ``mooncake`` /
+``redis://[user][:password]@host:port/db`` (``valkey://`` is an alias);
+``redis+cluster://[user][:password]@host:port`` (any node of a Redis Cluster); ``mooncake`` /
 ``mooncake://master_host:port``. Values named in the URL are defaults; the same key in
 ``extra_config`` overrides them. A ``"faults"`` object in ``extra_config`` wraps any backend in
 :class:`tierkv.storage.faults.FaultyStore`. A ``"page_key"`` (or the file ``$TIERKV_PAGE_KEY_FILE``
@@ -27,6 +28,8 @@ BACKEND_OPTIONS: dict[str, dict[str, type]] = {
     "file": {"dir": str, "fsync": bool, "max_bytes": int, "retry_backoff_s": float},
     "redis": {"host": str, "port": int, "db": int, "username": str, "password": str, "key_prefix": str,
               "timeout_s": float, "batch_pages": int, "retry_backoff_s": float, "ttl_s": float},
+    "redis_cluster": {"host": str, "port": int, "db": int, "username": str, "password": str, "key_prefix": str,
+                      "timeout_s": float, "batch_pages": int, "retry_backoff_s": float, "ttl_s": float},
     "mooncake": {"master": str, "metadata_server": str, "local_hostname": str, "protocol": str,
                  "device_name": str, "global_segment_size": int, "local_buffer_size": int,
                  "key_prefix": str, "replica_num": int, "retry_backoff_s": float},
@@ -37,7 +40,7 @@ for _options in BACKEND_OPTIONS.values():
     _options["faults"] = dict
     _options["page_key"] = str
 SECRET_OPTIONS = ("password", "page_key")
-_ALIASES = {"valkey": "redis"}
+_ALIASES = {"valkey": "redis", "redis+cluster": "redis_cluster", "valkey+cluster": "redis_cluster"}
 
 
 def parse_spec(spec: str) -> tuple[str, dict]:
@@ -64,7 +67,7 @@ def _url_options(backend: str, spec: str, url) -> dict:
         if not url.path:
             raise ValueError(f"file URL {redact_spec(spec)!r} names no directory")
         return {"dir": unquote(url.path)}
-    if backend == "redis":
+    if backend in ("redis", "redis_cluster"):
         options: dict = {}
         if url.hostname:
             options["host"] = url.hostname
@@ -159,6 +162,9 @@ def _open_backend(backend: str, namespace: str, page_nbytes: int, options: dict,
     if backend == "redis":
         from tierkv.storage.redis_store import RedisStore
         return RedisStore(namespace, page_nbytes, **options, page_key=page_key)
+    if backend == "redis_cluster":
+        from tierkv.storage.redis_cluster import RedisClusterStore
+        return RedisClusterStore(namespace, page_nbytes, **options, page_key=page_key)
     if "master" not in options:
         raise ValueError("mooncake storage needs a master: mooncake://host:port or extra_config 'master'")
     from tierkv.storage.mooncake_store import MooncakeStore

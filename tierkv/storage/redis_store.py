@@ -52,14 +52,19 @@ class RedisStore(PageStore):
         self.key_prefix = f"{key_prefix}{self.namespace_tag}:"
         self.batch_pages = batch_pages
         # SET's EX takes whole seconds: round up so a page never expires before ttl_s.
+        self._ttl_s = None if ttl_s is None else math.ceil(ttl_s)
         self._expiry = b"" if ttl_s is None else b"$2\r\nEX\r\n$%d\r\n%d\r\n" % (
             len(str(math.ceil(ttl_s))), math.ceil(ttl_s))
         self.read_backoff = Backoff(retry_backoff_s)
         self.write_backoff = Backoff(retry_backoff_s)
+        self.client = self._make_client(host, port, db, username, password, timeout_s)
+
+    def _make_client(self, host: str, port: int, db: int, username: str | None, password: str | None,
+                     timeout_s: float):
         # No library-level retries: a dead server must cost one timeout, then our own backoff.
-        self.client = redis.Redis(host=host, port=port, db=db, username=username, password=password,
-                                  socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                  retry=Retry(NoBackoff(), 0), retry_on_error=[], health_check_interval=0)
+        return redis.Redis(host=host, port=port, db=db, username=username, password=password,
+                           socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                           retry=Retry(NoBackoff(), 0), retry_on_error=[], health_check_interval=0)
 
     def redis_key(self, key: str) -> str:
         return self.key_prefix + check_key(key)

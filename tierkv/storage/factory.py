@@ -17,6 +17,7 @@ from urllib.parse import unquote, urlsplit
 
 from tierkv.storage.base import PageStore
 from tierkv.storage.page_format import check_page_key
+from tierkv.validate import check_int, check_seconds
 
 # A file holding the page key (the shared secret that authenticates L3 pages), when the extra config
 # names none: keeps the secret out of command lines and config files.
@@ -41,6 +42,10 @@ for _options in BACKEND_OPTIONS.values():
     _options["page_key"] = str
 SECRET_OPTIONS = ("password", "page_key")
 _ALIASES = {"valkey": "redis", "redis+cluster": "redis_cluster", "valkey+cluster": "redis_cluster"}
+# Ranges of the numeric options (every backend's option of that name): waits must be finite and > 0.
+_SECONDS_OPTIONS = {"timeout_s", "retry_backoff_s", "ttl_s"}
+_INT_RANGES = {"port": (1, 65535), "db": (0, None), "batch_pages": (1, None), "global_segment_size": (1, None),
+               "local_buffer_size": (1, None), "replica_num": (1, None), "max_bytes": (1, None)}
 
 
 def parse_spec(spec: str) -> tuple[str, dict]:
@@ -112,6 +117,10 @@ def check_options(backend: str, options: dict) -> dict:
             shown = "***" if key in SECRET_OPTIONS else repr(value)
             raise ValueError(f"{backend} storage option {key!r} must be {kind.__name__}, got {shown} "
                              f"({type(value).__name__})")
+        if key in _SECONDS_OPTIONS:
+            check_seconds(f"{backend} storage option {key!r}", value, positive=True)
+        elif key in _INT_RANGES:
+            check_int(f"{backend} storage option {key!r}", value, *_INT_RANGES[key])
     return options
 
 

@@ -40,7 +40,7 @@ from tierkv.storage.base import PageStore
 from tierkv.storage.config import StorageConfig
 from tierkv.storage.factory import BACKEND_OPTIONS, open_store, parse_spec
 from tierkv.storage.prefetch import NUM_MAX_COUNTS, NUM_MIN_COUNTS, Prefetch
-from tierkv.storage.worker import IOWorker
+from tierkv.storage.worker import IOWorker, stop_workers
 
 if TYPE_CHECKING:
     from tierkv.hicache import HiRadixCache
@@ -413,7 +413,6 @@ class StorageController:
         """Stop the worker threads (bounded wait) and close the store."""
         for prefetch in self._counted():
             prefetch.cancel.set()
-        timeout_s = self.config.io_wait_timeout_s
-        stopped = self._prefetch_worker.stop(timeout_s) & self._backup_worker.stop(timeout_s)
+        stopped = stop_workers([self._prefetch_worker, self._backup_worker], self.config.io_wait_timeout_s)
         if stopped:
             self.store.close()

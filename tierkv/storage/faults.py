@@ -83,11 +83,12 @@ class FaultyStore(PageStore):
 
     name = "faulty"
 
-    def __init__(self, inner: PageStore, config: FaultConfig, namespace: str) -> None:
+    def __init__(self, inner: PageStore, config: FaultConfig, namespace: str,
+                 page_key: bytes | str | None = None) -> None:
         page_nbytes = inner.page_nbytes - HEADER_SIZE
         if page_nbytes <= 0:
             raise ValueError(f"inner store pages of {inner.page_nbytes} bytes leave no room for a frame")
-        super().__init__(namespace, page_nbytes)
+        super().__init__(namespace, page_nbytes, page_key)
         self.inner, self.config = inner, config
         self.name = f"faulty({inner.name})"
         self.injected = dict.fromkeys(FAULT_KINDS, 0)
@@ -198,7 +199,11 @@ class FaultyStore(PageStore):
         return f"FaultyStore({self.inner!r}, {self.config!r})"
 
 
-def wrap_with_faults(open_inner, namespace: str, page_nbytes: int, faults: object) -> PageStore:
-    """Open the inner store (``open_inner(inner_page_nbytes)``) and wrap it; ``faults`` as in extra config."""
+def wrap_with_faults(open_inner, namespace: str, page_nbytes: int, faults: object,
+                     page_key: bytes | None = None) -> PageStore:
+    """Open the inner store (``open_inner(inner_page_nbytes)``) and wrap it; ``faults`` as in extra config.
+
+    The page key (if any) goes to the wrapper, whose frame is what the inner store holds: a flipped
+    byte anywhere in it then fails the MAC."""
     config = FaultConfig.from_dict(faults) if not isinstance(faults, FaultConfig) else faults
-    return FaultyStore(open_inner(page_nbytes + HEADER_SIZE), config, namespace)
+    return FaultyStore(open_inner(page_nbytes + HEADER_SIZE), config, namespace, page_key)

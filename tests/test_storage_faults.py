@@ -225,3 +225,34 @@ def test_close_with_two_hung_workers_waits_one_io_wait_timeout_in_all(monkeypatc
         store.hang.set()
         monkeypatch.undo()
     cache.close()  # stops the copy threads too: no thread outlives the test
+
+
+def test_cache_close_waits_one_io_wait_timeout_for_l3_in_all(monkeypatch):
+    """The cache's own close used to flush (one bounded wait on L3) and then stop the workers (a second)."""
+    import tierkv.storage.worker as worker_module
+    cache = make_cache(page_size=PS)
+    store = attach_fake(cache, io_wait_timeout_s=0.2)
+    key = RadixKey(random_tokens(6 * PS, seed=15))
+    store.hang.clear()
+    try:
+        calls = len(store.calls)
+        compute_and_insert(cache, key, seed=16)
+        cache.flush()  # retires the L2 write, which starts its backup: it hangs in the store
+        store.wait_for_calls(calls + 1)
+        idle_waits: list[float | None] = []
+        monkeypatch.setattr(cache.storage, "wait_idle", lambda timeout_s=None: idle_waits.append(timeout_s))
+        now, joins = [0.0], []
+        monkeypatch.setattr(worker_module, "monotonic", lambda: now[0], raising=False)
+        for worker in (cache.storage._prefetch_worker, cache.storage._backup_worker):
+            real_join = worker._thread.join
+
+            def join(timeout=None, real_join=real_join):
+                joins.append(timeout)
+                now[0] += timeout
+                real_join(0)
+            monkeypatch.setattr(worker._thread, "join", join)
+        cache.close()
+        assert idle_waits == [], "close must not wait for L3 before stopping its workers"
+        assert sum(joins) <= cache.storage.config.io_wait_timeout_s
+    finally:
+        store.hang.set()

@@ -513,8 +513,12 @@ class HiRadixCache(StorageTierMethods):
         self.stats = CacheStats()
 
     def close(self) -> None:
-        """Finish in-flight work and stop background threads."""
-        self.flush()
+        """Finish in-flight copies and stop background threads; L3 workers get one ``io_wait_timeout_s``
+        in all (a flush first would spend a second one waiting for them)."""
+        if self.transfer is not None:
+            self.deferred_loads.start()
+            self.transfer.synchronize()
+        self.step()
         if self.storage is not None:
             self.storage.close()
         if self.transfer is not None:

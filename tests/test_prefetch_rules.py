@@ -9,7 +9,8 @@ import pytest
 
 from tierkv.radix import RadixKey
 
-from storage_util import attach_fake, compute_and_insert, drop_l1_l2, make_cache, random_tokens
+from storage_util import (FakeStore, attach_fake, compute_and_insert, drop_l1_l2, make_cache, random_tokens,
+                          storage_config)
 
 PS = 16
 
@@ -92,5 +93,56 @@ def test_prefetched_tokens_exclude_pages_the_tree_already_had():
     assert cache.check_prefetch_progress("a") and cache.check_prefetch_progress("b")
     assert cache.storage.stats.prefetched_tokens == 4 * PS  # "b" brought nothing new
     assert cache.stats.storage_hit_tokens == 4 * PS
+    cache.check_integrity()
+    cache.close()
+
+
+class _PrefixKeyStore(FakeStore):
+    """A store that wants the hashes before each batch (as SGLang's hf3fs backend does)."""
+
+    accepts_prefix_keys = True
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.seen: list[tuple[str, list[str], list[str] | None]] = []
+
+    def batch_exists(self, keys, prefix_keys=None):
+        self.seen.append(("exists", list(keys), prefix_keys))
+        return super().batch_exists(keys)
+
+    def batch_get(self, keys, targets, prefix_keys=None):
+        self.seen.append(("get", list(keys), prefix_keys))
+        return super().batch_get(keys, targets)
+
+    def batch_set(self, keys, values, prefix_keys=None):
+        self.seen.append(("set", list(keys), prefix_keys))
+        return super().batch_set(keys, values)
+
+
+@pytest.mark.parametrize("pass_prefix_keys", [True, False])
+def test_prefix_keys_reach_stores_that_want_them(pass_prefix_keys: bool):
+    cache = make_cache(page_size=PS, device_tokens=512, load_back_threshold=1)
+    store = _PrefixKeyStore("ns", cache.host_pool.page_nbytes)
+    cache.attach_storage(store, storage_config(prefetch_batch_pages=2, prefetch_stop_policy="wait_complete",
+                                               hicache_storage_pass_prefix_keys=pass_prefix_keys), "test-model")
+    key = RadixKey(random_tokens(6 * PS, seed=81))
+    kv = compute_and_insert(cache, key, seed=82)
+    cache.flush()
+    hashes = list(store.blobs)
+    sets = [(keys, prefix) for op, keys, prefix in store.seen if op == "set"]
+    want = [(hashes[0:2], []), (hashes[2:4], hashes[:2]), (hashes[4:6], hashes[:4])]
+    assert sets == (want if pass_prefix_keys else [(k, None) for k, _ in want])
+    drop_l1_l2(cache)
+    compute_and_insert(cache, RadixKey(key.token_ids[: 2 * PS]), seed=0, kv=kv[:, :, : 2 * PS])
+    cache.flush()  # the first 2 pages are in L1 and L2 again: the prefetch continues from them
+    store.seen.clear()
+    m = cache.match_prefix(key)
+    assert cache.prefetch_from_storage("r", m.last_host_node, key)
+    cache.flush()
+    assert cache.check_prefetch_progress("r")
+    gets = [(op, keys, prefix) for op, keys, prefix in store.seen if op in ("exists", "get")]
+    want = [("exists", hashes[2:], hashes[:2]), ("get", hashes[2:4], hashes[:2]), ("get", hashes[4:6], hashes[:4])]
+    assert gets == (want if pass_prefix_keys else [(op, k, None) for op, k, _ in want])
+    assert cache.match_prefix(key).host_hit_length + len(cache.match_prefix(key).device_indices) == 6 * PS
     cache.check_integrity()
     cache.close()

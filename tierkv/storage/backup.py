@@ -39,6 +39,7 @@ class Backup:
     written_pages: int = 0
     failed_pages: int = 0
     agreed_finished: bool = False  # scheduler thread only, once draining
+    pass_prefix_keys: bool = False  # hand each batch the hashes before it (a store that wants them)
 
     @property
     def num_tokens(self) -> int:
@@ -55,16 +56,19 @@ class Backup:
         """Wait until the worker has returned; False on timeout."""
         return self.done.wait(timeout_s)
 
+    def _prefix_keys(self, start: int) -> dict[str, list[str]]:
+        return {"prefix_keys": self.hashes[:start]} if self.pass_prefix_keys else {}
+
     def run(self, store: PageStore, host_pool: HostKVPool, batch_pages: int) -> None:
         """Skip the leading run already stored and write the rest (host-pool page views where possible)."""
         try:
-            self.skipped_pages = store.batch_exists(self.hashes)
+            self.skipped_pages = store.batch_exists(self.hashes, **self._prefix_keys(0))
             for start in range(self.skipped_pages, len(self.hashes), batch_pages):
                 if self.cancel.is_set():  # the cache was reset: these pages are no longer wanted
                     return
                 end = min(len(self.hashes), start + batch_pages)
                 values = [host_pool.read_page(p) for p in self.host_pages[start:end]]
-                ok = store.batch_set(self.hashes[start:end], values)
+                ok = store.batch_set(self.hashes[start:end], values, **self._prefix_keys(start))
                 self.written_pages += sum(ok)
                 self.failed_pages += len(ok) - sum(ok)
         except Exception as exc:  # L3 is a cache: a failed backup only costs a future miss

@@ -205,6 +205,12 @@ class PageStore(ABC):
         self._error_log = RateLimitedLog(log)
         self._corrupt_log = RateLimitedLog(log)
 
+    # A store that sets this receives ``prefix_keys=`` (the hashes of every page before the batch, oldest
+    # first) in batch_exists/get/set when the extra config asks for hicache_storage_pass_prefix_keys:
+    # backends that lay pages out by prefix (as SGLang's hf3fs does) want it; a chained hash already
+    # names its whole prefix, so no backend here needs it.
+    accepts_prefix_keys: bool = False
+
     @abstractmethod
     def batch_exists(self, keys: list[str]) -> int:
         """Length of the leading run of ``keys`` present in the store."""

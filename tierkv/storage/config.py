@@ -22,8 +22,9 @@ class StorageConfig:
     """Policies of the L3 tier. Errors are ValueErrors naming the field and the bad value.
 
     Timeouts are seconds (the seed's names keep no unit suffix). ``hash_algorithm`` None keeps the
-    namespace's own. ``hicache_storage_pass_prefix_keys`` is accepted so the seed's configs parse; it
-    changes nothing here, since a chained page hash already names its whole prefix.
+    namespace's own. ``hicache_storage_pass_prefix_keys`` hands stores that declare
+    ``accepts_prefix_keys`` the hashes of the pages before each batch (none of tierkv's own backends
+    needs them: a chained page hash already names its whole prefix).
     ``prefetch_max_tokens_in_flight`` is the rate limit (None: HiCache's 0.8 x (L2 - L1) tokens, at least
     one page, resolved by the controller); ``backup_max_pending_tokens`` caps the backup
     queue (later backups are dropped, costing only a future L3 miss); ``io_wait_timeout_s`` bounds every

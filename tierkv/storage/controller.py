@@ -111,6 +111,7 @@ class StorageController:
         # HiCache's backup_skip: one copy of MLA KV, written by rank 0 (reads still agree across ranks)
         self.skip_backup_writes = cache.device_pool.spec.attention == "mla" and tp.rank != 0
         self.agree_found = tp.world_size > 1
+        self.pass_prefix_keys = config.hicache_storage_pass_prefix_keys and store.accepts_prefix_keys
         self.max_tokens_in_flight = config.prefetch_max_tokens_in_flight
         if self.max_tokens_in_flight is None:  # HiCache: room for prefetches is what L2 has beyond L1
             room = cache.host_pool.num_slots - cache.device_pool.num_slots
@@ -164,7 +165,8 @@ class StorageController:
             self.stats.prefetch_rate_limited += 1
             return False
         # hashed before anything is taken: a key that cannot be hashed leaves no slot or ref behind
-        prior = self.path_hashes(anchor)[-1] if anchor_index else self._seed(key.extra_key)
+        anchor_hashes = self.path_hashes(anchor) if anchor_index else []
+        prior = anchor_hashes[-1] if anchor_hashes else self._seed(key.extra_key)
         hashes = page_hashes(elems[anchor_len:], self.page_size, prior, self.namespace)
         self.tree.inc_host_ref(anchor)  # before allocating: L2 eviction must not take the anchor
         host_slots = self.cache.alloc_host(num_tokens)
@@ -176,7 +178,8 @@ class StorageController:
         config, ps = self.config, self.page_size
         prefetch = Prefetch(request_id, anchor, anchor_len, key, hashes, host_slots, pages,
                             config.prefetch_timeout_base, config.prefetch_timeout_per_ki_token * ps / 1024,
-                            agree_found=self.agree_found, min_found_pages=-(-config.prefetch_threshold // ps))
+                            agree_found=self.agree_found, min_found_pages=-(-config.prefetch_threshold // ps),
+                            prefix_hashes=anchor_hashes if self.pass_prefix_keys else None)
         self.prefetches[request_id] = prefetch
         self._prefetch_worker.submit(partial(prefetch.run, self.store, self.host_pool,
                                              self.config.prefetch_batch_pages))
@@ -292,7 +295,7 @@ class StorageController:
         slots = torch.cat([n.host_value for n in path])
         pages = self.host_pool.allocator.slots_to_pages(slots).tolist()
         self.tree.inc_host_ref(node)
-        backup = Backup(node, hashes, pages, slots, self.page_size)
+        backup = Backup(node, hashes, pages, slots, self.page_size, pass_prefix_keys=self.pass_prefix_keys)
         self.backups.append(backup)
         self.stats.backup_started += 1
         if self.skip_backup_writes:  # rank 0 writes the one copy; retired in queue order like any other

@@ -63,6 +63,7 @@ class Prefetch:
     state: str = "running"
     agree_found: bool = False
     min_found_pages: int = 0
+    prefix_hashes: list[str] | None = None  # the anchor path's page hashes, for stores that want them
     # written by the worker thread only
     found_pages: int = 0
     completed_pages: int = 0
@@ -133,7 +134,7 @@ class Prefetch:
             if self.cancel.is_set():
                 return
             try:
-                self.found_pages = store.batch_exists(self.hashes)
+                self.found_pages = store.batch_exists(self.hashes, **self._prefix_keys(0))
             finally:  # a failed exists finds 0 pages: the other ranks must not wait for this one
                 self.exists_done.set()
             num_pages = self._pages_to_read()
@@ -160,11 +161,15 @@ class Prefetch:
             found = min(self.agreed_found, found)
         return found if found >= self.min_found_pages else 0  # too short to be worth it: revoked
 
+    def _prefix_keys(self, start: int) -> dict[str, list[str]]:
+        """``prefix_keys=`` for a batch starting at page ``start``, or nothing (see PageStore)."""
+        return {} if self.prefix_hashes is None else {"prefix_keys": self.prefix_hashes + self.hashes[:start]}
+
     def _read(self, store: PageStore, host_pool: HostKVPool, start: int, end: int) -> bool:
         pages = self.host_pages[start:end]
         direct = [host_pool.page_bytes(p) for p in pages]
         targets = [d if d is not None else torch.empty(host_pool.page_nbytes, dtype=torch.uint8) for d in direct]
-        ok = store.batch_get(self.hashes[start:end], targets)
+        ok = store.batch_get(self.hashes[start:end], targets, **self._prefix_keys(start))
         for i, (page, view, target) in enumerate(zip(pages, direct, targets)):
             if not ok[i]:
                 return False  # a missing or corrupt page ends the usable prefix

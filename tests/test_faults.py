@@ -175,18 +175,20 @@ def backend(request, tmp_path):
     return server.url, {"key_prefix": f"faults-{uuid.uuid4().hex[:8]}:", "timeout_s": 1.0, "retry_backoff_s": 0.05}
 
 
-def finish(cache: HiRadixCache, store, threads_before: int) -> None:
-    """Close everything and check that no thread is left behind (joined with a timeout)."""
+def finish(cache: HiRadixCache, store, threads_before: set[threading.Thread]) -> None:
+    """Close everything and check that no thread this test started is left behind (joined with a timeout;
+    threads other tests left are not ours to wait for)."""
     cache.close()
     store.close()  # wakes an injected hang the cache's bounded close did not wait for
-    for thread in threading.enumerate():
+    for thread in set(threading.enumerate()) - threads_before:
         if thread.name.startswith("tierkv-"):
             thread.join(timeout=60)  # a bound on being stuck: a loaded machine drains slowly
-    assert threading.active_count() <= threads_before, [t.name for t in threading.enumerate()]
+    left = [t.name for t in set(threading.enumerate()) - threads_before]
+    assert not left, left
 
 
 def test_workload_without_faults_uses_l3(backend):
-    before = threading.active_count()
+    before = set(threading.enumerate())
     store = open_work_store(*backend)
     result, cache = run_workload(store, make_trace(), io_wait_timeout_s=30.0)  # no fault: let backups land
     assert result.requests == 72 and result.storage_hit_tokens > 0
@@ -195,7 +197,7 @@ def test_workload_without_faults_uses_l3(backend):
 
 @pytest.mark.parametrize("kind", sorted(FAULTS))
 def test_workload_with_faults_never_returns_wrong_kv(backend, kind):
-    before = threading.active_count()
+    before = set(threading.enumerate())
     store = open_work_store(*backend, faults={**FAULTS[kind], "seed": 1})
     # a hang must not hold the request: the timeout stop policy lets it go without L3
     policy = "timeout" if kind == "hang" else "wait_complete"
@@ -220,7 +222,7 @@ def test_disk_full_is_a_failed_write_not_a_crash(tmp_path, monkeypatch):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(file_backend, "_write_all", no_space)
-    before = threading.active_count()
+    before = set(threading.enumerate())
     store = open_work_store(f"file://{tmp_path}/l3", {})
     result, cache = run_workload(store, make_trace(num_requests=16))
     assert result.requests == 32 and result.hit_tokens > 0  # L1/L2 still serve, every hit verified
@@ -238,7 +240,7 @@ def test_l1_l2_copy_failures_degrade_to_recompute():
         if rng.random() < 0.3:
             raise RuntimeError(f"injected {kind} copy failure")
 
-    before = threading.active_count()
+    before = set(threading.enumerate())
     store = open_work_store("memory", {})
     cache = make_cache(store)
     cache.transfer.delay_hook = flaky_copy

@@ -122,7 +122,12 @@ def open_store(spec: str, namespace: str, page_nbytes: int, extra_config: dict |
                              "'dir'")
         return FileStore(namespace, page_nbytes, root=options["dir"], fsync=options.get("fsync", False))
     if backend == "redis":
-        from tierkv.storage.redis_store import RedisStore
+        try:
+            from tierkv.storage.redis_store import RedisStore
+        except ModuleNotFoundError as exc:
+            if exc.name != "redis":
+                raise
+            raise ValueError("the redis backend needs redis-py: pip install 'tierkv[redis]'") from None
         return RedisStore(namespace, page_nbytes, **options)
     if "master" not in options:
         raise ValueError("mooncake storage needs a master: mooncake://host:port or extra_config 'master'")

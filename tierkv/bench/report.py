@@ -16,6 +16,7 @@ replay's tiny pools: they say what the run would move on a real server.
 from __future__ import annotations
 
 import json
+import math
 import multiprocessing
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -35,6 +36,9 @@ from tierkv.bench.ttft import TTFTModel
 _SIZE_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9}
 
 
+MAX_SIZE = 10**11  # tokens: past any pool this machine or its storage could hold (1e11 x 128 KiB = 13 PB)
+
+
 def parse_size(text: str) -> int:
     """Tokens from ``"500000"``, ``"250k"``, ``"1.5M"`` or ``"2G"`` (decimal multiples)."""
     s = str(text).strip().lower()
@@ -44,6 +48,8 @@ def parse_size(text: str) -> int:
         value = float(number) * scale
     except ValueError:
         raise ValueError(f"bad token count {text!r}: expected e.g. 500000, 250k, 1.5M") from None
+    if not math.isfinite(value) or value > MAX_SIZE:
+        raise ValueError(f"bad token count {text!r}: must be a finite number up to {MAX_SIZE:.0e}")
     if value < 0 or value != int(value):
         raise ValueError(f"bad token count {text!r}: must be a whole number >= 0")
     return int(value)

@@ -102,11 +102,11 @@ def test_engine_refuses_a_never_fitting_request_without_evicting(model):
 def test_serve_command_prints_a_summary_and_logs_each_request(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     proc = subprocess.Popen([sys.executable, "-m", "tierkv.engine.cli", "serve", "--model", "tiny-qwen3",
-                             "--port", "0", "--l1-tokens", "1k", "--l2-tokens", "4k"], stdout=subprocess.PIPE,
+                             "--port", "0", "--l1-tokens", "2k", "--l2-tokens", "8k"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env)
     try:
         summary = [proc.stdout.readline() for _ in range(4)]
-        assert "L1 1,000 tokens" in summary[1] and "L2 4,000 tokens" in summary[1], summary
+        assert "L1 2,000 tokens" in summary[1] and "L2 8,000 tokens" in summary[1], summary
         assert "listening on http://127.0.0.1:" in summary[-1], summary
         port = int(summary[-1].rsplit(":", 1)[1])
         status, _, data = call(port, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 3})

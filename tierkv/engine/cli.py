@@ -9,6 +9,7 @@ import signal
 import sys
 from pathlib import Path
 
+from tierkv.cli import token_count
 from tierkv.engine.config import PRESETS
 from tierkv.engine.engine import CACHE_MODES, Engine, EngineConfig
 
@@ -17,16 +18,6 @@ DEFAULT_L1_TOKENS = "8k"
 
 class CliError(ValueError):
     """A bad command-line value; the message names the flag."""
-
-
-def token_count(text: str) -> int:
-    """argparse type: a token count such as 8192, 500k or 1.5M."""
-    from tierkv.bench.report import parse_size
-
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def port_number(text: str) -> int:
@@ -41,7 +32,7 @@ def port_number(text: str) -> int:
 
 def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="torch device for model and L1 (cpu, cuda, cuda:1)")
-    parser.add_argument("--page-size", type=int, default=1, help="tokens per cache page")
+    parser.add_argument("--page-size", type=int, default=16, help="tokens per cache page (as tierkv replay)")
     parser.add_argument("--chunk-tokens", type=int, default=256, help="prompt tokens prefilled per step")
     parser.add_argument("--max-running", type=int, default=16, help="requests batched together")
 

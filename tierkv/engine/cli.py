@@ -117,7 +117,10 @@ def _name_flag(message: str) -> str:
 
 
 def _build_server(args: argparse.Namespace):
-    from tierkv.engine.server import CompletionServer, ServerLimits
+    try:
+        from tierkv.engine.server import CompletionServer, ServerLimits
+    except ModuleNotFoundError as exc:
+        raise CliError(f"serving needs {exc.name}: pip install 'tierkv[serve]'") from None
     from tierkv.engine.tokenizer import load_tokenizer
 
     config = _engine_config(args)

@@ -5,11 +5,9 @@ slot ids (a scheduler's pattern: one key object per request, used for both). Wor
 - ``trace``: the first N prompts of conversation_trace.jsonl (12k tokens on average), page size 16;
 - ``chat``: short multi-turn keys (64-1024 tokens, shared system prompts), page size 1.
 
-SGLang needs its own environment (torch 2.13 CPU has no matching torchvision, so a stand-in is used):
-    /work/venv/bin/python -m venv /work/sglvenv   # or any CPython 3.11, plus a .pth to /work/venv's packages
-    /work/sglvenv/bin/pip install sglang --no-deps  # then what sglang.srt.mem_cache.radix_cache imports
-Run:  PYTHONPATH=<dir with the torchvision stand-in>:. /work/sglvenv/bin/python bench/bench_tree_vs_sglang.py
-The stand-in is written to a temp dir by this script when ``torchvision`` is missing.
+SGLang needs its own environment; `bash scripts/setup_sglang_venv.sh` builds it (.venv-sglang, sharing
+tierkv's torch; a torchvision stand-in is written to a temp dir when ``torchvision`` is missing). Run:
+    PYTHONPATH=. .venv-sglang/bin/python bench/bench_tree_vs_sglang.py
 """
 
 from __future__ import annotations
@@ -27,9 +25,7 @@ from tierkv.bench.trace import load_trace
 from tierkv.radix import RadixKey, RadixTree
 
 ROOT = Path(__file__).resolve().parents[1]
-# the main checkout sits beside shared/; a helper's worktree one level deeper
-TRACE = next((p for p in (ROOT.parent / "shared", ROOT.parent.parent / "shared")
-              if (p / "data" / "traces").is_dir()), ROOT.parent / "shared") / "data/traces/conversation_trace.jsonl"
+TRACE = ROOT / "data" / "traces" / "conversation_trace.jsonl.gz"  # shipped with the repository
 
 _TORCHVISION_STUB = '''
 import importlib.abc, importlib.machinery, sys, types

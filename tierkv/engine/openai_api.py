@@ -86,10 +86,11 @@ def parse_request(model: type[_Common], body: bytes) -> _Common:
         request = model.model_validate_json(body or b"")
     except ValidationError as exc:
         first = exc.errors()[0]
-        where = ".".join(str(part) for part in first["loc"] if not isinstance(part, int) or first["loc"])
         if first["type"] == "json_invalid":
             raise ApiError(400, f"body is not valid JSON: {first['msg']}") from None
-        raise ApiError(400, f"{where or 'body'}: {first['msg']}", param=where or None) from None
+        field_name = str(first["loc"][0]) if first["loc"] else None  # the top-level field, as clients name it
+        where = ".".join(str(part) for part in first["loc"]) or "body"
+        raise ApiError(400, f"{where}: {first['msg']}", param=field_name) from None
     _refuse_unsupported(request)
     return request
 

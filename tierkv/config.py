@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from tierkv.eviction import get_policy
+from tierkv.eviction import POLICIES
 from tierkv.pools.kv import HOST_LAYOUTS
 from tierkv.transfer import IO_BACKENDS
+from tierkv.validate import check_bool, check_choice, check_int, check_number
 
 WRITE_POLICIES = {"write_through": 1, "write_through_selective": 2, "write_back": None}
 
@@ -16,7 +16,7 @@ WRITE_POLICIES = {"write_through": 1, "write_through_selective": 2, "write_back"
 class CacheConfig:
     """Policies and sizes of the L1/L2 cache. Errors name the field and the bad value.
 
-    ``hicache_size_gb`` overrides ``hicache_ratio``; ``enable_host=False`` gives a plain L1-only radix cache.
+    ``hicache_size_gb`` (when not None or 0) overrides ``hicache_ratio``; ``enable_host=False`` gives a plain L1-only radix cache.
     """
 
     page_size: int = 1
@@ -31,30 +31,19 @@ class CacheConfig:
     enable_host: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.page_size, int) or isinstance(self.page_size, bool) or self.page_size < 1:
-            raise ValueError(f"page_size must be a positive int, got {self.page_size!r}")
-        get_policy(self.eviction_policy)
-        _choice("write_policy", self.write_policy, sorted(WRITE_POLICIES))
-        _choice("io_backend", self.io_backend, IO_BACKENDS)
-        _choice("host_layout", self.host_layout, HOST_LAYOUTS)
-        _positive_number("hicache_ratio", self.hicache_ratio)
-        if self.hicache_size_gb is not None:
-            _positive_number("hicache_size_gb", self.hicache_size_gb)
-        if not isinstance(self.load_back_threshold, int) or self.load_back_threshold < 0:
-            raise ValueError(f"load_back_threshold must be an int >= 0, got {self.load_back_threshold!r}")
+        check_int("page_size", self.page_size, minimum=1)
+        check_choice("eviction_policy", self.eviction_policy, sorted(POLICIES))
+        check_choice("write_policy", self.write_policy, sorted(WRITE_POLICIES))
+        check_choice("io_backend", self.io_backend, IO_BACKENDS)
+        check_choice("host_layout", self.host_layout, HOST_LAYOUTS)
+        check_number("hicache_ratio", self.hicache_ratio, minimum=0, exclusive_minimum=True)
+        if self.hicache_size_gb is not None:  # 0, as in HiCache: no absolute size, use the ratio
+            check_number("hicache_size_gb", self.hicache_size_gb, minimum=0)
+        check_int("load_back_threshold", self.load_back_threshold, minimum=0)
+        check_bool("bigram", self.bigram)
+        check_bool("enable_host", self.enable_host)
 
     @property
     def write_threshold(self) -> int | None:
         """Hits after which a node is backed up to L2; None for write_back (only on eviction)."""
         return WRITE_POLICIES[self.write_policy]
-
-
-def _choice(name: str, value: object, options) -> None:
-    if not isinstance(value, str) or value not in options:
-        raise ValueError(f"{name} {value!r} is not one of {list(options)}")
-
-
-def _positive_number(name: str, value: object) -> None:
-    if (not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)
-            or value <= 0):
-        raise ValueError(f"{name} must be a finite positive number, got {value!r}")

@@ -131,6 +131,11 @@ class HiRadixCache:
     def match_prefix(self, key: RadixKey) -> MatchResult:
         """Longest cached prefix of ``key`` in L1 and L2. Lock contract: takes no lock (caller locks).
 
+        ``last_host_node`` is the deepest node of the match, whichever tier holds it: pass it to
+        :meth:`init_load_back` (loads its host-only part) and :meth:`prefetch_from_storage` (continues
+        from its deepest L2-backed ancestor itself). Unlike HiCache's, it need not be backed up in L2
+        (a write_back node in L1 only): engines must not assume ``last_host_node.host_value`` is set.
+
         Device indices filled by another request's load still in flight are waited for (on CUDA the
         current stream waits on the load's event), so the returned KV is always ready to read.
         """
@@ -177,22 +182,31 @@ class HiRadixCache:
         self.tree.dec_lock_ref(node)
 
     # ---- insert and write policies -----------------------------------------------------------
-    def insert(self, key: RadixKey, device_slots: torch.Tensor, priority: int = 0) -> int:
+    def insert(self, key: RadixKey, device_slots: torch.Tensor, priority: int = 0, chunked: bool = False) -> int:
         """Cache ``key`` whose KV sits in ``device_slots``; returns how many of them the tree now owns.
 
         Slots duplicating KV the tree already holds are freed; slots past the returned count (a partial
-        last page) stay the caller's. Lock contract: takes no lock; may lock nodes for a write-through.
+        last page) stay the caller's. Hits are counted as HiCache counts them: not under write_back,
+        not for a ``chunked`` insert (one chunk of a prefill in progress: the prompt has not been
+        reused), and not for nodes this insert revived (recomputed KV for a host-only node).
+        Lock contract: takes no lock; may lock nodes for a write-through.
         """
         if not isinstance(device_slots, torch.Tensor) or device_slots.dim() != 1 or device_slots.dtype != torch.int64:
             raise TypeError(f"device_slots must be a 1-D int64 tensor, got {_describe(device_slots)}")
         if not isinstance(priority, int):
             raise TypeError(f"priority must be an int, got {priority!r}")
+        if not isinstance(chunked, bool):
+            raise TypeError(f"chunked must be a bool, got {chunked!r}")
         result = self.tree.insert(key, device_slots, priority)
         self._free_duplicates(device_slots, result.shared)
-        for node in result.path:
-            node.hit_count += 1
         threshold = self.config.write_threshold
-        if self.transfer is not None and threshold is not None:
+        if threshold is None or chunked:
+            return result.prefix_len + (len(result.new_node) if result.new_node else 0)
+        revived = {id(n) for n in result.revived}
+        for node in result.path:
+            if id(node) not in revived:
+                node.hit_count += 1
+        if self.transfer is not None:
             hot = [n for n in result.path if n.host_value is None and n.hit_count >= threshold]
             if hot:
                 self.write_backup(hot[-1])
@@ -252,39 +266,42 @@ class HiRadixCache:
             offset += len(n)
 
     # ---- completion of asynchronous work -------------------------------------------------------
-    def local_progress(self) -> list[int]:
-        """Counts of completed operations at the head of each ack queue, in a fixed order."""
+    def local_progress(self) -> tuple[list[int], list[int]]:
+        """This rank's progress: MIN counts (completed operations at the head of each ack queue, then
+        storage's) and MAX flags (storage's "terminated" votes), in a fixed order."""
         if self.transfer is None:
-            return [0, 0]
+            return [0, 0], []
         counts = [self.transfer.num_done(self.transfer.writes), self.transfer.num_done(self.transfer.loads)]
+        flags: list[int] = []
         if self.storage is not None:
-            counts += self.storage.local_progress()
-        return counts
+            storage_counts, flags = self.storage.local_progress()
+            counts += storage_counts
+        return counts, flags
 
-    def apply_progress(self, counts: list[int]) -> None:
+    def apply_progress(self, min_counts: list[int], max_counts: list[int] = ()) -> None:
         """Retire the agreed number of completed operations. Lock contract: releases their locks."""
         if self.transfer is None:
             return
-        for handle, pending in self.transfer.pop_done(self.transfer.writes, counts[0]):
+        for handle, pending in self.transfer.pop_done(self.transfer.writes, min_counts[0]):
             self._finish_write(pending, handle)
-        for handle, pending in self.transfer.pop_done(self.transfer.loads, counts[1]):
+        for handle, pending in self.transfer.pop_done(self.transfer.loads, min_counts[1]):
             self._finish_load(pending, handle)
         if self.storage is not None:
-            self.storage.apply_progress(counts[2:])
+            self.storage.apply_progress(list(min_counts[2:]), list(max_counts))
 
     def step(self) -> None:
         """Once per scheduler step: agree on progress across TP ranks (one collective) and apply it."""
-        self.apply_progress(self.tp.all_reduce_min(self.local_progress()))
+        self.apply_progress(*self.tp.agree(*self.local_progress()))
 
     def writing_check(self) -> None:
         """Retire finished writes only (a step without loads or storage). Lock contract: as apply_progress."""
-        counts = self.local_progress()
-        self.apply_progress(self.tp.all_reduce_min([counts[0], 0] + [0] * (len(counts) - 2)))
+        counts, flags = self.local_progress()
+        self.apply_progress(*self.tp.agree([counts[0], 0] + [0] * (len(counts) - 2), [0] * len(flags)))
 
     def loading_check(self) -> None:
         """Retire finished loads only. Lock contract: as apply_progress."""
-        counts = self.local_progress()
-        self.apply_progress(self.tp.all_reduce_min([0, counts[1]] + [0] * (len(counts) - 2)))
+        counts, flags = self.local_progress()
+        self.apply_progress(*self.tp.agree([0, counts[1]] + [0] * (len(counts) - 2), [0] * len(flags)))
 
     def _finish_write(self, pending: PendingWrite, handle: CopyHandle) -> None:
         self.tree.dec_lock_ref(pending.node)
@@ -333,9 +350,10 @@ class HiRadixCache:
     def init_load_back(self, last_node: TreeNode, mem_quota: int | None = None) -> LoadResult:
         """Load the host-only part of ``last_node``'s path into L1 in one batch, or none of it.
 
-        Skipped when under ``load_back_threshold`` tokens, over ``mem_quota`` or when L1 has no room
-        even after eviction. Lock contract: loaded nodes stay locked until the load is acknowledged;
-        the caller must :meth:`PendingLoad.wait` before reading the KV.
+        Skipped when under ``load_back_threshold`` tokens, over ``mem_quota`` less the L1 tokens that
+        locking the path makes unevictable (HiCache's delta: the quota counts them as room), or when
+        L1 has no room even after eviction. Lock contract: loaded nodes stay locked until the load is
+        acknowledged; the caller must :meth:`PendingLoad.wait` before reading the KV.
         """
         path = self.tree.path_to_root(last_node)
         host_only = [n for n in path if n.device_value is None]
@@ -344,13 +362,15 @@ class HiRadixCache:
         num_tokens = sum(len(n) for n in host_only)
         if num_tokens == 0 or self.transfer is None:
             return LoadResult(self._path_indices(device_part), last_device)
-        too_small = num_tokens < self.config.load_back_threshold
-        if too_small or (mem_quota is not None and num_tokens > mem_quota):
+        if num_tokens < self.config.load_back_threshold:
             return LoadResult(self._path_indices(device_part), last_device)
         # Locked from here to the ack: making room in L1 must not evict the prefix we extend, and the
         # write-backs that eviction may cause must not evict from L2 the nodes we load.
+        evictable_before = self.tree.evictable_size
         self.tree.inc_lock_ref(last_node)
-        device_slots = self._alloc_device(num_tokens)
+        newly_locked = evictable_before - self.tree.evictable_size
+        over_quota = mem_quota is not None and num_tokens > mem_quota - newly_locked
+        device_slots = None if over_quota else self._alloc_device(num_tokens)
         if device_slots is None:
             self.tree.dec_lock_ref(last_node)
             return LoadResult(self._path_indices(device_part), last_device)
@@ -519,6 +539,11 @@ class HiRadixCache:
     @property
     def protected_size(self) -> int:
         return self.tree.protected_size
+
+    def clear_storage_backend(self) -> bool:
+        """Empty L3 (this namespace's pages), keeping L1 and L2; False when no L3 is attached or its
+        backend cannot clear. Lock contract: takes no lock."""
+        return self.storage is not None and self.storage.clear_store()
 
     def reset(self, clear_storage: bool = False) -> None:
         """Drop every cached token in L1 and L2, and in L3 only when ``clear_storage`` (L3 may be shared

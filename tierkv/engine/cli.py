@@ -53,6 +53,8 @@ def serve_parser() -> argparse.ArgumentParser:
     parser.add_argument("--l2-tokens", type=token_count, default=None, help="L2 (host) tokens (default 2x L1)")
     parser.add_argument("--l3", default=None, help="storage spec for mode l1+l2+l3, e.g. file:/tmp/kv")
     parser.add_argument("--storage-extra", default=None, help="JSON extra config for the L3 tier")
+    parser.add_argument("--model-id", default=None,
+                        help="a name added to the model's L3 namespace (which always digests config and weights)")
     parser.add_argument("--api-key", default=None, help="require this API key (one tenant)")
     parser.add_argument("--tenant-keys", default=None, metavar="FILE",
                         help="file of `TENANT KEY` lines: each key's requests get their own cache namespace")
@@ -102,7 +104,8 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
     try:
         return EngineConfig(mode=args.mode, device=args.device, l1_tokens=args.l1_tokens, page_size=args.page_size,
                             hicache_ratio=ratio, l3=args.l3, storage_extra=extra,
-                            max_running_requests=args.max_running, chunk_tokens=args.chunk_tokens)
+                            max_running_requests=args.max_running, chunk_tokens=args.chunk_tokens,
+                            model_id=args.model_id)
     except ValueError as exc:
         raise CliError(_name_flag(str(exc))) from None
 

@@ -5,9 +5,13 @@ the two worker threads (prefetch, backup) only read/write host pages the in-flig
 protects, and report through its counters and events.
 
 TP contract: what asynchronous progress decides (retiring backups, revoking, stopping, freeing a
-drained prefetch's slots) is decided from counts agreed across ranks. The counts vector is
-``[completed backups at the queue head] + [completed pages, finished, timed out] per prefetch``, in the
-order prefetches started (running ones, then draining ones), which is identical on every rank.
+drained prefetch's slots) is decided from counts agreed across ranks in the cache's one per-step
+collective. The MIN vector is ``[completed backups at the queue head] + [completed pages, finished,
+pages found] per prefetch`` and the MAX vector ``[terminated] per prefetch`` (see prefetch.py), both in
+the order prefetches started (running ones, then draining ones), which is identical on every rank.
+
+MLA: the latent KV is the same on every rank, so its pages are named without the rank
+(:meth:`HashNamespace.for_spec`) and written by rank 0 alone; every rank reads them.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from tierkv.storage.backup import Backup
 from tierkv.storage.base import PageStore
 from tierkv.storage.config import StorageConfig
 from tierkv.storage.factory import BACKEND_OPTIONS, open_store, parse_spec
-from tierkv.storage.prefetch import NUM_COUNTS, Prefetch
+from tierkv.storage.prefetch import NUM_MAX_COUNTS, NUM_MIN_COUNTS, Prefetch
 from tierkv.storage.worker import IOWorker
 
 if TYPE_CHECKING:
@@ -92,14 +96,21 @@ class StorageController:
         self.draining: list[Prefetch] = []
         self.backups: deque[Backup] = deque()
         self._seeds: dict[str | None, str] = {}
+        tp = cache.tp
+        # HiCache's backup_skip: one copy of MLA KV, written by rank 0 (reads still agree across ranks)
+        self.skip_backup_writes = cache.device_pool.spec.attention == "mla" and tp.rank != 0
+        self.agree_found = tp.world_size > 1
+        self.max_tokens_in_flight = config.prefetch_max_tokens_in_flight
+        if self.max_tokens_in_flight is None:  # HiCache: room for prefetches is what L2 has beyond L1
+            room = cache.host_pool.num_slots - cache.device_pool.num_slots
+            self.max_tokens_in_flight = max(int(0.8 * room), cache.config.page_size)
         self._prefetch_worker = IOWorker("tierkv-prefetch")
         self._backup_worker = IOWorker("tierkv-backup")
 
     # ---- hashes -------------------------------------------------------------------------------
     def _seed(self, extra_key: str | None) -> str:
         if extra_key not in self._seeds:
-            ns = self.namespace if extra_key is None else dataclasses.replace(self.namespace, extra_key=extra_key)
-            self._seeds[extra_key] = ns.seed()
+            self._seeds[extra_key] = self.namespace.seed(extra_key)
         return self._seeds[extra_key]
 
     def path_hashes(self, node: TreeNode) -> list[str]:
@@ -133,7 +144,7 @@ class StorageController:
         anchor = path[anchor_index - 1] if anchor_index else self.tree.root
         anchor_len = sum(len(n) for n in path[:anchor_index])
         num_tokens = len(elems) - anchor_len
-        if self.tokens_in_flight + num_tokens > self.config.prefetch_max_tokens_in_flight:
+        if self.tokens_in_flight + num_tokens > self.max_tokens_in_flight:
             self.stats.prefetch_rate_limited += 1
             return False
         self.tree.inc_host_ref(anchor)  # before allocating: L2 eviction must not take the anchor
@@ -145,8 +156,10 @@ class StorageController:
         prior = self.path_hashes(anchor)[-1] if anchor_index else self._seed(key.extra_key)
         hashes = page_hashes(elems[anchor_len:], self.page_size, prior, self.namespace)
         pages = self.host_pool.allocator.slots_to_pages(host_slots).tolist()
+        config, ps = self.config, self.page_size
         prefetch = Prefetch(request_id, anchor, anchor_len, key, hashes, host_slots, pages,
-                            self.config.prefetch_timeout_s(num_tokens))
+                            config.prefetch_timeout_base, config.prefetch_timeout_per_ki_token * ps / 1024,
+                            agree_found=self.agree_found, min_found_pages=-(-config.prefetch_threshold // ps))
         self.prefetches[request_id] = prefetch
         self._prefetch_worker.submit(partial(prefetch.run, self.store, self.host_pool,
                                              self.config.prefetch_batch_pages))
@@ -184,9 +197,9 @@ class StorageController:
         prefetch.cancel.set()
         keep_tokens = keep_pages * self.page_size
         if keep_tokens:
-            self._insert(prefetch, keep_tokens)
-            self.cache.stats.storage_hit_tokens += keep_tokens
-            self.stats.prefetched_tokens += keep_tokens
+            new_tokens = self._insert(prefetch, keep_tokens)  # pages the tree already had are no L3 hit
+            self.cache.stats.storage_hit_tokens += new_tokens
+            self.stats.prefetched_tokens += new_tokens
         self.tree.dec_host_ref(prefetch.anchor)
         rest = prefetch.host_slots[keep_tokens:]
         if prefetch.agreed_finished:
@@ -196,11 +209,11 @@ class StorageController:
             prefetch.host_slots, prefetch.state = rest, "draining"
             self.draining.append(prefetch)
 
-    def _insert(self, prefetch: Prefetch, num_tokens: int) -> None:
-        """Hang the fetched pages under the anchor as host-only nodes.
+    def _insert(self, prefetch: Prefetch, num_tokens: int) -> int:
+        """Hang the fetched pages under the anchor as host-only nodes; the tokens new to the tree.
 
         Parts the tree already holds in L2 (another request got there first) free our copy; nodes on
-        the way that hold only device slots adopt ours as their backup.
+        the way that hold only device slots adopt ours as their backup (not new: the tree had them).
         """
         end = prefetch.anchor_len + num_tokens
         key = prefetch.key
@@ -225,6 +238,8 @@ class StorageController:
             leaf = self.tree.add_leaf(parent, elems[path.num_tokens:], key.extra_key)
             leaf.host_value = slots[offset:]
             leaf.hash_values = prefetch.hashes[offset // ps: num_tokens // ps]
+            return num_tokens - offset
+        return 0
 
     def _counted(self) -> list[Prefetch]:
         return [p for p in self.prefetches.values() if p.state == "running"] + self.draining
@@ -246,9 +261,12 @@ class StorageController:
         self.tree.inc_host_ref(node)
         backup = Backup(node, hashes, pages, self.page_size)
         self.backups.append(backup)
+        self.stats.backup_started += 1
+        if self.skip_backup_writes:  # rank 0 writes the one copy; retired in queue order like any other
+            backup.done.set()
+            return
         self._backup_worker.submit(partial(backup.run, self.store, self.host_pool,
                                            self.config.prefetch_batch_pages))
-        self.stats.backup_started += 1
 
     def _retire_backup(self, backup: Backup) -> None:
         self.tree.dec_host_ref(backup.node)
@@ -257,29 +275,34 @@ class StorageController:
         self.stats.backup_failed_pages += backup.failed_pages
 
     # ---- progress (TP agreement) --------------------------------------------------------------
-    def local_progress(self) -> list[int]:
-        """This rank's counts, in the order described in the module docstring."""
+    def local_progress(self) -> tuple[list[int], list[int]]:
+        """This rank's MIN and MAX counts, in the order described in the module docstring."""
         done = 0
         for backup in self.backups:
             if not backup.done.is_set():
                 break
             done += 1
-        counts = [done]
+        min_counts, max_counts = [done], []
         for prefetch in self._counted():
-            counts += prefetch.local_counts()
-        return counts
+            mins, maxs = prefetch.local_counts()
+            min_counts += mins
+            max_counts += maxs
+        return min_counts, max_counts
 
-    def apply_progress(self, counts: list[int]) -> None:
+    def apply_progress(self, min_counts: list[int], max_counts: list[int]) -> None:
         """Act on agreed counts. Lock contract: releases host_refs of retired backups and revoked prefetches."""
-        for _ in range(counts[0]):
+        counted = self._counted()
+        if len(min_counts) != 1 + NUM_MIN_COUNTS * len(counted) or \
+                len(max_counts) != NUM_MAX_COUNTS * len(counted):
+            raise ValueError(f"{len(min_counts)} MIN and {len(max_counts)} MAX progress counts for "
+                             f"{len(counted)} prefetches")
+        for _ in range(min_counts[0]):
             backup = self.backups.popleft()
             backup.done.wait()
             self._retire_backup(backup)
-        counted = self._counted()
-        if len(counts) != 1 + NUM_COUNTS * len(counted):
-            raise ValueError(f"{len(counts)} progress counts for {len(counted)} prefetches")
         for i, prefetch in enumerate(counted):
-            prefetch.agree(counts[1 + NUM_COUNTS * i: 1 + NUM_COUNTS * (i + 1)])
+            prefetch.agree(min_counts[1 + NUM_MIN_COUNTS * i: 1 + NUM_MIN_COUNTS * (i + 1)],
+                           max_counts[NUM_MAX_COUNTS * i: NUM_MAX_COUNTS * (i + 1)])
         for prefetch in counted:
             if prefetch.state == "running" and prefetch.agreed_finished and prefetch.agreed_pages == 0:
                 self._revoke(prefetch)
@@ -304,9 +327,9 @@ class StorageController:
     def wait_idle(self, timeout_s: float | None = None) -> bool:
         """Wait until every backup is written and every prefetch's worker is done; False on timeout."""
         deadline = time.monotonic() + (self.config.io_wait_timeout_s if timeout_s is None else timeout_s)
-        events = [b.done for b in self.backups] + [p.finished for p in self._counted()]
-        for event in events:
-            if not event.wait(max(0.0, deadline - time.monotonic())):
+        waits = [b.done.wait for b in self.backups] + [p.wait_worker for p in self._counted()]
+        for wait in waits:
+            if not wait(max(0.0, deadline - time.monotonic())):
                 log.warning("storage I/O still running after %.1f s; not waiting longer",
                             self.config.io_wait_timeout_s)
                 return False
@@ -315,6 +338,16 @@ class StorageController:
     def flush(self) -> None:
         """Wait (bounded by io_wait_timeout_s) for in-flight I/O; the cache's next step retires it."""
         self.wait_idle()
+
+    def clear_store(self) -> bool:
+        """Empty the store after in-flight backups (bounded wait: they would re-add pages); False when
+        the backend cannot clear."""
+        self.wait_idle()
+        try:
+            self.store.clear()
+        except NotImplementedError:
+            return False
+        return True
 
     def reset(self, clear_store: bool = False) -> None:
         """Forget in-flight work (the cache has reset the tree and pools); empty the store if asked."""

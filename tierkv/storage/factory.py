@@ -12,6 +12,7 @@ from __future__ import annotations
 from urllib.parse import unquote, urlsplit
 
 from tierkv.storage.base import PageStore
+from tierkv.validate import check_int, check_seconds
 
 # Backend keys allowed in extra_config, with their types (float also accepts int).
 BACKEND_OPTIONS: dict[str, dict[str, type]] = {
@@ -27,6 +28,10 @@ BACKEND_OPTIONS: dict[str, dict[str, type]] = {
 for _options in BACKEND_OPTIONS.values():
     _options["faults"] = dict
 _ALIASES = {"valkey": "redis"}
+# Ranges of the numeric options (every backend's option of that name): waits must be finite and > 0.
+_SECONDS_OPTIONS = {"timeout_s", "retry_backoff_s"}
+_INT_RANGES = {"port": (1, 65535), "db": (0, None), "batch_pages": (1, None), "global_segment_size": (1, None),
+               "local_buffer_size": (1, None), "replica_num": (1, None)}
 
 
 def parse_spec(spec: str) -> tuple[str, dict]:
@@ -98,6 +103,10 @@ def check_options(backend: str, options: dict) -> dict:
             shown = "***" if key == "password" else repr(value)
             raise ValueError(f"{backend} storage option {key!r} must be {kind.__name__}, got {shown} "
                              f"({type(value).__name__})")
+        if key in _SECONDS_OPTIONS:
+            check_seconds(f"{backend} storage option {key!r}", value, positive=True)
+        elif key in _INT_RANGES:
+            check_int(f"{backend} storage option {key!r}", value, *_INT_RANGES[key])
     return options
 
 

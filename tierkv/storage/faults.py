@@ -19,6 +19,7 @@ import torch
 
 from tierkv.storage.base import PageStore
 from tierkv.storage.page_format import HEADER_SIZE
+from tierkv.validate import check_int, check_number, check_seconds
 
 OPERATIONS = ("exists", "get", "set")
 FAULT_KINDS = ("latency", "error", "hang", "partial", "corrupt_get", "corrupt_set")
@@ -50,15 +51,10 @@ class FaultConfig:
         for f in fields(self):
             value = getattr(self, f.name)
             if f.name.endswith("_rate"):
-                _number(f.name, value)
-                if not 0.0 <= value <= 1.0:
-                    raise ValueError(f"faults.{f.name} must be in [0, 1], got {value!r}")
+                check_number(f"faults.{f.name}", value, 0.0, 1.0)
             elif f.name.endswith("_s"):
-                _number(f.name, value)
-                if not 0.0 <= value < float("inf"):
-                    raise ValueError(f"faults.{f.name} must be a finite number of seconds >= 0, got {value!r}")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
-            raise ValueError(f"faults.seed must be an int, got {self.seed!r}")
+                check_seconds(f"faults.{f.name}", value)
+        check_int("faults.seed", self.seed)
         ops = self.operations
         if isinstance(ops, str) or not isinstance(ops, (list, tuple)) or not set(ops) <= set(OPERATIONS):
             raise ValueError(f"faults.operations must be a list drawn from {OPERATIONS}, got {ops!r}")
@@ -77,11 +73,6 @@ class FaultConfig:
 
     def as_dict(self) -> dict:
         return asdict(self)
-
-
-def _number(name: str, value: object) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value:
-        raise ValueError(f"faults.{name} must be a number, got {value!r}")
 
 
 class FaultyStore(PageStore):

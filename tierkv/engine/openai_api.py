@@ -152,7 +152,7 @@ class TokenOut:
 
     token_id: int
     text: str
-    piece: str
+    piece: str = ""  # the token decoded alone (filled only when logprobs are asked for)
     logprob: float | None = None
     top: list[tuple[str, float]] = field(default_factory=list)
 

@@ -42,8 +42,9 @@ class TokenSink:
             self.ttft.observe(request.ttft_s)
         self.pending += self.stream.push(token)
         text = self._release(request)
-        out = TokenOut(token, text, self.tokenizer.decode([token]))
+        out = TokenOut(token, text)
         if self.top_k is not None:
+            out.piece = self.tokenizer.decode([token])
             self._logprobs(out, request.last_logits)
         self.deliver(out)
 

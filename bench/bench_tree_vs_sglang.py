@@ -5,11 +5,9 @@ slot ids (a scheduler's pattern: one key object per request, used for both). Wor
 - ``trace``: the first N prompts of conversation_trace.jsonl (12k tokens on average), page size 16;
 - ``chat``: short multi-turn keys (64-1024 tokens, shared system prompts), page size 1.
 
-SGLang needs its own environment (torch 2.13 CPU has no matching torchvision, so a stand-in is used):
-    /work/venv/bin/python -m venv /work/sglvenv   # or any CPython 3.11, plus a .pth to /work/venv's packages
-    /work/sglvenv/bin/pip install sglang --no-deps  # then what sglang.srt.mem_cache.radix_cache imports
-Run:  PYTHONPATH=<dir with the torchvision stand-in>:. /work/sglvenv/bin/python bench/bench_tree_vs_sglang.py
-The stand-in is written to a temp dir by this script when ``torchvision`` is missing.
+SGLang needs its own environment; `bash scripts/setup_sglang_venv.sh` builds it (.venv-sglang, sharing
+tierkv's torch; a torchvision stand-in is written to a temp dir when ``torchvision`` is missing). Run:
+    PYTHONPATH=. .venv-sglang/bin/python bench/bench_tree_vs_sglang.py
 """
 
 from __future__ import annotations
@@ -27,9 +25,7 @@ from tierkv.bench.trace import load_trace
 from tierkv.radix import RadixKey, RadixTree
 
 ROOT = Path(__file__).resolve().parents[1]
-# the main checkout sits beside shared/; a helper's worktree one level deeper
-TRACE = next((p for p in (ROOT.parent / "shared", ROOT.parent.parent / "shared")
-              if (p / "data" / "traces").is_dir()), ROOT.parent / "shared") / "data/traces/conversation_trace.jsonl"
+TRACE = ROOT / "data" / "traces" / "conversation_trace.jsonl.gz"  # shipped with the repository
 
 _TORCHVISION_STUB = '''
 import importlib.abc, importlib.machinery, sys, types
@@ -127,9 +123,14 @@ def run_sglang(seqs: list[list[int]], page_size: int, sgl) -> tuple[float, float
     return match_s, insert_s
 
 
-def best_of(fn, repeats: int) -> tuple[float, float]:
-    runs = [fn() for _ in range(repeats)]
-    return min(r[0] for r in runs), min(r[1] for r in runs)
+def best_of_interleaved(fns, repeats: int) -> list[tuple[float, float]]:
+    """Each function ``repeats`` times, alternating, so a busy spell of the machine hits both alike;
+    per function the shortest (match, insert) seconds."""
+    runs = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, out in zip(fns, runs):
+            out.append(fn())
+    return [(min(r[0] for r in out), min(r[1] for r in out)) for out in runs]
 
 
 def main() -> None:
@@ -146,13 +147,13 @@ def main() -> None:
     rows = []
     for name, seqs, page in (("trace p16", trace_workload(args.trace, args.trace_requests), 16),
                              ("chat p1", chat_workload(args.chat_requests), 1)):
-        tk = best_of(lambda: run_tierkv(seqs, page), args.repeats)
-        sg = best_of(lambda: run_sglang(seqs, page, sgl), args.repeats)
+        tk, sg = best_of_interleaved([lambda: run_tierkv(seqs, page), lambda: run_sglang(seqs, page, sgl)],
+                                     args.repeats)
         n = len(seqs)
         for op, i in (("match", 0), ("insert", 1)):
             rows.append((name, op, n / sg[i], n / tk[i], sg[i] / tk[i]))
         rows.append((name, "match+insert", n / sum(sg), n / sum(tk), sum(sg) / sum(tk)))
-    print(f"tierkv RadixTree vs SGLang {sglang.__version__} RadixCache (same sequence, best of {args.repeats})")
+    print(f"tierkv RadixTree vs SGLang {sglang.__version__} RadixCache (same sequence, best of {args.repeats} interleaved)")
     print(f"{'workload':<11} {'op':<13} {'sglang ops/s':>13} {'tierkv ops/s':>13} {'ratio':>7}")
     for name, op, sg_ops, tk_ops, ratio in rows:
         print(f"{name:<11} {op:<13} {sg_ops:>13,.0f} {tk_ops:>13,.0f} {ratio:>6.2f}x")

@@ -1,3 +1,4 @@
+import gzip
 import json
 import subprocess
 import sys
@@ -65,8 +66,11 @@ def test_bad_line_is_an_error_naming_the_line_unless_skipped(tmp_path, capsys):
 def test_bad_options_are_clear_errors(capsys):
     assert main(["replay", str(FIXTURE), "--l2-tokens", "1k", "--l1-tokens", "2k"]) == 2
     assert "l2_tokens" in capsys.readouterr().err
-    assert main(["replay", str(FIXTURE), "--l1-tokens", "lots"]) == 2
-    assert "bad token count" in capsys.readouterr().err
+    for bad in ("lots", "inf", "1e400", "1e12", "nan"):
+        with pytest.raises(SystemExit) as info:
+            main(["replay", str(FIXTURE), "--l1-tokens", bad])
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and "argument --l1-tokens: bad token count" in err and "Traceback" not in err
     assert main(["replay", str(FIXTURE), "--l3", "tape://x"]) == 2
     assert "tape://x" in capsys.readouterr().err
     with pytest.raises(SystemExit):
@@ -95,3 +99,32 @@ def test_python_dash_m_tierkv_runs():
     proc = subprocess.run([sys.executable, "-m", "tierkv", "replay", "--help"], capture_output=True, text=True,
                           cwd=Path(__file__).parent.parent, timeout=120)
     assert proc.returncode == 0 and "--l1-tokens" in proc.stdout
+
+
+def test_version_and_bench_help_exit_zero(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out.startswith("tierkv 0.")
+    assert main(["bench", "--help"]) == 0
+    assert "tierkv bench engine" in capsys.readouterr().out
+    assert main(["bench"]) == 2
+
+
+def test_replay_help_shows_defaults_and_models(capsys):
+    with pytest.raises(SystemExit):
+        main(["replay", "--help"])
+    out = capsys.readouterr().out
+    assert "(default: 500k)" in out and "llama-3-8b" in out
+
+
+def test_replay_reads_gz_and_skips_a_non_utf8_line_by_number(tmp_path, capsys):
+    lines = FIXTURE.read_bytes().splitlines(keepends=True)[:6]
+    lines.insert(3, b'{"timestamp": 0, "bad": "\xff"}\n')
+    trace = tmp_path / "t.jsonl.gz"
+    trace.write_bytes(gzip.compress(b"".join(lines)))
+    assert main(["replay", str(trace), "--no-baselines", "--serial"]) == 2
+    assert "trace line 4: not UTF-8" in capsys.readouterr().err
+    out = tmp_path / "r.json"
+    assert main(["replay", str(trace), "--skip-bad", "--no-baselines", "--serial", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["requests"] == 6 and report["bad_lines"] == 1

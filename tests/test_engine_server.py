@@ -47,7 +47,7 @@ def test_completion_matches_the_engine_and_reports_cache_hits(server, model):
         assert body["object"] == "text_completion" and body["choices"][0]["token_ids"] == want
         assert body["choices"][0]["finish_reason"] == "length"
         assert body["usage"]["completion_tokens"] == 5 and body["usage"]["prompt_tokens"] == 50
-    assert body["usage"]["cached_tokens"] >= 48  # the second attempt hit the first one's KV
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] >= 48  # the second attempt hit the first's KV
 
 
 def test_streaming_sends_one_event_per_token_then_done(server, model):
@@ -62,22 +62,6 @@ def test_streaming_sends_one_event_per_token_then_done(server, model):
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
-def test_metrics_are_prometheus_text(server):
-    call(server.port, "POST", "/v1/completions", {"prompt": "abcdefghijklmnop", "max_tokens": 2})
-    call(server.port, "POST", "/v1/completions", {"prompt": "abcdefghijklmnop", "max_tokens": 2})
-    status, ctype, data = call(server.port, "GET", "/metrics")
-    assert status == 200 and ctype.startswith("text/plain")
-    samples = {}
-    for line in data.decode().splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
-    assert samples['tierkv_requests_total{status="finished"}'] >= 2
-    assert samples['tierkv_cache_hit_tokens_total{tier="L1"}'] >= 15
-    assert {'tierkv_cache_hit_tokens_total{tier="L2"}', 'tierkv_cache_hit_tokens_total{tier="L3"}',
-            'tierkv_evicted_tokens_total{tier="L1"}', "tierkv_ttft_seconds_count"} <= set(samples)
-
-
 @pytest.mark.parametrize("raw", [b"not json", b"[1, 2]", b'{"prompt": 5}', b'{"prompt": []}',
                                  b'{"prompt": [1, 99999]}', b'{"prompt": "x", "max_tokens": 0}',
                                  b'{"prompt": "x", "max_tokens": "3"}', b'{"prompt": "x", "stream": "yes"}',
@@ -88,27 +72,68 @@ def test_bad_bodies_get_a_4xx_json_error(server, raw):
     assert "message" in json.loads(data)["error"]
 
 
-def test_unknown_route_and_too_long_prompt(server):
-    assert call(server.port, "GET", "/nope")[0] == 404
+def test_too_long_prompt_is_refused_before_anything_is_evicted(server):
+    """Regression: a prompt that can never fit evicted all of L1 before its 400."""
+    cached = list(range(100, 160))
+    call(server.port, "POST", "/v1/completions", {"prompt": cached, "max_tokens": 2})
+    evicted_before = server.loop.engine.cache.stats.evicted_device_tokens
     status, _, data = call(server.port, "POST", "/v1/completions", {"prompt": [1] * 2000, "max_tokens": 2})
-    assert status == 400 and "KV slots" in json.loads(data)["error"]["message"]
+    error = json.loads(data)["error"]
+    assert status == 400 and "KV slots" in error["message"] and error["param"] == "prompt"
+    assert server.loop.engine.cache.stats.evicted_device_tokens == evicted_before
+    status, _, data = call(server.port, "POST", "/v1/completions", {"prompt": cached, "max_tokens": 2})
+    assert json.loads(data)["usage"]["prompt_tokens_details"]["cached_tokens"] == len(cached) - 1
     assert call(server.port, "GET", "/health")[0] == 200  # still serving
 
 
-def test_serve_command_answers(tmp_path):
+def test_engine_refuses_a_never_fitting_request_without_evicting(model):
+    engine = Engine(model, EngineConfig(mode="l1+l2", l1_tokens=256))
+    engine.generate([list(range(200))], 4)
+    evicted_before = engine.cache.stats.evicted_device_tokens
+    too_long = engine.submit(list(range(300)), 2)
+    assert too_long.finished and "KV slots" in too_long.error
+    assert engine.cache.stats.evicted_device_tokens == evicted_before and not engine.scheduler.has_work
+    again = engine.generate([list(range(200))], 4)[0]
+    assert again.cache_hit_tokens == 199
+    engine.check_integrity()
+    engine.close()
+
+
+def test_serve_command_prints_a_summary_and_logs_each_request(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     proc = subprocess.Popen([sys.executable, "-m", "tierkv.engine.cli", "serve", "--model", "tiny-qwen3",
-                             "--port", "0", "--l1-tokens", "512"], stdout=subprocess.PIPE, text=True, env=env)
+                             "--port", "0", "--l1-tokens", "2k", "--l2-tokens", "8k"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
     try:
-        line = proc.stdout.readline()
-        assert "listening on http://127.0.0.1:" in line, line
-        port = int(line.rsplit(":", 1)[1])
+        summary = [proc.stdout.readline() for _ in range(4)]
+        assert "L1 2,000 tokens" in summary[1] and "L2 8,000 tokens" in summary[1], summary
+        assert "listening on http://127.0.0.1:" in summary[-1], summary
+        port = int(summary[-1].rsplit(":", 1)[1])
         status, _, data = call(port, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 3})
         assert status == 200 and len(json.loads(data)["choices"][0]["token_ids"]) == 3
     finally:
         proc.terminate()
-        proc.wait(timeout=20)
+        _, err = proc.communicate(timeout=20)
     assert proc.returncode == 0
+    access = [line for line in err.splitlines() if "tierkv.access" in line]
+    assert len(access) == 1 and '"POST /v1/completions" 200' in access[0] and "prompt_tokens=2" in access[0]
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--storage-extra", "{bad"], "--storage-extra"), (["--port", "99999"], "--port"),
+    (["--l1-tokens", "inf"], "--l1-tokens"), (["--l1-tokens", "1e400"], "--l1-tokens"),
+    (["--l1-tokens", "1e12"], "--l1-tokens"), (["--device", "cuda"], "--device"),
+    (["--tenant-keys", "/nonexistent/keys"], "--tenant-keys"), (["--l2-tokens", "100"], "--l2-tokens"),
+])
+def test_serve_flag_errors_are_one_line_naming_the_flag(flags, named):
+    if flags[0] == "--device":
+        import torch
+        if torch.cuda.is_available():
+            pytest.skip("this machine has CUDA")
+    proc = subprocess.run([sys.executable, "-m", "tierkv.engine.cli", "serve", "--model", "tiny-llama",
+                           "--port", "0", *flags], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    assert proc.returncode == 2 and named in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
 def test_client_leaving_mid_stream_leaks_nothing(server):

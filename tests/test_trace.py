@@ -1,9 +1,11 @@
+import gzip
+import hashlib
 import json
 from pathlib import Path
 
 import pytest
 
-from tierkv.bench.trace import BLOCK_TOKENS, TraceError, load_trace, parse_line, parse_lines
+from tierkv.bench.trace import BLOCK_TOKENS, MAX_INPUT_TOKENS, TraceError, load_trace, parse_line, parse_lines
 
 FIXTURE = Path(__file__).parent / "fixtures" / "conversation_200.jsonl"
 
@@ -74,3 +76,40 @@ def test_limit_and_fixture():
     assert full.prompt_tokens == 873_883
     with pytest.raises(ValueError, match="limit"):
         parse_lines([], limit=-1)
+
+
+def test_gzipped_trace_reads_like_the_plain_file(tmp_path):
+    gz = tmp_path / "t.jsonl.gz"
+    gz.write_bytes(gzip.compress(FIXTURE.read_bytes()))
+    plain, packed = load_trace(FIXTURE, limit=50), load_trace(gz, limit=50)
+    assert packed.requests == plain.requests and len(packed.requests) == 50
+
+
+def test_a_corrupt_gzip_is_a_value_error_naming_the_file(tmp_path):
+    bad = tmp_path / "t.jsonl.gz"
+    bad.write_bytes(b"this is not gzip")
+    with pytest.raises(ValueError, match="t.jsonl.gz"):
+        load_trace(bad)
+
+
+def test_a_non_utf8_line_names_its_line_and_can_be_skipped(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(line().encode() + b"\n" + b'{"timestamp": 0, "x": "\xff\xfe"}\n' + line().encode() + b"\n")
+    with pytest.raises(TraceError, match="trace line 2: not UTF-8"):
+        load_trace(path)
+    trace = load_trace(path, skip_bad=True)
+    assert len(trace.requests) == 2 and [b.line_no for b in trace.bad_lines] == [2]
+
+
+def test_a_line_past_the_token_limit_is_an_error_not_a_memory_error():
+    huge = MAX_INPUT_TOKENS + 1
+    with pytest.raises(TraceError, match=f"trace line 1: input_length {huge} is over the limit"):
+        parse_line(line(input_length=huge, hash_ids=[0]), 1, 0)
+
+
+def test_the_shipped_trace_is_the_mooncake_conversation_trace():
+    shipped = Path(__file__).parent.parent / "data" / "traces" / "conversation_trace.jsonl.gz"
+    raw = gzip.decompress(shipped.read_bytes())
+    notice = (shipped.parent / "README.md").read_text()
+    assert hashlib.sha256(raw).hexdigest() in notice and "Apache License 2.0" in notice
+    assert len(load_trace(shipped, limit=100).requests) == 100

@@ -23,14 +23,16 @@ def _replay_parser(sub: argparse._SubParsersAction) -> None:
     from tierkv.bench.ttft import GPU_PEAK_FLOPS, MODELS
 
     p = sub.add_parser("replay", help="replay a Mooncake-format trace through L1/L2/L3 with baselines",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                        description="Replay a request trace through the real hierarchical cache and report "
                                    "hits per tier, the L1-only and no-cache baselines, the offline optimum "
                                    "(Belady MIN) and a modelled TTFT.")
-    p.add_argument("trace", help="JSONL trace (timestamp, input_length, output_length, hash_ids)")
-    p.add_argument("--l1-tokens", default=DEFAULT_L1_TOKENS, help="L1 (device) capacity; 250k, 1M, ...")
-    p.add_argument("--l2-tokens", default=DEFAULT_L2_TOKENS, help="L2 (host) capacity; 0 for no L2")
+    p.add_argument("trace", help="JSONL trace, or .jsonl.gz (timestamp, input_length, output_length, hash_ids)")
+    p.add_argument("--l1-tokens", type=token_count, default=DEFAULT_L1_TOKENS,
+                   help="L1 (device) capacity; 250k, 1M, ...")
+    p.add_argument("--l2-tokens", type=token_count, default=DEFAULT_L2_TOKENS, help="L2 (host) capacity; 0 for no L2")
     p.add_argument("--l3", default="none", help="none | file:DIR | redis://HOST:PORT[/DB] | other store spec")
-    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--page-size", type=int, default=16, help="tokens per cache page (the trace's blocks are 512)")
     p.add_argument("--policy", default="lru", choices=sorted(POLICIES), help="eviction policy")
     p.add_argument("--write-policy", default="write_through", choices=sorted(WRITE_POLICIES))
     p.add_argument("--model", default="llama-3-8b", choices=sorted(MODELS), help="model for the TTFT model")
@@ -53,8 +55,21 @@ def _replay_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--serial", action="store_true", help="run the baselines after, not beside, the replay")
 
 
+def token_count(text: str) -> int:
+    """argparse type: a token count such as 500000, 500k or 1.5M (argparse names the flag in its error)."""
+    from tierkv.bench.report import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from tierkv import __version__
+
     parser = argparse.ArgumentParser(prog="tierkv", description="hierarchical prefix KV cache tools")
+    parser.add_argument("--version", action="version", version=f"tierkv {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _replay_parser(sub)
     sub.add_parser("bench", help="benchmarks: `tierkv bench engine ...` (the engine's)", add_help=False)
@@ -134,9 +149,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["bench"]:
         if argv[1:2] == ["engine"]:
             return _dispatch("bench_main", argv[2:], "bench engine")
-        print("usage: tierkv bench engine [ARGS...]   (replay benchmarks: python bench/bench_replay.py)",
-              file=sys.stderr)
-        return 2
+        asked_for_help = argv[1:2] in (["-h"], ["--help"])
+        print("usage: tierkv bench engine [ARGS...]   (the engine benchmark; `tierkv bench engine --help`)\n"
+              "replay benchmarks: python bench/bench_replay.py", file=sys.stdout if asked_for_help else sys.stderr)
+        return 0 if asked_for_help else 2
     args = build_parser().parse_args(argv)
     try:
         return replay_main(args)

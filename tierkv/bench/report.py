@@ -16,6 +16,7 @@ replay's tiny pools: they say what the run would move on a real server.
 from __future__ import annotations
 
 import json
+import math
 import multiprocessing
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -36,6 +37,9 @@ from tierkv.storage.factory import redact_spec
 _SIZE_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9}
 
 
+MAX_SIZE = 10**11  # tokens: past any pool this machine or its storage could hold (1e11 x 128 KiB = 13 PB)
+
+
 def parse_size(text: str) -> int:
     """Tokens from ``"500000"``, ``"250k"``, ``"1.5M"`` or ``"2G"`` (decimal multiples)."""
     s = str(text).strip().lower()
@@ -45,6 +49,8 @@ def parse_size(text: str) -> int:
         value = float(number) * scale
     except ValueError:
         raise ValueError(f"bad token count {text!r}: expected e.g. 500000, 250k, 1.5M") from None
+    if not math.isfinite(value) or value > MAX_SIZE:
+        raise ValueError(f"bad token count {text!r}: must be a finite number up to {MAX_SIZE:.0e}")
     if value < 0 or value != int(value):
         raise ValueError(f"bad token count {text!r}: must be a whole number >= 0")
     return int(value)
@@ -318,6 +324,16 @@ def plot_sweep(points: list[dict], path: str | Path) -> None:
     plt.close(fig)
 
 
+_TIER_COLOURS = {"L1": "#1f77b4", "L2": "#ff7f0e", "L3": "#2ca02c", "MIN (no tiers)": "#9467bd"}
+
+
+def _config_line(report: dict) -> str:
+    c = report["config"]
+    l3 = "none" if c["l3"] in (None, "none") else c["l3"].split(":", 1)[0]
+    return (f"L1 {c['l1_tokens']:,} + L2 {c['l2_tokens'] or 0:,} tokens, L3 {l3}, page {c['page_size']}, "
+            f"{c['eviction_policy']}, {c['write_policy']}")
+
+
 def plot_report(report: dict, path: str | Path) -> None:
     """Hit tokens per tier for each configuration, and modelled TTFT (mean, p50, p99)."""
     plt = _pyplot()
@@ -330,23 +346,29 @@ def plot_report(report: dict, path: str | Path) -> None:
     h = report["hit_tokens"]
     names += ["tiered", "optimal"]
     tiers += [(h["l1"] / total, h["l2"] / total, h["l3"] / total, 0), (0, 0, 0, base["optimal"]["hit_ratio"])]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.5))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.8))
     bottom = [0.0] * len(names)
-    for i, (tier, color) in enumerate((("L1", "C0"), ("L2", "C1"), ("L3", "C2"), ("MIN (no tiers)", "0.6"))):
+    for i, tier in enumerate(("L1", "L2", "L3", "MIN (no tiers)")):
         vals = [100 * t[i] for t in tiers]
-        ax1.bar(names, vals, bottom=bottom, label=tier, color=color)
+        ax1.bar(names, vals, bottom=bottom, label=tier, color=_TIER_COLOURS[tier])
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax1.set_ylabel("hit ratio (% of prompt tokens)")
     ax1.legend()
     ttfts = [base["no_cache"]["ttft_s"]] + ([base["l1_only"]["ttft_s"]] if "l1_only" in base else [])
     ttfts += [report["ttft_s"], base["optimal"]["ttft_s"]]
     width = 0.27
-    for j, stat in enumerate(("mean", "p50", "p99")):
-        ax2.bar([i + (j - 1) * width for i in range(len(names))], [1000 * t[stat] for t in ttfts], width, label=stat)
+    # Greys for the statistics, so no colour means a tier in one panel and a statistic in the other.
+    for j, (stat, grey) in enumerate((("mean", "0.25"), ("p50", "0.5"), ("p99", "0.75"))):
+        ax2.bar([i + (j - 1) * width for i in range(len(names))], [1000 * t[stat] for t in ttfts], width,
+                label=stat, color=grey)
     ax2.set_xticks(range(len(names)), names)
-    ax2.set_ylabel(f"modelled TTFT (ms), {report['model']['name']}")
-    ax2.legend()
-    fig.suptitle(f"{report['requests']} requests: {Path(report['trace']).name}")
+    ax2.set_yscale("log")  # p99 is often 10-30x the p50: a linear axis flattens the means
+    ax2.set_ylabel(f"modelled TTFT (ms, log scale), {report['model']['name']}")
+    low, high = ax2.get_ylim()
+    ax2.set_ylim(low, high * 4)  # room for the legend above the p99 bars
+    ax2.legend(ncol=3, loc="upper center")
+    fig.suptitle(f"{report['requests']:,} requests of {Path(report['trace']).name}\n{_config_line(report)}",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

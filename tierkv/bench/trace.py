@@ -11,6 +11,7 @@ Generated tokens (``--include-output``) are unique per request and never collide
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 from dataclasses import dataclass, field
@@ -21,6 +22,9 @@ BLOCK_TOKENS = 512
 # Output tokens live above every prompt token: prompt ids stay below 2**40 for ids < 2**31.
 _OUTPUT_BASE = 1 << 40
 _OUTPUT_STRIDE = 1 << 22  # > any plausible output_length, so requests never share output tokens
+# 16 M tokens: 100x the longest prompt of the Mooncake traces; a line past it is a typo, not a prompt, and
+# expanding it would exhaust memory long before the replay could report anything.
+MAX_INPUT_TOKENS = 1 << 24
 
 
 class TraceError(ValueError):
@@ -88,8 +92,13 @@ def _int_field(obj: dict, name: str, line_no: int, minimum: int) -> int:
     return value
 
 
-def parse_line(text: str, line_no: int, index: int) -> TraceRequest:
-    """Parse one trace line; raises :class:`TraceError` naming ``line_no`` on any defect."""
+def parse_line(text: str | bytes, line_no: int, index: int) -> TraceRequest:
+    """Parse one trace line (text, or UTF-8 bytes); raises :class:`TraceError` naming ``line_no`` on any defect."""
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise TraceError(line_no, f"not UTF-8 (bad byte at column {exc.start + 1})") from None
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -101,6 +110,8 @@ def parse_line(text: str, line_no: int, index: int) -> TraceRequest:
     timestamp_ms = _int_field(obj, "timestamp", line_no, 0)
     input_length = _int_field(obj, "input_length", line_no, 1)
     output_length = _int_field(obj, "output_length", line_no, 0)
+    if input_length > MAX_INPUT_TOKENS:
+        raise TraceError(line_no, f"input_length {input_length} is over the limit of {MAX_INPUT_TOKENS} tokens")
     if "hash_ids" not in obj:
         raise TraceError(line_no, "missing field 'hash_ids'")
     hash_ids = obj["hash_ids"]
@@ -116,7 +127,7 @@ def parse_line(text: str, line_no: int, index: int) -> TraceRequest:
     return TraceRequest(index, line_no, timestamp_ms, input_length, output_length, tuple(hash_ids))
 
 
-def parse_lines(lines: Iterable[str], limit: int | None = None, skip_bad: bool = False) -> Trace:
+def parse_lines(lines: Iterable[str | bytes], limit: int | None = None, skip_bad: bool = False) -> Trace:
     """Parse trace lines (blank lines ignored); the first ``limit`` accepted requests at most.
 
     A bad line raises :class:`TraceError`, or with ``skip_bad`` is recorded in ``Trace.bad_lines``.
@@ -139,6 +150,14 @@ def parse_lines(lines: Iterable[str], limit: int | None = None, skip_bad: bool =
 
 
 def load_trace(path: str | Path, limit: int | None = None, skip_bad: bool = False) -> Trace:
-    """Read a JSONL trace file; see :func:`parse_lines`."""
-    with open(path, encoding="utf-8") as f:
-        return parse_lines(f, limit, skip_bad)
+    """Read a JSONL trace file, gzipped when its name ends in ``.gz``; see :func:`parse_lines`.
+
+    Lines are read as bytes and decoded one by one, so a line that is not UTF-8 is a :class:`TraceError`
+    naming it (skippable), not a decoding error of the whole file.
+    """
+    opener = gzip.open if str(path).endswith(".gz") else open
+    try:
+        with opener(path, "rb") as f:
+            return parse_lines(f, limit, skip_bad)
+    except (gzip.BadGzipFile, EOFError) as exc:
+        raise ValueError(f"trace {str(path)!r} is not a readable gzip file: {exc}") from None

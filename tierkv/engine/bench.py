@@ -10,14 +10,19 @@ keeps more of it. The table shows each row's L1 and L2 sizes in tokens.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import random
 import statistics
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Callable
 
 import torch
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
 
 from tierkv.engine.engine import CACHE_MODES, MODE_LABELS, Engine, EngineConfig, sync_device
 from tierkv.engine.loader import build_model
@@ -134,15 +139,18 @@ def engine_config(mode: str, workload: ChatWorkload, device: str, l3_dir: str, c
 
 
 def run_all(model_name: str, workload: ChatWorkload, device: str = "cpu", chunk_tokens: int = 512,
-            modes: tuple[str, ...] = CACHE_MODES, repeats: int = 1) -> list[ModeResult]:
+            modes: tuple[str, ...] = CACHE_MODES, repeats: int = 1,
+            on_run: Callable[[str], None] | None = None) -> list[ModeResult]:
     """Each mode ``repeats`` times, the modes interleaved so machine noise hits them alike; per mode the
-    run with the shortest wall time is kept (the least disturbed one)."""
+    run with the shortest wall time is kept (the least disturbed one). ``on_run(mode)`` follows each run."""
     model = build_model(model_name, device)
     _warm_up(model, device)
     best: dict[str, ModeResult] = {}
     for _ in range(repeats):
         for mode in modes:
             result = _run_mode(model, workload, mode, device, chunk_tokens)
+            if on_run is not None:
+                on_run(mode)
             kept = best.get(mode)
             if kept is None or (not result.error and (kept.error or result.wall_s < kept.wall_s)):
                 best[mode] = result
@@ -168,14 +176,16 @@ def _warm_up(model, device: str) -> None:
 
 
 def format_table(results: list[ModeResult]) -> str:
+    """The results as a rich table (rendered to text), with ratios against the no-cache row."""
     base = next((r for r in results if r.mode == "none" and not r.error), None)
-    header = (f"{'mode':<10} {'TTFT p50 ms':>11} {'TTFT p99 ms':>11} {'out tok/s':>10} {'hit %':>6} "
-              f"{'p50 speedup':>11} {'p99 speedup':>11} {'tok/s ratio':>11} {'L1/L2 tokens':>13}")
-    lines = [header, "-" * len(header)]
+    table = Table(title="tierkv bench engine", title_justify="left")
+    for name in ("mode", "TTFT p50 ms", "TTFT p99 ms", "out tok/s", "hit %", "p50 speedup", "p99 speedup",
+                 "tok/s ratio", "L1/L2 tokens"):
+        table.add_column(name, justify="left" if name == "mode" else "right")
     for r in results:
         label = MODE_LABELS[r.mode]
         if r.error:
-            lines.append(f"{label:<10} n/a: {r.error}")
+            table.add_row(label, f"n/a: {r.error}")
             continue
         p50, p99 = r.ttft_quantile(0.5), r.ttft_quantile(0.99)
         hit = 100.0 * sum(r.hit_tokens.values()) / max(1, r.prompt_tokens)
@@ -183,16 +193,19 @@ def format_table(results: list[ModeResult]) -> str:
         if base is not None:
             ratios = (f"{base.ttft_quantile(0.5) / p50:.2f}x", f"{base.ttft_quantile(0.99) / p99:.2f}x",
                       f"{r.throughput / base.throughput:.2f}x")
-        lines.append(f"{label:<10} {p50 * 1e3:>11.2f} {p99 * 1e3:>11.2f} {r.throughput:>10.1f} {hit:>6.1f} "
-                     f"{ratios[0]:>11} {ratios[1]:>11} {ratios[2]:>11} {f'{r.l1_tokens}/{r.l2_tokens}':>13}")
+        table.add_row(label, f"{p50 * 1e3:.2f}", f"{p99 * 1e3:.2f}", f"{r.throughput:.1f}", f"{hit:.1f}",
+                      *ratios, f"{r.l1_tokens}/{r.l2_tokens}")
     ok = [r for r in results if not r.error]
     same = all(r.outputs == ok[0].outputs for r in ok)
-    lines.append(f"outputs identical across modes: {'yes' if same else 'NO'}")
-    return "\n".join(lines)
+    out = Console(file=io.StringIO(), width=140, force_terminal=False)
+    out.print(table)
+    out.print(f"outputs identical across modes: {'yes' if same else 'NO'}")
+    return out.file.getvalue().rstrip("\n")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tierkv bench engine", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="tierkv bench engine", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--model", default="tiny-llama",
                         help="preset, config.json or checkpoint dir (small-llama: prefill-dominated on a CPU)")
     parser.add_argument("--device", default="cpu")
@@ -218,7 +231,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{workload.num_turns} turns, {workload.num_system_prompts} shared system prompts of "
           f"{workload.system_tokens} tokens, {workload.user_tokens} user + {workload.output_tokens} output "
           f"tokens per turn; best of {repeats} interleaved runs per mode", flush=True)
-    results = run_all(args.model, workload, args.device, repeats=repeats)
+    with Progress(console=Console(stderr=True), transient=True) as progress:
+        task = progress.add_task("engine bench", total=repeats * len(CACHE_MODES))
+        results = run_all(args.model, workload, args.device, repeats=repeats,
+                          on_run=lambda mode: progress.update(task, advance=1, description=f"ran {mode}"))
     print(format_table(results))
     if args.json:
         with open(args.json, "w") as f:

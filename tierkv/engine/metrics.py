@@ -1,48 +1,106 @@
-"""Prometheus text exposition of an engine's counters and its cache's statistics."""
+"""Prometheus metrics of a serving engine, through ``prometheus_client`` (text 0.0.4 and OpenMetrics).
+
+Totals are read from the engine's counters at scrape time (a handful of integer reads under the engine
+lock, never a walk over requests); TTFT is a Histogram observed once per request, so a scrape costs the
+same after five requests or five million. Hit tokens are labelled by ``cache_source`` (device / host /
+storage, SGLang's label), capacities and usage by ``tier``.
+"""
 
 from __future__ import annotations
 
-from tierkv.engine.engine import Engine
+import threading
+from typing import Iterator
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+TTFT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
-def _quantile(sorted_values: list[float], q: float) -> float:
-    if not sorted_values:
-        return float("nan")
-    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
+class EngineCollector:
+    """Reads one engine's counters, pool sizes and storage statistics when scraped."""
+
+    def __init__(self, engine, lock: threading.Lock) -> None:
+        self.engine, self.lock = engine, lock
+
+    def describe(self) -> list[Metric]:
+        return []  # register without calling collect() (which would take the engine lock at import)
+
+    def collect(self) -> Iterator[Metric]:
+        with self.lock:
+            metrics = list(self._request_metrics()) + list(self._cache_metrics()) + list(self._storage_metrics())
+        yield from metrics
+
+    def _request_metrics(self) -> Iterator[Metric]:
+        c, sched = self.engine.scheduler.counters, self.engine.scheduler
+        yield _counter("tierkv_requests", "Requests by outcome.", "status",
+                       {"submitted": c.requests_submitted, "finished": c.requests_finished,
+                        "failed": c.requests_failed})
+        yield _counter("tierkv_prompt_tokens", "Prompt tokens of admitted requests.", None, {None: c.prompt_tokens})
+        yield _counter("tierkv_generation_tokens", "Generated tokens.", None, {None: c.generated_tokens})
+        yield _counter("tierkv_cache_hit_tokens", "Prompt tokens served from the cache, by where they were found.",
+                       "cache_source", {"device": c.device_hit_tokens, "host": c.host_hit_tokens,
+                                        "storage": c.storage_hit_tokens})
+        yield _gauge("tierkv_running_requests", "Requests in the running batch.", None, {None: len(sched.running)})
+        yield _gauge("tierkv_waiting_requests", "Requests waiting for admission.", None, {None: len(sched.waiting)})
+
+    def _cache_metrics(self) -> Iterator[Metric]:
+        cache, stats = self.engine.cache, self.engine.cache.stats
+        capacity = {"device": cache.device_pool.num_slots}
+        used = {"device": cache.device_pool.num_slots - cache.device_pool.num_free_slots}
+        if cache.host_pool is not None:
+            capacity["host"] = cache.host_pool.num_slots
+            used["host"] = cache.host_pool.num_slots - cache.host_pool.num_free_slots
+        yield _gauge("tierkv_cache_capacity_tokens", "Token slots of a tier.", "tier", capacity)
+        yield _gauge("tierkv_cache_used_tokens", "Token slots in use in a tier (cached or held by requests).",
+                     "tier", used)
+        yield _counter("tierkv_evicted_tokens", "Tokens evicted from a tier.", "tier",
+                       {"device": stats.evicted_device_tokens, "host": stats.evicted_host_tokens})
+        yield _counter("tierkv_backed_up_tokens", "Tokens copied from device to host.", None,
+                       {None: stats.written_tokens})
+        yield _counter("tierkv_loaded_back_tokens", "Tokens copied from host back to device.", None,
+                       {None: stats.loaded_tokens})
+        yield _counter("tierkv_failed_copies", "Device/host copies that failed (their hits were dropped).", None,
+                       {None: stats.failed_copies})
+
+    def _storage_metrics(self) -> Iterator[Metric]:
+        storage = getattr(self.engine.cache, "storage", None)
+        if storage is None:
+            return
+        s, store = storage.stats, storage.store.stats
+        yield _counter("tierkv_storage_pages", "Pages read from and written to storage (L3).", "op",
+                       {"get": store.get_pages, "set": store.set_pages})
+        yield _counter("tierkv_storage_bytes", "Bytes read from and written to storage (L3).", "op",
+                       {"get": store.get_bytes, "set": store.set_bytes})
+        yield _counter("tierkv_storage_errors", "Storage errors and corrupt pages (each cost hits, not answers).",
+                       "kind", {"error": store.errors, "corrupt": store.corrupt_pages})
+        yield _counter("tierkv_storage_prefetched_tokens", "Tokens prefetched from storage into host memory.",
+                       None, {None: s.prefetched_tokens})
+        yield _counter("tierkv_storage_backed_up_tokens", "Tokens written from host memory to storage.", None,
+                       {None: s.backed_up_tokens})
+        yield _counter("tierkv_storage_backup_dropped_tokens", "Tokens whose storage backup was dropped.", None,
+                       {None: s.backup_dropped_tokens})
 
 
-def render_metrics(engine: Engine) -> str:
-    """All metrics as Prometheus text format 0.0.4."""
-    c, stats = engine.scheduler.counters, engine.cache.stats
-    lines: list[str] = []
+def _counter(name: str, doc: str, label: str | None, values: dict) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, doc, labels=[label] if label else None)
+    for key, value in values.items():
+        family.add_metric([key] if label else [], value)
+    return family
 
-    def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
-        lines.append(f"# HELP {name} {help_text}")
-        lines.append(f"# TYPE {name} {kind}")
-        lines.extend(f"{name}{labels} {value}" for labels, value in samples)
 
-    metric("tierkv_cache_hit_tokens_total", "counter", "Prompt tokens served from the cache, by tier.",
-           [('{tier="L1"}', c.device_hit_tokens), ('{tier="L2"}', c.host_hit_tokens),
-            ('{tier="L3"}', c.storage_hit_tokens)])
-    metric("tierkv_evicted_tokens_total", "counter", "Tokens evicted from a tier.",
-           [('{tier="L1"}', stats.evicted_device_tokens), ('{tier="L2"}', stats.evicted_host_tokens)])
-    metric("tierkv_backed_up_tokens_total", "counter", "Tokens written from L1 to L2.",
-           [("", stats.written_tokens)])
-    metric("tierkv_loaded_back_tokens_total", "counter", "Tokens loaded from L2 back to L1.",
-           [("", stats.loaded_tokens)])
-    metric("tierkv_requests_total", "counter", "Requests by outcome.",
-           [('{status="submitted"}', c.requests_submitted), ('{status="finished"}', c.requests_finished),
-            ('{status="failed"}', c.requests_failed)])
-    metric("tierkv_prompt_tokens_total", "counter", "Prompt tokens of admitted requests.", [("", c.prompt_tokens)])
-    metric("tierkv_generated_tokens_total", "counter", "Generated tokens.", [("", c.generated_tokens)])
-    metric("tierkv_running_requests", "gauge", "Requests in the running batch.",
-           [("", len(engine.scheduler.running))])
-    metric("tierkv_waiting_requests", "gauge", "Requests waiting for admission.",
-           [("", len(engine.scheduler.waiting))])
-    metric("tierkv_device_free_slots", "gauge", "Free L1 token slots.", [("", engine.device_pool.num_free_slots)])
-    ttft = sorted(c.ttft_s)
-    metric("tierkv_ttft_seconds", "summary", "Time to first token.",
-           [('{quantile="0.5"}', _quantile(ttft, 0.5)), ('{quantile="0.99"}', _quantile(ttft, 0.99))])
-    lines.append(f"tierkv_ttft_seconds_sum {sum(ttft)}")
-    lines.append(f"tierkv_ttft_seconds_count {len(ttft)}")
-    return "\n".join(lines) + "\n"
+def _gauge(name: str, doc: str, label: str | None, values: dict) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, doc, labels=[label] if label else None)
+    for key, value in values.items():
+        family.add_metric([key] if label else [], value)
+    return family
+
+
+class ServerMetrics:
+    """One registry per server: the engine collector plus the TTFT histogram the server observes."""
+
+    def __init__(self, engine, lock: threading.Lock) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(EngineCollector(engine, lock))
+        self.ttft = Histogram("tierkv_time_to_first_token_seconds", "Arrival to first generated token.",
+                              buckets=TTFT_BUCKETS_S, registry=self.registry)

@@ -42,6 +42,7 @@ class Request:
     first_logits: torch.Tensor | None = None
     last_logits: torch.Tensor | None = None
     error: str | None = None
+    stop_requested: bool = False  # set by on_token to end generation after this token (a stop string matched)
     finished: bool = False
     arrival_s: float = field(default_factory=time.perf_counter)
     admitted_s: float | None = None

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -61,7 +61,8 @@ class EngineCounters:
     host_hit_tokens: int = 0
     storage_hit_tokens: int = 0
     restarted_requests: int = 0  # a layer-wise prefix load failed under them: recomputed
-    ttft_s: list[float] = field(default_factory=list)
+    first_tokens: int = 0
+    ttft_sum_s: float = 0.0  # a sum, not a list: the counters must not grow with every request served
 
 
 class Scheduler:
@@ -80,9 +81,15 @@ class Scheduler:
 
     # ---- public API ------------------------------------------------------------------------------
     def submit(self, request: Request) -> Request:
+        """Queue ``request``; one that could never fit in the device pool fails at once (``request.error``),
+        before any lookup, prefetch or eviction could disturb what the cache holds."""
         request.arrival_s = time.perf_counter()
-        self.waiting.append(request)
         self.counters.requests_submitted += 1
+        if not self._can_ever_fit(request):
+            self._fail(request, f"request needs {request.max_kv_tokens} KV slots; the device pool "
+                                f"has {self.cache.device_pool.num_slots}")
+            return request
+        self.waiting.append(request)
         return request
 
     @property
@@ -125,19 +132,11 @@ class Scheduler:
             if self.prefetcher is not None and not self.prefetcher.ready(request):
                 break
             if not self._try_start(request):
-                if not self.running and not self._can_ever_fit(request):
-                    self.waiting.popleft()
-                    if self.prefetcher is not None:
-                        self.prefetcher.abort(request)
-                    self._fail(request, f"request needs {request.max_kv_tokens} KV slots; the device pool "
-                                        f"has {self.cache.device_pool.num_slots}")
-                    continue
                 break  # FCFS: later requests wait behind the head so it cannot starve
             self.waiting.popleft()
             self.running.append(request)
 
     def _can_ever_fit(self, request: Request) -> bool:
-        self.cache.flush()
         return self._page_ceil(request.max_kv_tokens) <= self.cache.device_pool.num_slots
 
     def _page_ceil(self, num_tokens: int) -> int:
@@ -221,13 +220,14 @@ class Scheduler:
             token = int(token_logits.argmax())
             if r.first_token_s is None:
                 r.first_token_s, r.first_logits = now, token_logits
-                self.counters.ttft_s.append(r.ttft_s)
+                self.counters.first_tokens += 1
+                self.counters.ttft_sum_s += r.ttft_s
             r.last_logits = token_logits
             r.output.append(token)
             self.counters.generated_tokens += 1
             if r.on_token is not None:
                 r.on_token(r, token)
-            if len(r.output) >= r.max_new_tokens or token == r.eos_token_id:
+            if len(r.output) >= r.max_new_tokens or token == r.eos_token_id or r.stop_requested:
                 self._finish(r)
                 finished.append(r)
         return finished

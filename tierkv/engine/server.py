@@ -1,51 +1,48 @@
-"""HTTP front end: OpenAI-compatible ``/v1/completions`` (plain and SSE streaming) and ``/metrics``.
+"""HTTP front end: FastAPI + uvicorn, OpenAI-compatible ``/v1/completions`` and ``/v1/chat/completions``
+(plain and SSE streaming), ``/v1/models``, ``/health`` and Prometheus ``/metrics``.
 
-One engine thread owns the engine (the cache's thread contract: one scheduler thread); HTTP handler
-threads only hand requests over through a queue and read the tokens back from a per-request queue.
+One engine thread owns the engine (the cache's thread contract: one scheduler thread); request handlers
+on the asyncio loop hand requests over through a queue and await their tokens. The HTTP/1.1 parser is
+uvicorn's h11 protocol, extended with a whole-request read deadline and a cap on open connections.
 """
 
 from __future__ import annotations
 
-import codecs
-import json
+import asyncio
 import logging
+import math
 import queue
+import socket
 import threading
 import time
-from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from dataclasses import dataclass, field
+from typing import Callable
+
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from tierkv.engine.engine import Engine
-from tierkv.engine.metrics import render_metrics
+from tierkv.engine.metrics import ServerMetrics
 from tierkv.engine.request import Request
+from tierkv.engine.tokenizer import ByteTokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
+access_log = logging.getLogger("tierkv.access")
 
 MAX_BODY_BYTES = 1 << 20
 _DONE = object()
-
-
-class ByteTokenizer:
-    """Token id = byte value (UTF-8); ids >= 256 decode to nothing. Enough to drive a random model."""
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decoder(self) -> "codecs.IncrementalDecoder":
-        return codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-    def decode(self, ids: list[int]) -> str:
-        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
-
-
-class BadRequest(ValueError):
-    """A client error: answered with HTTP 400 and a JSON error body."""
+_BUSY_BODY = b'{"error": {"message": "too many open connections", "type": "server_busy", "param": null, "code": 503}}'
+_BUSY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
+         b"content-length: %d\r\n\r\n" % len(_BUSY_BODY)) + _BUSY_BODY
 
 
 @dataclass
 class CompletionJob:
+    """One request in flight: the engine thread calls ``deliver`` with each TokenOut, then ``_DONE``."""
+
     request: Request
-    tokens: "queue.Queue[int | object]"
+    deliver: Callable[[object], None]
+    extra: dict = field(default_factory=dict)
 
 
 class EngineLoop:
@@ -64,12 +61,9 @@ class EngineLoop:
         self._thread.start()
         return self
 
-    def submit(self, prompt: list[int], max_new_tokens: int) -> CompletionJob:
+    def submit(self, job: CompletionJob) -> CompletionJob:
         if self.broken:
             raise RuntimeError(self.broken)
-        tokens: queue.Queue = queue.Queue()
-        request = Request(prompt, max_new_tokens, on_token=lambda r, t: tokens.put(t) if t >= 0 else None)
-        job = CompletionJob(request, tokens)
         self._inbox.put(job)
         return job
 
@@ -97,201 +91,137 @@ class EngineLoop:
                     self._stop.set()
             for job in [j for j in self._active if j.request.finished]:
                 self._active.remove(job)
-                job.tokens.put(_DONE)
+                job.deliver(_DONE)
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
         for job in self._active:
             job.request.error = job.request.error or "server shutting down"
-            job.tokens.put(_DONE)
+            job.deliver(_DONE)
 
 
-def parse_completion(body: bytes, tokenizer: ByteTokenizer, vocab_size: int) -> tuple[list[int], int, bool]:
-    """Prompt ids, max_tokens and stream flag from a /v1/completions body; BadRequest on anything odd."""
-    try:
-        data = json.loads(body or b"")
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"body is not valid JSON: {exc}") from None
-    except RecursionError:  # the decoder recurses per nesting level
-        raise BadRequest("body is JSON nested too deeply") from None
-    if not isinstance(data, dict):
-        raise BadRequest("body must be a JSON object")
-    prompt = data.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        ids = tokenizer.encode(prompt)
-    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        ids = prompt
-    else:
-        raise BadRequest("prompt must be a string or a list of token ids")
-    if not ids:
-        raise BadRequest("prompt is empty")
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        raise BadRequest(f"token ids out of range [0, {vocab_size}): {bad[:5]}")
-    max_tokens = data.get("max_tokens", 16)
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens <= 4096:
-        raise BadRequest(f"max_tokens must be an int in [1, 4096], got {max_tokens!r}")
-    stream = data.get("stream", False)
-    if not isinstance(stream, bool):
-        raise BadRequest(f"stream must be a boolean, got {stream!r}")
-    return ids, max_tokens, stream
+@dataclass(frozen=True)
+class ServerLimits:
+    """``read_timeout_s`` bounds the time a client may take to send a whole request (head and body);
+    ``max_connections`` caps open connections (more are answered 503 and closed)."""
+
+    max_body_bytes: int = MAX_BODY_BYTES
+    read_timeout_s: float = 30.0
+    max_connections: int = 1024
+    keep_alive_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "read_timeout_s", "max_connections", "keep_alive_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ValueError(f"{name} must be a positive finite number, got {value!r}")
 
 
-class CompletionHandler(BaseHTTPRequestHandler):
-    """Routes: POST /v1/completions, GET /metrics, /health, /v1/models. Bound to a loop by :func:`make_handler`."""
+def guarded_protocol(limits: ServerLimits) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with a whole-request read deadline and a connection cap (uvicorn has neither:
+    a client that never finishes its request would hold its connection for ever)."""
 
-    loop: EngineLoop
-    model_name: str
-    tokenizer = ByteTokenizer()
-    protocol_version = "HTTP/1.1"
+    class GuardedH11Protocol(H11Protocol):
+        _deadline: asyncio.TimerHandle | None = None
 
-    def log_message(self, fmt: str, *args: object) -> None:
-        log.debug("%s " + fmt, self.address_string(), *args)
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            if len(self.connections) > limits.max_connections:
+                log.warning("refused a connection from %s: %d open", self.client, len(self.connections) - 1)
+                transport.write(_BUSY)
+                transport.close()
+                return
+            self._arm()
 
-    def do_GET(self) -> None:
-        if self.path == "/metrics":
-            with self.loop.lock:
-                text = render_metrics(self.loop.engine)
-            self._send(200, text.encode(), "text/plain; version=0.0.4")
-        elif self.path == "/health":
-            self._send(200, b"ok", "text/plain")
-        elif self.path == "/v1/models":
-            self._json(200, {"object": "list", "data": [{"id": self.model_name, "object": "model"}]})
-        else:
-            self._error(404, f"no route {self.path}")
+        def _arm(self) -> None:
+            self._disarm()
+            self._deadline = self.loop.call_later(limits.read_timeout_s, self._read_timed_out)
 
-    def do_POST(self) -> None:
-        if self.path != "/v1/completions":
-            self._error(404, f"no route {self.path}")
-            return
-        try:
-            length = int(self.headers.get("Content-Length") or 0)
-            if not 0 <= length <= MAX_BODY_BYTES:
-                raise BadRequest(f"body length {length} outside [0, {MAX_BODY_BYTES}]")
-            ids, max_tokens, stream = parse_completion(self.rfile.read(length), self.tokenizer, self.vocab_size)
-        except (BadRequest, ValueError) as exc:
-            self._error(400, str(exc))
-            return
-        try:
-            job = self.loop.submit(ids, max_tokens)
-        except RuntimeError as exc:
-            self._error(503, str(exc))
-            return
-        if stream:
-            self._stream(job)
-        else:
-            self._complete(job)
+        def _disarm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
 
-    def _complete(self, job: CompletionJob) -> None:
-        ids = list(_iter_tokens(job))
-        if job.request.error:
-            self._error(503 if self.loop.broken else 400, job.request.error)
-            return
-        choice = {"index": 0, "text": self.tokenizer.decode(ids), "token_ids": ids, "logprobs": None,
-                  "finish_reason": _finish_reason(job.request)}
-        self._json(200, _envelope(job, self.model_name, choice) | {"usage": _usage(job.request)})
+        def _read_timed_out(self) -> None:
+            if not self.transport.is_closing():
+                log.info("closed %s: no complete request within %ss", self.client, limits.read_timeout_s)
+                self.transport.close()
 
-    def _stream(self, job: CompletionJob) -> None:
-        try:
-            self._stream_events(job)
-        except (BrokenPipeError, ConnectionResetError):
-            log.info("client of %s went away; the request still finishes and caches its KV", job.request.rid)
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.cycle is not None and not self.cycle.more_body and not self.cycle.response_complete:
+                self._disarm()  # the whole request is in: the response may take as long as it needs
 
-    def _stream_events(self, job: CompletionJob) -> None:
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-cache")
-        self.send_header("Connection", "close")
-        self.end_headers()
-        self.close_connection = True
-        decoder = self.tokenizer.decoder()
-        for token in _iter_tokens(job):
-            text = decoder.decode(bytes([token]) if token < 256 else b"")
-            chunk = {"index": 0, "text": text, "token_ids": [token], "logprobs": None, "finish_reason": None}
-            self._event(_envelope(job, self.model_name, chunk))
-        if job.request.error:
-            self._event({"error": {"message": job.request.error, "type": "invalid_request_error"}})
-        else:
-            final = {"index": 0, "text": decoder.decode(b"", final=True), "token_ids": [], "logprobs": None,
-                     "finish_reason": _finish_reason(job.request)}
-            self._event(_envelope(job, self.model_name, final) | {"usage": _usage(job.request)})
-        self.wfile.write(b"data: [DONE]\n\n")
-        self.wfile.flush()
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
+                self._arm()
 
-    def _event(self, payload: dict) -> None:
-        self.wfile.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
-        self.wfile.flush()
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
 
-    def _json(self, status: int, payload: dict) -> None:
-        self._send(status, json.dumps(payload).encode(), "application/json")
-
-    def _error(self, status: int, message: str) -> None:
-        self._json(status, {"error": {"message": message, "type": "invalid_request_error", "code": status}})
-
-    def _send(self, status: int, body: bytes, content_type: str) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.loop.engine.model.config.vocab_size
-
-
-def make_handler(loop: EngineLoop, model_name: str) -> type[CompletionHandler]:
-    return type("BoundCompletionHandler", (CompletionHandler,), {"loop": loop, "model_name": model_name})
-
-
-def _iter_tokens(job: CompletionJob):
-    while (token := job.tokens.get()) is not _DONE:
-        yield token
-
-
-def _finish_reason(request: Request) -> str:
-    return "length" if len(request.output) >= request.max_new_tokens else "stop"
-
-
-def _usage(request: Request) -> dict:
-    n_in, n_out = len(request.prompt), len(request.output)
-    return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out,
-            "cached_tokens": request.cache_hit_tokens}
-
-
-def _envelope(job: CompletionJob, model_name: str, choice: dict) -> dict:
-    return {"id": f"cmpl-{job.request.rid}", "object": "text_completion", "created": int(time.time()),
-            "model": model_name, "choices": [choice]}
+    return GuardedH11Protocol
 
 
 class CompletionServer:
-    """An engine loop plus a threading HTTP server; ``port=0`` picks a free port (see :attr:`port`)."""
+    """An engine loop plus a uvicorn server; ``port=0`` picks a free port (see :attr:`port`).
 
-    def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 0, model_name: str = "tierkv") -> None:
+    ``api_keys`` maps each accepted API key to its tenant (None: no authentication); each tenant's
+    requests, and each ``cache_salt``, get their own cache namespace.
+    """
+
+    def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 0, model_name: str = "tierkv",
+                 tokenizer: Tokenizer | None = None, api_keys: dict[str, str] | None = None,
+                 limits: ServerLimits | None = None) -> None:
+        from tierkv.engine.routes import build_app
+
         self.loop = EngineLoop(engine)
-        self.httpd = ThreadingHTTPServer((host, port), make_handler(self.loop, model_name))
-        self.httpd.daemon_threads = True
+        self.limits = limits or ServerLimits()
+        self.model_name = model_name
+        self.tokenizer = tokenizer or ByteTokenizer()
+        self.api_keys = api_keys
+        self.metrics = ServerMetrics(engine, self.loop.lock)
+        self.app = build_app(self)
+        self.socket = socket.create_server((host, port), reuse_port=False)
+        self.socket.setblocking(False)
+        config = uvicorn.Config(self.app, http=guarded_protocol(self.limits), loop="asyncio", lifespan="off",
+                                access_log=False, log_config=None, backlog=2048, ws="none",
+                                timeout_keep_alive=self.limits.keep_alive_s, timeout_graceful_shutdown=5)
+        self.uvicorn = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
 
     @property
+    def host(self) -> str:
+        return self.socket.getsockname()[0]
+
+    @property
     def port(self) -> int:
-        return self.httpd.server_address[1]
+        return self.socket.getsockname()[1]
 
     def start(self) -> "CompletionServer":
+        """Serve on a background thread; returns once the socket accepts."""
         self.loop.start()
-        self._thread = threading.Thread(target=self.httpd.serve_forever, name="tierkv-http", daemon=True)
+        self._thread = threading.Thread(target=self.uvicorn.run, kwargs={"sockets": [self.socket]},
+                                        name="tierkv-http", daemon=True)
         self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self.uvicorn.started and self._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if not self.uvicorn.started:
+            raise RuntimeError("the HTTP server did not start")
         return self
 
     def serve_forever(self) -> None:
+        """Serve on this thread until SIGINT/SIGTERM (uvicorn installs the handlers)."""
         self.loop.start()
-        self.httpd.serve_forever()
+        self.uvicorn.run(sockets=[self.socket])
 
     def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self.uvicorn.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=15)
+        self.socket.close()
         self.loop.stop()
         self.loop.engine.close()

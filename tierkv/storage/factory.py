@@ -12,6 +12,7 @@ names) makes every page carry a MAC; ``"max_bytes"`` bounds the file and memory 
 
 from __future__ import annotations
 
+import importlib
 import os
 from urllib.parse import unquote, urlsplit
 
@@ -169,12 +170,22 @@ def _open_backend(backend: str, namespace: str, page_nbytes: int, options: dict,
                          max_bytes=options.get("max_bytes"), retry_backoff_s=options.get("retry_backoff_s", 1.0),
                          page_key=page_key)
     if backend == "redis":
-        from tierkv.storage.redis_store import RedisStore
-        return RedisStore(namespace, page_nbytes, **options, page_key=page_key)
+        return _redis_store_class("redis_store", "RedisStore")(namespace, page_nbytes, **options, page_key=page_key)
     if backend == "redis_cluster":
-        from tierkv.storage.redis_cluster import RedisClusterStore
-        return RedisClusterStore(namespace, page_nbytes, **options, page_key=page_key)
+        return _redis_store_class("redis_cluster", "RedisClusterStore")(namespace, page_nbytes, **options,
+                                                                         page_key=page_key)
     if "master" not in options:
         raise ValueError("mooncake storage needs a master: mooncake://host:port or extra_config 'master'")
     from tierkv.storage.mooncake_store import MooncakeStore
     return MooncakeStore(namespace, page_nbytes, **options, page_key=page_key)
+
+
+def _redis_store_class(module: str, name: str) -> type:
+    """A redis-py backed store class; a clear error when redis-py (an optional extra) is missing."""
+    try:
+        store_module = importlib.import_module(f"tierkv.storage.{module}")
+    except ModuleNotFoundError as exc:
+        if exc.name != "redis":
+            raise
+        raise ValueError("the redis backends need redis-py: pip install 'tierkv[redis]'") from None
+    return getattr(store_module, name)

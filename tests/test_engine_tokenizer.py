@@ -1,0 +1,52 @@
+"""A checkpoint directory brings its own tokenizer (transformers AutoTokenizer, local files only); presets
+keep the byte tokenizer."""
+
+import openai
+import pytest
+
+from engine_helpers import tiny_model
+from engine_helpers import single_torch_thread  # noqa: F401  (autouse fixture)
+from tierkv.engine.engine import Engine, EngineConfig
+from tierkv.engine.loader import save_checkpoint
+from tierkv.engine.server import CompletionServer
+from tierkv.engine.tokenizer import ByteTokenizer, load_tokenizer
+
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny checkpoint with a word-level tokenizer whose vocabulary fills the model's 320 ids."""
+    directory = tmp_path_factory.mktemp("ckpt")
+    lm = tiny_model("tiny-llama")
+    save_checkpoint(lm, directory)
+    words = ["[UNK]", "</s>", "hello", "world", "cache"] + [f"w{i}" for i in range(lm.config.vocab_size - 5)]
+    core = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    core.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    core.decoder = tokenizers.decoders.WordPiece(prefix="##")
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]", eos_token="</s>")
+    fast.save_pretrained(str(directory))
+    return directory
+
+
+def test_presets_use_bytes_and_checkpoints_their_own_tokenizer(checkpoint):
+    assert isinstance(load_tokenizer("tiny-llama"), ByteTokenizer)
+    tok = load_tokenizer(str(checkpoint))
+    assert tok.encode("hello world cache") == [2, 3, 4] and tok.eos_token_id == 1
+    assert tok.decode([2, 3]) == "hello world"
+
+
+def test_server_tokenizes_with_the_checkpoint_tokenizer(checkpoint):
+    tok = load_tokenizer(str(checkpoint))
+    engine = Engine(str(checkpoint), EngineConfig(mode="l1", l1_tokens=512))
+    server = CompletionServer(engine, model_name="ckpt", tokenizer=tok).start()
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x", max_retries=0)
+        reply = client.completions.create(model="ckpt", prompt="hello world cache", max_tokens=4)
+        assert reply.usage.prompt_tokens == 3
+        ids = reply.choices[0].model_extra["token_ids"]
+        assert reply.choices[0].text == tok.decode(ids)
+        assert reply.choices[0].finish_reason == ("stop" if 1 in ids else "length")
+    finally:
+        server.close()

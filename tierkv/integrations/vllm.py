@@ -17,7 +17,6 @@ imports vLLM.
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -29,6 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
+from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tierkv.integrations.vllm_config import ConnectorConfig, KVGeometry, host_pages, model_tag, write_stats
@@ -46,7 +46,8 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-log = logging.getLogger("tierkv.vllm")
+# under vLLM's logger, so these lines show up (formatted, with the process name) in vLLM's own log
+log = init_logger("vllm.tierkv")
 _LOG_INTERVAL_S = 10.0
 
 
@@ -124,6 +125,12 @@ class TierKVConnector(KVConnectorBase_V1):
         self.scheduler: SchedulerTiers | None = None
         self.worker: WorkerTiers | None = None
         if role == KVConnectorRole.SCHEDULER:
+            if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+                # a cache miss, a corrupt page or a dead L3 must cost recomputation, never the request;
+                # vLLM's scheduler reads this policy right after building its connector
+                log.warning("tierkv: setting kv_load_failure_policy=recompute (was %r)",
+                            self._kv_transfer_config.kv_load_failure_policy)
+                self._kv_transfer_config.kv_load_failure_policy = "recompute"
             self.scheduler = SchedulerTiers(self.config, self.geometry, store)
             self._hit_sources: dict[str, dict[CacheHitSource, int]] = {}
             self._backup_ranks: dict[int, int] = {}
@@ -241,11 +248,13 @@ class TierKVConnector(KVConnectorBase_V1):
         self.scheduler.request_finished(request.request_id)
         self._requests.pop(request.request_id, None)
         self._hit_sources.pop(request.request_id, None)
+        self._write_stats()
         return False, None
 
     def _write_stats(self) -> None:
         stats = asdict(self.scheduler.stats)
-        if self.config.stats_path:
+        if self.config.stats_path:  # with the state tests check for leaks
+            stats.update(self.scheduler.state_summary())
             write_stats(self.config.stats_path, stats)
         now = time.monotonic()
         if now - self._last_log_s >= _LOG_INTERVAL_S:

@@ -113,6 +113,7 @@ class _Request:
     lookup: _Lookup | None = None
     planned: tuple[int, int, int] | None = None  # (vLLM's hit, L2 end, L3 end) in tokens
     load_pending: bool = False
+    l3_used: bool = False  # one async load per request: a failed one must not be planned again
     finished: bool = False
 
 
@@ -161,11 +162,13 @@ class SchedulerTiers:
         l2_end = path.num_tokens if path.num_tokens - local_hit >= self.config.load_back_threshold else 0
         base = max(l2_end, local_hit)  # L2 supplies [local_hit, base) when it reaches past vLLM's hit
         l3_end = base
-        if self.store is not None and limit - base > 0 and limit - base >= self.config.storage.prefetch_threshold:
+        if (self.store is not None and not req.l3_used and limit - base > 0
+                and limit - base >= self.config.storage.prefetch_threshold):
             keys = self._hashes(req, prompt[:limit])[base // self.page_size:]
             if req.lookup is None or req.lookup.keys != keys:
                 timeout_s = self.config.storage.prefetch_timeout_s(len(keys) * self.page_size)
                 req.lookup = _Lookup(keys, time.monotonic() + timeout_s)
+                self.stats.lookups += 1
                 self._lookup_worker.submit(lambda lookup=req.lookup: lookup.run(self.store))
             if not req.lookup.done.is_set():
                 if time.monotonic() < req.lookup.deadline_s:
@@ -200,6 +203,8 @@ class SchedulerTiers:
         is_async = bool(keys)
         self.plan.loads.append(LoadOp(req_id, list(block_ids[first:last]), host_pages, keys, is_async))
         req.load_pending = is_async
+        req.l3_used = req.l3_used or is_async
+        req.lookup = None
         self.stats.l2_hit_tokens += base - local_hit
         self.stats.l3_hit_tokens += l3_end - base
 
@@ -335,6 +340,18 @@ class SchedulerTiers:
             self._lookup_worker.stop(self.config.storage.io_wait_timeout_s)
         if self.store is not None:
             self.store.close()
+
+    def state_summary(self) -> dict:
+        """In-flight state and an integrity verdict, for leak checks (tests, debugging)."""
+        try:
+            self.check_integrity()
+            verdict = "ok"
+        except AssertionError as err:
+            verdict = str(err)
+        return {"tracked_requests": len(self.requests), "pending_backups": len(self.backups),
+                "pending_loads": sum(r.load_pending for r in self.requests.values()),
+                "l2_used_pages": self.allocator.num_used_slots // self.page_size,
+                "host_refs": sum(n.host_ref for n in self.tree.nodes()), "integrity": verdict}
 
     def check_integrity(self) -> None:
         """Tree invariants, and every allocated L2 page is owned by exactly one node."""

@@ -31,7 +31,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 BLOCK_SIZE = 32
-MODES = ("none", "offload", "tierkv", "tierkv+file")
+# "offload" is vLLM's OffloadingConnector (0.32.0 refuses to start on CPU-only hosts: it reports that);
+# "simple-offload" is vLLM's SimpleCPUOffloadConnector, its other native CPU offloading connector.
+MODES = ("none", "offload", "simple-offload", "tierkv", "tierkv+file")
 TRACE = REPO / "tests" / "fixtures" / "conversation_200.jsonl"
 
 
@@ -58,6 +60,10 @@ def engine_kwargs(mode: str, l2_bytes: int, l3_dir: str) -> dict:
     if mode == "offload":
         return {"kv_transfer_config": KVTransferConfig(
             kv_connector="OffloadingConnector", kv_role="kv_both",
+            kv_connector_extra_config={"cpu_bytes_to_use": l2_bytes})}
+    if mode == "simple-offload":
+        return {"kv_transfer_config": KVTransferConfig(
+            kv_connector="SimpleCPUOffloadConnector", kv_role="kv_both",
             kv_connector_extra_config={"cpu_bytes_to_use": l2_bytes})}
     extra: dict = {"hicache_size_gb": l2_bytes / 1e9}
     if mode == "tierkv+file":
@@ -119,7 +125,8 @@ def main() -> None:
                 proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
                 lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
                 if proc.returncode != 0 or not lines:
-                    print(f"{mode}: failed ({proc.returncode})\n{proc.stderr[-2000:]}", file=sys.stderr)
+                    errors = [ln for ln in proc.stderr.splitlines() if "Exception:" in ln or "Error:" in ln]
+                    print(f"{mode}: failed ({proc.returncode}): {errors[-1] if errors else proc.stderr[-500:]}")
                     continue
                 runs.setdefault(mode, []).append(json.loads(lines[-1].removeprefix("RESULT ")))
     report(runs)

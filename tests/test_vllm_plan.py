@@ -71,6 +71,18 @@ class Pair:
         self.step()
         self.scheduler.request_finished(req_id)
 
+    def load_async(self, req_id: str, prompt: list[int], blocks: list[int], timeout_s: float = 10.0) -> str | None:
+        """Plan and start a whole-prompt L3 load; the request id once the worker reports it finished."""
+        assert self.match(req_id, prompt) == (HIT, True)
+        self.scheduler.after_alloc(req_id, prompt, blocks, HIT)
+        self.step()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if req_id in self.report():
+                return req_id
+            time.sleep(0.01)
+        return None
+
     def wait_backups(self, timeout_s: float = 10.0) -> None:
         deadline = time.monotonic() + timeout_s
         while self.scheduler.backups and time.monotonic() < deadline:
@@ -124,12 +136,7 @@ def test_l3_hit_in_a_fresh_pair_loads_asynchronously(tmp_path):
     reader = Pair(tmp_path)
     reader.layers[0][:4] = writer.layers[0][:4]
     reader.layers[1][:4] = writer.layers[1][:4]
-    assert reader.match("r2", PROMPT) == (HIT, True)
-    reader.scheduler.after_alloc("r2", PROMPT, [5, 6, 7, 8], HIT)
-    reader.step()
-    deadline = time.monotonic() + 10
-    while "r2" not in reader.report() and time.monotonic() < deadline:
-        time.sleep(0.01)
+    assert reader.load_async("r2", PROMPT, [5, 6, 7, 8]) == "r2"
     assert reader.worker.take_load_errors() == set()
     assert reader.blocks_equal([0, 1, 2], [5, 6, 7])
     assert reader.scheduler.stats.loaded_l3_tokens == HIT
@@ -155,12 +162,7 @@ def test_corrupt_l3_pages_become_load_errors_and_are_not_planned_again(tmp_path)
     assert _corrupt(tmp_path) == HIT // BLOCK
     reader = Pair(tmp_path)
     before = [layer[5:8].clone() for layer in reader.layers]
-    assert reader.match("r2", PROMPT) == (HIT, True)
-    reader.scheduler.after_alloc("r2", PROMPT, [5, 6, 7, 8], HIT)
-    reader.step()
-    deadline = time.monotonic() + 10
-    while "r2" not in reader.report() and time.monotonic() < deadline:
-        time.sleep(0.01)
+    assert reader.load_async("r2", PROMPT, [5, 6, 7, 8]) == "r2"
     assert reader.worker.take_load_errors() == {5, 6, 7}
     assert all(torch.equal(layer[5:8], old) for layer, old in zip(reader.layers, before))
     # vLLM asks again for the request it must now recompute: the failed L3 pages are not offered again
@@ -175,12 +177,8 @@ def test_a_hung_l3_read_ends_at_the_deadline_as_load_errors(tmp_path):
     writer.compute("r1", PROMPT, [0, 1, 2, 3])
     writer.wait_backups()
     reader = Pair(tmp_path, faults={**framing, "hang_rate": 1.0, "hang_s": 3.0}, read_timeout_s=0.3)
-    assert reader.match("r2", PROMPT) == (HIT, True)
-    reader.scheduler.after_alloc("r2", PROMPT, [5, 6, 7, 8], HIT)
-    reader.step()
-    deadline = time.monotonic() + 2.5  # well before the hang ends: the connector's deadline is what fires
-    while "r2" not in reader.report() and time.monotonic() < deadline:
-        time.sleep(0.01)
+    # well before the hang ends: the connector's deadline is what fires
+    assert reader.load_async("r2", PROMPT, [5, 6, 7, 8], timeout_s=2.5) == "r2"
     assert reader.worker.take_load_errors() == {5, 6, 7}
     assert reader.scheduler.stats.failed_load_tokens == HIT
     reader.scheduler.request_finished("r2")

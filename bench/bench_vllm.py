@@ -116,6 +116,7 @@ def main() -> None:
         print("RESULT " + json.dumps(run_mode(args)), flush=True)
         return
     runs: dict[str, list[dict]] = {}
+    failures: dict[str, str] = {}
     for _ in range(args.repeats):
         for mode in args.modes.split(","):
             with tempfile.TemporaryDirectory(prefix="tierkv-bench-l3-") as l3_dir:
@@ -126,13 +127,13 @@ def main() -> None:
                 lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
                 if proc.returncode != 0 or not lines:
                     errors = [ln for ln in proc.stderr.splitlines() if "Exception:" in ln or "Error:" in ln]
-                    print(f"{mode}: failed ({proc.returncode}): {errors[-1] if errors else proc.stderr[-500:]}")
+                    failures[mode] = (errors[0] if errors else proc.stderr[-300:]).split("] ")[-1].strip()
                     continue
                 runs.setdefault(mode, []).append(json.loads(lines[-1].removeprefix("RESULT ")))
-    report(runs)
+    report(runs, failures)
 
 
-def report(runs: dict[str, list[dict]]) -> None:
+def report(runs: dict[str, list[dict]], failures: dict[str, str]) -> None:
     rows = {}
     for mode, results in runs.items():
         p50s = [percentile(r["ttft_s"], 0.5) for r in results]
@@ -140,12 +141,14 @@ def report(runs: dict[str, list[dict]]) -> None:
         rows[mode] = (median["prefill_computed"], median["prompt_tokens"], percentile(median["ttft_s"], 0.5),
                       percentile(median["ttft_s"], 0.99))
     base = rows.get("none")
-    print(f"{'mode':<12} {'prefill computed':>17} {'of prompt':>10} {'TTFT p50 ms':>12} {'p99 ms':>8} "
+    print(f"{'mode':<14} {'prefill computed':>17} {'of prompt':>10} {'TTFT p50 ms':>12} {'p99 ms':>8} "
           f"{'p50 vs none':>12} {'computed vs none':>17}")
     for mode, (computed, total, p50, p99) in rows.items():
         ratio = f"{p50 / base[2]:.2f}x" if base else "-"
         cratio = f"{computed / base[0]:.2f}x" if base and base[0] else "-"
-        print(f"{mode:<12} {computed:>17} {total:>10} {p50 * 1e3:>12.1f} {p99 * 1e3:>8.1f} {ratio:>12} {cratio:>17}")
+        print(f"{mode:<14} {computed:>17} {total:>10} {p50 * 1e3:>12.1f} {p99 * 1e3:>8.1f} {ratio:>12} {cratio:>17}")
+    for mode, reason in failures.items():
+        print(f"{mode:<14} did not start: {reason}")
 
 
 if __name__ == "__main__":

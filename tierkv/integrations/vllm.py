@@ -105,6 +105,13 @@ def _tp_rank(role: KVConnectorRole) -> int:
     return get_tensor_model_parallel_rank()
 
 
+def _token_keyed(request: "Request") -> bool:
+    """Whether the prompt's token ids alone name its KV. Images, LoRA adapters, prompt embeddings and
+    cache salts change the KV of equal tokens; such requests neither hit nor fill tierkv's tiers."""
+    return not (request.mm_features or request.lora_request is not None or request.cache_salt
+                or getattr(request, "prompt_embeds", None) is not None)
+
+
 class TierKVConnector(KVConnectorBase_V1):
     """A KVConnectorBase_V1 that puts tierkv's L2 and L3 under vLLM's prefix cache."""
 
@@ -190,6 +197,8 @@ class TierKVConnector(KVConnectorBase_V1):
 
     # ==== scheduler side ===============================================================================
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        if not _token_keyed(request):
+            return 0, False
         return self.scheduler.num_new_matched_tokens(request.request_id, list(request.prompt_token_ids or ()),
                                                      num_computed_tokens)
 
@@ -217,7 +226,7 @@ class TierKVConnector(KVConnectorBase_V1):
 
     def _plan_save(self, req_id: str, num_computed: int, scheduler_output: "SchedulerOutput") -> None:
         request = self._requests.get(req_id)
-        if request is None:
+        if request is None or not _token_keyed(request):
             return
         computed = num_computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
         block_ids = self._kv_cache_manager.get_blocks(req_id).get_block_ids()[0]

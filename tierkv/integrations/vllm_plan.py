@@ -194,9 +194,11 @@ class SchedulerTiers:
             return
         local_hit, base, l3_end = req.planned
         req.planned = None
-        if local_hit + num_external != l3_end:
+        end = local_hit + num_external
+        if end > l3_end or end % self.page_size:
             raise RuntimeError(f"request {req_id}: vLLM allocated {num_external} external tokens after "
                                f"{local_hit}, the plan was up to {l3_end}")
+        base, l3_end = min(base, end), end  # vLLM may take less than offered, never more
         host_pages = self._host_pages(prompt, local_hit, base)
         keys = self._hashes(req, prompt[:l3_end])[base // self.page_size:]
         first, last = local_hit // self.page_size, l3_end // self.page_size
@@ -237,8 +239,11 @@ class SchedulerTiers:
         key = RadixKey(tokens[:end])
         path = self.tree.match(key)
         start = path.num_tokens
-        if start < req.saved_tokens:  # our own prefix is protected; anything shorter is a bug
-            raise AssertionError(f"request {req_id}: saved prefix {req.saved_tokens} not in the tree")
+        if start < req.saved_tokens:  # the request's host_ref protects its prefix: this is a bug, cost hits only
+            log.warning("tierkv: request %s lost its saved prefix (%d of %d tokens); not saving it further",
+                        req_id, start, req.saved_tokens)
+            req.save_stopped = True
+            return
         parent = path.nodes[-1] if path.nodes else self.tree.root
         if start < end:
             slots = self._alloc_host(end - start, parent)

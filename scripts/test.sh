@@ -7,4 +7,6 @@ source scripts/setup_env.sh
 if command -v cc >/dev/null 2>&1; then
     export TIERKV_REQUIRE_NATIVE=1
 fi
+# real-vLLM connector tests run from this suite with a second venv's python (built once, then reused)
+export TIERKV_VLLM_PYTHON="$(bash scripts/setup_vllm.sh | tail -1)"
 python -m pytest -q -p no:cacheprovider "$@"

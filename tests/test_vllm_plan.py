@@ -1,0 +1,225 @@
+"""The two halves of the vLLM connector without vLLM: the scheduler's plans run by the worker's copies.
+
+Real tensors stand in for vLLM's per-layer KV blocks, real file stores for L3; a step is what vLLM does
+with the hooks: plan (scheduler), start_step / finish_step (worker), report back.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tierkv.integrations.vllm_config import ConnectorConfig, KVGeometry, host_pages
+from tierkv.integrations.vllm_io import WorkerTiers
+from tierkv.integrations.vllm_plan import SchedulerTiers
+from tierkv.storage.config import StorageConfig
+from tierkv.storage.factory import open_store
+
+BLOCK, LAYERS, DEVICE_BLOCKS = 4, 2, 32
+BLOCK_SHAPE = (1, BLOCK, 8)  # kv_heads, block_size, K and V of head_dim 4
+BLOCK_NBYTES = 1 * BLOCK * 8 * 4
+
+
+class Pair:
+    """A scheduler half and a worker half over one set of 'vLLM' KV tensors."""
+
+    def __init__(self, tmp_path: Path | None = None, pages: int = 16, faults: dict | None = None,
+                 read_timeout_s: float = 5.0) -> None:
+        backend = f"file://{tmp_path}" if tmp_path is not None else None
+        backend_config = {"faults": faults} if faults else {}
+        storage = StorageConfig(prefetch_threshold=0, prefetch_timeout_base=read_timeout_s,
+                                prefetch_timeout_per_ki_token=0.0, io_wait_timeout_s=0.5,
+                                backend_config=backend_config)
+        self.config = ConnectorConfig(storage_backend=backend, storage=storage)
+        self.geometry = KVGeometry("tiny", "test", "float32", BLOCK_SHAPE, LAYERS, BLOCK, BLOCK_NBYTES,
+                                   DEVICE_BLOCKS, pages)
+        stores = [open_store(backend, self.geometry.store_namespace(0), self.geometry.page_nbytes,
+                             dict(backend_config)) if backend else None for _ in range(2)]
+        self.scheduler = SchedulerTiers(self.config, self.geometry, stores[0])
+        self.worker = WorkerTiers(self.config, self.geometry, stores[1])
+        self.layers = [torch.randn(DEVICE_BLOCKS, *BLOCK_SHAPE) for _ in range(LAYERS)]
+        self.worker.register(self.layers)
+
+    def step(self) -> None:
+        plan = self.scheduler.take_plan()
+        self.worker.start_step(plan)
+        self.worker.finish_step(plan)
+        self.report()
+
+    def report(self) -> set[str]:
+        report = self.worker.take_report()
+        finished = self.worker.take_finished_loads()
+        self.scheduler.on_worker_report(finished, report.backups_done, report.counters)
+        return finished
+
+    def match(self, req_id: str, prompt: list[int], local_hit: int = 0, timeout_s: float = 10.0):
+        deadline = time.monotonic() + timeout_s
+        while True:
+            answer = self.scheduler.num_new_matched_tokens(req_id, prompt, local_hit)
+            if answer[0] is not None or time.monotonic() > deadline:
+                return answer
+            time.sleep(0.01)
+
+    def compute(self, req_id: str, prompt: list[int], blocks: list[int]) -> None:
+        """A request with no hit: vLLM computes it all, the connector saves its full blocks."""
+        assert self.match(req_id, prompt) == (0, False)
+        self.scheduler.after_alloc(req_id, prompt, blocks, 0)
+        self.scheduler.plan_save(req_id, prompt, blocks, len(prompt))
+        self.step()
+        self.scheduler.request_finished(req_id)
+
+    def load_async(self, req_id: str, prompt: list[int], blocks: list[int], timeout_s: float = 10.0) -> str | None:
+        """Plan and start a whole-prompt L3 load; the request id once the worker reports it finished."""
+        assert self.match(req_id, prompt) == (HIT, True)
+        self.scheduler.after_alloc(req_id, prompt, blocks, HIT)
+        self.step()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if req_id in self.report():
+                return req_id
+            time.sleep(0.01)
+        return None
+
+    def wait_backups(self, timeout_s: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.scheduler.backups and time.monotonic() < deadline:
+            time.sleep(0.01)
+            self.report()
+        assert not self.scheduler.backups
+
+    def blocks_equal(self, a: list[int], b: list[int]) -> bool:
+        return all(torch.equal(layer[a], layer[b]) for layer in self.layers)
+
+    def close(self) -> None:
+        self.worker.close()
+        self.scheduler.close()
+
+
+PROMPT = list(range(100, 114))  # 14 tokens: 3 full blocks, and the last token is never a hit
+HIT = 12
+
+
+def test_l2_hit_copies_the_saved_blocks_into_new_ones():
+    pair = Pair()
+    pair.compute("r1", PROMPT, [0, 1, 2, 3])
+    assert pair.match("r2", PROMPT) == (HIT, False)
+    pair.scheduler.after_alloc("r2", PROMPT, [5, 6, 7, 8], HIT)
+    pair.step()
+    assert pair.blocks_equal([0, 1, 2], [5, 6, 7])
+    assert pair.scheduler.stats.loaded_l2_tokens == HIT
+    pair.scheduler.request_finished("r2")
+    pair.scheduler.check_integrity()
+    assert pair.scheduler.state_summary()["host_refs"] == 0
+    pair.close()
+
+
+def test_hit_beyond_vllms_own_prefix_loads_only_the_rest():
+    pair = Pair()
+    pair.compute("r1", PROMPT, [0, 1, 2, 3])
+    assert pair.match("r2", PROMPT, local_hit=BLOCK) == (HIT - BLOCK, False)
+    pair.scheduler.after_alloc("r2", PROMPT, [0, 9, 10, 11], HIT - BLOCK)
+    plan = pair.scheduler.plan
+    assert plan.loads[0].block_ids == [9, 10]
+    pair.step()
+    assert pair.blocks_equal([1, 2], [9, 10])
+    pair.close()
+
+
+def test_l3_hit_in_a_fresh_pair_loads_asynchronously(tmp_path):
+    writer = Pair(tmp_path)
+    writer.compute("r1", PROMPT, [0, 1, 2, 3])
+    writer.wait_backups()
+    assert writer.scheduler.stats.backed_up_tokens == HIT
+    reader = Pair(tmp_path)
+    reader.layers[0][:4] = writer.layers[0][:4]
+    reader.layers[1][:4] = writer.layers[1][:4]
+    assert reader.load_async("r2", PROMPT, [5, 6, 7, 8]) == "r2"
+    assert reader.worker.take_load_errors() == set()
+    assert reader.blocks_equal([0, 1, 2], [5, 6, 7])
+    assert reader.scheduler.stats.loaded_l3_tokens == HIT
+    reader.scheduler.request_finished("r2")
+    assert reader.scheduler.state_summary()["tracked_requests"] == 0
+    for pair in (writer, reader):
+        pair.close()
+
+
+def _corrupt(root: Path) -> int:
+    pages = sorted(root.rglob("*.page"))
+    for path in pages:
+        data = bytearray(path.read_bytes())
+        data[10] ^= 0xFF
+        path.write_bytes(bytes(data))
+    return len(pages)
+
+
+def test_corrupt_l3_pages_become_load_errors_and_are_not_planned_again(tmp_path):
+    writer = Pair(tmp_path)
+    writer.compute("r1", PROMPT, [0, 1, 2, 3])
+    writer.wait_backups()
+    assert _corrupt(tmp_path) == HIT // BLOCK
+    reader = Pair(tmp_path)
+    before = [layer[5:8].clone() for layer in reader.layers]
+    assert reader.load_async("r2", PROMPT, [5, 6, 7, 8]) == "r2"
+    assert reader.worker.take_load_errors() == {5, 6, 7}
+    assert all(torch.equal(layer[5:8], old) for layer, old in zip(reader.layers, before))
+    # vLLM asks again for the request it must now recompute: the failed L3 pages are not offered again
+    assert reader.match("r2", PROMPT) == (0, False)
+    reader.close()
+    writer.close()
+
+
+def test_a_hung_l3_read_ends_at_the_deadline_as_load_errors(tmp_path):
+    framing = {"operations": ["get"], "hang_rate": 0.0}
+    writer = Pair(tmp_path, faults=framing)
+    writer.compute("r1", PROMPT, [0, 1, 2, 3])
+    writer.wait_backups()
+    reader = Pair(tmp_path, faults={**framing, "hang_rate": 1.0, "hang_s": 3.0}, read_timeout_s=0.3)
+    # well before the hang ends: the connector's deadline is what fires
+    assert reader.load_async("r2", PROMPT, [5, 6, 7, 8], timeout_s=2.5) == "r2"
+    assert reader.worker.take_load_errors() == {5, 6, 7}
+    assert reader.scheduler.stats.failed_load_tokens == HIT
+    reader.scheduler.request_finished("r2")
+    assert reader.scheduler.state_summary()["host_refs"] == 0
+    reader.close()
+    writer.close()
+
+
+def test_full_l2_skips_saves_while_pages_are_protected_then_evicts():
+    pair = Pair(pages=3)
+    prompt_a, prompt_b = list(range(14)), list(range(50, 64))
+    pair.match("a", prompt_a)
+    pair.scheduler.after_alloc("a", prompt_a, [0, 1, 2, 3], 0)
+    pair.scheduler.plan_save("a", prompt_a, [0, 1, 2, 3], len(prompt_a))
+    pair.step()
+    pair.match("b", prompt_b)
+    pair.scheduler.after_alloc("b", prompt_b, [4, 5, 6, 7], 0)
+    pair.scheduler.plan_save("b", prompt_b, [4, 5, 6, 7], len(prompt_b))  # a's pages are protected
+    assert pair.scheduler.stats.save_skipped_tokens == HIT
+    pair.scheduler.request_finished("a")
+    pair.scheduler.request_finished("b")
+    pair.compute("c", prompt_b, [8, 9, 10, 11])  # now a's pages may go
+    assert pair.scheduler.stats.evicted_tokens == HIT
+    assert pair.match("d", prompt_b) == (HIT, False)
+    pair.scheduler.check_integrity()
+    pair.close()
+
+
+@pytest.mark.parametrize("extra, field", [
+    ({"write_policy": "write_back"}, "write_policy"),
+    ({"hicache_size_gb": "8"}, "hicache_size_gb"),
+    ({"no_such_key": 1}, "no_such_key"),
+    ({"storage_backend": "file:///tmp/x", "timeout_s": 1.0}, "timeout_s"),
+])
+def test_bad_extra_config_names_the_key(extra, field):
+    with pytest.raises(ValueError, match=field):
+        ConnectorConfig.from_extra(extra)
+
+
+def test_l2_size_from_gb_or_ratio():
+    assert host_pages(ConnectorConfig(hicache_size_gb=1e-6), 100, 50) == 10
+    assert host_pages(ConnectorConfig(hicache_ratio=2.0), 100, 50) == 100
+    with pytest.raises(ValueError, match="hicache"):
+        host_pages(ConnectorConfig(hicache_size_gb=1e-9), 100, 50)

@@ -20,8 +20,8 @@ TTFT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 
 class EngineCollector:
     """Reads one engine's counters, pool sizes and storage statistics when scraped."""
 
-    def __init__(self, engine, lock: threading.Lock) -> None:
-        self.engine, self.lock = engine, lock
+    def __init__(self, engine, lock: threading.Lock, dp_rank: int = 0) -> None:
+        self.engine, self.lock, self.dp_rank = engine, lock, dp_rank
 
     def describe(self) -> list[Metric]:
         return []  # register without calling collect() (which would take the engine lock at import)
@@ -64,22 +64,44 @@ class EngineCollector:
                        {None: stats.failed_copies})
 
     def _storage_metrics(self) -> Iterator[Metric]:
+        """L3 counters labelled like HiCache's StorageMetricsCollector: backend, tp_rank, dp_rank."""
         storage = getattr(self.engine.cache, "storage", None)
         if storage is None:
             return
         s, store = storage.stats, storage.store.stats
-        yield _counter("tierkv_storage_pages", "Pages read from and written to storage (L3).", "op",
-                       {"get": store.get_pages, "set": store.set_pages})
-        yield _counter("tierkv_storage_bytes", "Bytes read from and written to storage (L3).", "op",
-                       {"get": store.get_bytes, "set": store.set_bytes})
-        yield _counter("tierkv_storage_errors", "Storage errors and corrupt pages (each cost hits, not answers).",
-                       "kind", {"error": store.errors, "corrupt": store.corrupt_pages})
-        yield _counter("tierkv_storage_prefetched_tokens", "Tokens prefetched from storage into host memory.",
-                       None, {None: s.prefetched_tokens})
-        yield _counter("tierkv_storage_backed_up_tokens", "Tokens written from host memory to storage.", None,
-                       {None: s.backed_up_tokens})
-        yield _counter("tierkv_storage_backup_dropped_tokens", "Tokens whose storage backup was dropped.", None,
-                       {None: s.backup_dropped_tokens})
+        where = {"backend": storage.store.name, "tp_rank": str(self.engine.cache.tp.rank),
+                 "dp_rank": str(self.dp_rank)}
+        yield _labelled("tierkv_storage_pages", "Pages read from and written to storage (L3).", where, "op",
+                        {"get": store.get_pages, "set": store.set_pages})
+        yield _labelled("tierkv_storage_bytes", "Bytes read from and written to storage (L3).", where, "op",
+                        {"get": store.get_bytes, "set": store.set_bytes})
+        yield _labelled("tierkv_storage_io_seconds", "Seconds spent in storage batch calls (rate over the pages "
+                        "or bytes counter: latency per page, bandwidth).", where, "op",
+                        {"get": store.get_seconds, "set": store.set_seconds})
+        yield _labelled("tierkv_storage_exists_calls", "Storage existence queries (one per prefetch or backup).",
+                        where, None, {None: store.exists_calls})
+        yield _labelled("tierkv_storage_errors", "Storage errors and corrupt pages (each cost hits, not answers).",
+                        where, "kind", {"error": store.errors, "corrupt": store.corrupt_pages})
+        yield _labelled("tierkv_storage_evicted_pages", "Pages a bounded store evicted to stay under max_bytes.",
+                        where, None, {None: store.evicted_pages})
+        yield _labelled("tierkv_storage_prefetched_tokens", "Tokens prefetched from storage into host memory.",
+                        where, None, {None: s.prefetched_tokens})
+        yield _labelled("tierkv_storage_backed_up_tokens", "Tokens written from host memory to storage.", where,
+                        None, {None: s.backed_up_tokens})
+        yield _labelled("tierkv_storage_backup_dropped_tokens", "Tokens whose storage backup was dropped.", where,
+                        None, {None: s.backup_dropped_tokens})
+        yield _labelled("tierkv_storage_prefetches", "Prefetches by outcome.", where, "outcome",
+                        {"started": s.prefetch_started, "revoked": s.prefetch_revoked, "aborted": s.prefetch_aborted,
+                         "rate_limited": s.prefetch_rate_limited, "no_room": s.prefetch_no_room})
+
+
+def _labelled(name: str, doc: str, where: dict[str, str], label: str | None, values: dict) -> CounterMetricFamily:
+    """A counter family whose every sample carries the ``where`` labels, plus ``label`` when given."""
+    names = list(where) + ([label] if label else [])
+    family = CounterMetricFamily(name, doc, labels=names)
+    for key, value in values.items():
+        family.add_metric(list(where.values()) + ([key] if label else []), value)
+    return family
 
 
 def _counter(name: str, doc: str, label: str | None, values: dict) -> CounterMetricFamily:
@@ -99,8 +121,8 @@ def _gauge(name: str, doc: str, label: str | None, values: dict) -> GaugeMetricF
 class ServerMetrics:
     """One registry per server: the engine collector plus the TTFT histogram the server observes."""
 
-    def __init__(self, engine, lock: threading.Lock) -> None:
+    def __init__(self, engine, lock: threading.Lock, dp_rank: int = 0) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(EngineCollector(engine, lock))
+        self.registry.register(EngineCollector(engine, lock, dp_rank))
         self.ttft = Histogram("tierkv_time_to_first_token_seconds", "Arrival to first generated token.",
                               buckets=TTFT_BUCKETS_S, registry=self.registry)

@@ -10,6 +10,9 @@ from tierkv.pools.kv import HOST_LAYOUTS
 from tierkv.transfer import IO_BACKENDS
 
 WRITE_POLICIES = {"write_through": 1, "write_through_selective": 2, "write_back": None}
+# inclusive: L2 keeps a copy of what L1 holds (per write_policy); exclusive: L2 keeps what L1 dropped
+# (copied on L1 eviction, freed when loaded back), so L1 + L2 hold about as much as one tier of their size
+TIER_MODES = ("inclusive", "exclusive")
 
 
 @dataclass(frozen=True)
@@ -29,12 +32,17 @@ class CacheConfig:
     load_back_threshold: int = 10
     bigram: bool = False
     enable_host: bool = True
+    tier_mode: str = "inclusive"
+    l2_admission: bool = False  # ask the eviction policy (Policy.admit) before copying a node to L2
 
     def __post_init__(self) -> None:
         if not isinstance(self.page_size, int) or isinstance(self.page_size, bool) or self.page_size < 1:
             raise ValueError(f"page_size must be a positive int, got {self.page_size!r}")
         get_policy(self.eviction_policy)
         _choice("write_policy", self.write_policy, sorted(WRITE_POLICIES))
+        _choice("tier_mode", self.tier_mode, TIER_MODES)
+        if not isinstance(self.l2_admission, bool):
+            raise TypeError(f"l2_admission must be a bool, got {self.l2_admission!r}")
         _choice("io_backend", self.io_backend, IO_BACKENDS)
         _choice("host_layout", self.host_layout, HOST_LAYOUTS)
         _positive_number("hicache_ratio", self.hicache_ratio)
@@ -45,8 +53,13 @@ class CacheConfig:
 
     @property
     def write_threshold(self) -> int | None:
-        """Hits after which a node is backed up to L2; None for write_back (only on eviction)."""
-        return WRITE_POLICIES[self.write_policy]
+        """Hits after which a node is backed up to L2; None for write_back and exclusive (only on eviction)."""
+        return None if self.tier_mode == "exclusive" else WRITE_POLICIES[self.write_policy]
+
+    @property
+    def writes_on_evict(self) -> bool:
+        """An L1 eviction copies a node without an L2 copy to L2 first (write_back, or exclusive tiers)."""
+        return self.write_threshold is None
 
 
 def _choice(name: str, value: object, options) -> None:

@@ -18,6 +18,7 @@ import torch
 
 from tierkv.config import CacheConfig
 from tierkv.eviction import eviction_order, get_policy
+from tierkv.eviction.tiers import promote_loaded
 from tierkv.pools.kv import DeviceKVPool, HostKVPool, host_pool_tokens
 from tierkv.hashing import HashNamespace
 from tierkv.radix import RadixKey, RadixTree, TreeNode
@@ -190,11 +191,14 @@ class HiRadixCache:
         result = self.tree.insert(key, device_slots, priority)
         self._free_duplicates(device_slots, result.shared)
         for node in result.path:
+            self.priority.on_access(node)  # before the count: policies class a use by the uses before it
             node.hit_count += 1
+        if result.new_node is not None:
+            self.priority.on_insert(result.new_node)
         threshold = self.config.write_threshold
         if self.transfer is not None and threshold is not None:
             hot = [n for n in result.path if n.host_value is None and n.hit_count >= threshold]
-            if hot:
+            if hot and self._admit(hot[-1]):
                 self.write_backup(hot[-1])
         return result.prefix_len + (len(result.new_node) if result.new_node else 0)
 
@@ -312,6 +316,13 @@ class HiRadixCache:
         if handle.error is not None:
             self.stats.failed_copies += 1
             self._drop_loaded(pending)
+        elif self.config.tier_mode == "exclusive":  # promote: L1 has it now, so L2 need not
+            freed = promote_loaded(self.tree, pending.node, len(pending.device_slots))
+            if freed:
+                self.host_pool.free(torch.cat(freed))
+
+    def _admit(self, node: TreeNode) -> bool:
+        return not self.config.l2_admission or self.priority.admit(node)
 
     def _drop_loaded(self, pending: PendingLoad) -> None:
         """A failed load left garbage in its device slots: evict them again (unlocked nodes only)."""
@@ -377,18 +388,19 @@ class HiRadixCache:
         write_back copied to L2 first (one batch copy, waited for). Lock contract: skips locked nodes.
         """
         freed, batch = 0, _WriteBackBatch()
-        write_back = self.config.write_policy == "write_back" and self.transfer is not None
+        write_back = self.config.writes_on_evict and self.transfer is not None
         order = eviction_order(self.tree.device_leaves(), self.priority, self._next_device_candidate)
         for node in order:
             if freed >= num_tokens:
                 break
-            if write_back and node.host_value is None:
+            if write_back and node.host_value is None and self._admit(node):
                 self._reserve_write_back(node, batch)
             freed += len(node)
             # freed only after the batch copy: a write-back may still read these slots
             batch.evicted_slots.append(self.tree.clear_device_value(node))
             if node.host_value is None:
                 self.tree.remove_leaf(node)
+            self.priority.on_evict(node, removed=node.host_value is None)
         self._finish_write_back(batch)
         if batch.evicted_slots:
             self.device_pool.free(torch.cat(batch.evicted_slots))
@@ -452,6 +464,7 @@ class HiRadixCache:
             node.host_value = None
             if node.device_value is None:
                 self.tree.remove_leaf(node)
+            self.priority.on_evict(node, removed=node.device_value is None)
         if evicted_slots:  # one free: each call validates its slots, which dominates for small nodes
             self.host_pool.free(torch.cat(evicted_slots))
         self.stats.evicted_host_tokens += freed

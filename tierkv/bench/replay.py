@@ -47,6 +47,9 @@ class ReplayConfig:
     include_output: bool = False
     verify: bool = False
     load_back_threshold: int = 10
+    tier_mode: str = "inclusive"
+    l2_admission: bool = False
+    l3_tokens: int | None = None  # a bounded L3's capacity, for MIN's bound (None: unbounded)
 
     def __post_init__(self) -> None:
         if not isinstance(self.page_size, int) or self.page_size < 1:
@@ -57,13 +60,15 @@ class ReplayConfig:
             raise ValueError(f"l2_tokens must be an int > l1_tokens ({self.l1_tokens}), got {self.l2_tokens!r}")
         if self.l3 != "none" and self.l2_tokens is None:
             raise ValueError(f"l3 {self.l3!r} needs an L2 tier (l2_tokens), got l2_tokens=None")
-        CacheConfig(page_size=self.page_size, eviction_policy=self.eviction_policy,
-                    write_policy=self.write_policy, load_back_threshold=self.load_back_threshold)
+        if self.l3_tokens is not None and (not isinstance(self.l3_tokens, int) or self.l3_tokens < 0):
+            raise ValueError(f"l3_tokens must be an int >= 0 or None, got {self.l3_tokens!r}")
+        self.cache_config()
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(page_size=self.page_size, eviction_policy=self.eviction_policy,
                            write_policy=self.write_policy, load_back_threshold=self.load_back_threshold,
-                           enable_host=self.l2_tokens is not None)
+                           enable_host=self.l2_tokens is not None, tier_mode=self.tier_mode,
+                           l2_admission=self.l2_admission)
 
     @property
     def total_tokens(self) -> int:

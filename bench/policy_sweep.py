@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -53,11 +54,13 @@ def sweep(traces: list[str], sizes: list[int], policies: list[str], modes: list[
     """Every (trace, mode, size, policy) point, each with MIN and its fraction of MIN."""
     optimum = {(t, s): belady_min(load_trace(t).requests, s, page_size).hit_ratio for t in traces for s in sizes}
     work = [(t, m, s, p, page_size, admission) for t in traces for m in modes for s in sizes for p in policies]
+    points = []
     with ProcessPoolExecutor(jobs) as pool:
-        points = list(pool.map(_run, work))
-    for p in points:
-        p["optimal_hit_ratio"] = optimum[(p["trace"], p["capacity_tokens"])]
-        p["fraction_of_min"] = p["hit_ratio"] / p["optimal_hit_ratio"] if p["optimal_hit_ratio"] else 0.0
+        for p in pool.map(_run, work):
+            p["optimal_hit_ratio"] = optimum[(p["trace"], p["capacity_tokens"])]
+            p["fraction_of_min"] = p["hit_ratio"] / p["optimal_hit_ratio"] if p["optimal_hit_ratio"] else 0.0
+            print(json.dumps(p), file=sys.stderr, flush=True)  # progress, one point a line
+            points.append(p)
     return points
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from tierkv.bench.trace import TraceRequest
 from tierkv.config import CacheConfig
 from tierkv.eviction import Policy, eviction_order, get_policy
-from tierkv.eviction.tiers import ExclusiveHostOrder, promote_loaded
+from tierkv.eviction.tiers import ExclusiveOrder, promote_loaded
 from tierkv.radix import RadixKey, RadixTree, TreeNode
 
 TIER_MODES = ("inclusive", "exclusive")
@@ -70,16 +70,24 @@ class _TierHeap:
 
     def __init__(self, policy: Policy, is_leaf) -> None:
         self.policy, self.is_leaf, self.heap = policy, is_leaf, []
+        self.deferred: list[TreeNode] = []  # locked or protected now: back in the heap after this pass
 
     def push(self, node: TreeNode) -> None:
         heapq.heappush(self.heap, (self.policy(node), node.id, node))
+
+    def restore(self) -> None:
+        for node in self.deferred:
+            self.push(node)
+        self.deferred.clear()
 
     def pop(self) -> TreeNode | None:
         heap = self.heap
         while heap:
             key, _, node = heapq.heappop(heap)
             if not self.is_leaf(node):
-                continue  # it is pushed again when it becomes a leaf or is touched
+                if node.lock_ref or node.host_ref:
+                    self.deferred.append(node)
+                continue  # otherwise pushed again when it becomes a leaf or is touched
             now = self.policy(node)
             if now != key:
                 heapq.heappush(heap, (now, node.id, node))
@@ -100,9 +108,11 @@ class PageSim:
         self.l1_pages = config.l1_tokens // self.page
         self.l2_pages = (config.l2_tokens or 0) // self.page
         self.l2_used = 0
-        self.l1_heap = _TierHeap(self.policy, self.tree.is_device_leaf)
-        host_order = ExclusiveHostOrder(self.policy) if config.tier_mode == "exclusive" else self.policy
-        self.l2_heap = _TierHeap(host_order, self.tree.is_host_leaf)
+        exclusive = config.tier_mode == "exclusive"
+        self.l1_heap = _TierHeap(ExclusiveOrder(self.policy, "host_value") if exclusive else self.policy,
+                                 self.tree.is_device_leaf)
+        self.l2_heap = _TierHeap(ExclusiveOrder(self.policy, "device_value") if exclusive else self.policy,
+                                 self.tree.is_host_leaf)
         self.result = SimResult(config)
 
     @property
@@ -160,13 +170,14 @@ class PageSim:
             return False
         for n in host_part:
             self.tree.set_device_value(n, range(len(n)))
+            self.l1_heap.push(n)
         if self.config.tier_mode == "exclusive":  # promote: the L2 copy is no longer needed
             freed = promote_loaded(self.tree, host_part[-1], num)
             self.l2_used -= sum(len(v) for v in freed)
             top = host_part[-1]
             for _ in freed:
                 top = top.parent
-            if top is not self.tree.root and self.tree.is_host_leaf(top):
+            if top is not self.tree.root and top.host_value is not None:
                 self.l2_heap.push(top)
         return True
 
@@ -183,8 +194,11 @@ class PageSim:
         """Leaves in eviction order: from the persistent heap, or (keys that move with time) a heap
         built over the frontier now, as the cache does."""
         if self.policy.static:
-            while (victim := heap.pop()) is not None:
-                yield victim
+            try:
+                while (victim := heap.pop()) is not None:
+                    yield victim
+            finally:
+                heap.restore()
             return
 
         def next_leaf(node: TreeNode) -> TreeNode | None:
@@ -204,8 +218,8 @@ class PageSim:
             self.tree.remove_leaf(node)
         self.policy.on_evict(node, removed)
         parent = node.parent
-        if parent is not self.tree.root and self.tree.is_device_leaf(parent):
-            self.l1_heap.push(parent)
+        if parent is not self.tree.root and parent.device_value is not None:
+            self.l1_heap.push(parent)  # it may be a leaf now (or once unlocked): checked when popped
 
     def _copy_to_l2(self, node: TreeNode) -> bool:
         """Give ``node`` and its ancestors without one an L2 copy, evicting from L2 for room."""
@@ -227,6 +241,8 @@ class PageSim:
         for n in path:
             n.host_value = range(len(n))
             self.l2_heap.push(n)
+            if n.device_value is not None:
+                self.l1_heap.push(n)  # its L1 key may have dropped (exclusive: now a duplicate)
         self.l2_used += num
         self.result.written_tokens += num * self.page
         return True
@@ -235,7 +251,7 @@ class PageSim:
         node.host_value = None
         self.l2_used -= len(node)
         parent = node.parent
-        if parent is not self.tree.root and self.tree.is_host_leaf(parent):
+        if parent is not self.tree.root and parent.host_value is not None:
             self.l2_heap.push(parent)
 
     def _evict_l2(self, node: TreeNode) -> None:

@@ -29,7 +29,7 @@ class PolicyNode(Protocol):
 
 
 class Policy:
-    """Base policy: LRU order, no state, admits everything. Subclasses override :meth:`key`.
+    """Base policy: LRU order, no state, admits nodes used twice. Subclasses override :meth:`key`.
 
     ``static`` is True when a node's key changes only when the node itself is touched (accessed, hit,
     created): then a caller may keep keys in a persistent heap. Policies whose keys also depend on
@@ -38,6 +38,7 @@ class Policy:
 
     name = "lru"
     static = True
+    element_tokens = 1  # tokens per key element (the page simulator keys by page)
 
     def key(self, node: PolicyNode) -> tuple:
         return (node.last_access_time, node.id)
@@ -55,8 +56,9 @@ class Policy:
         """``node`` left a tier; ``removed`` when it left the tree altogether (no tier holds it)."""
 
     def admit(self, node: PolicyNode) -> bool:
-        """Whether ``node`` is worth a copy in a lower tier (L2 backup or demotion)."""
-        return True
+        """Whether ``node`` is worth a copy in a lower tier (L2 backup or demotion), asked only when
+        admission is on (``CacheConfig.l2_admission``): by default, once it has been used twice."""
+        return node.hit_count >= 2
 
 
 def depth_tokens(node: PolicyNode) -> int:

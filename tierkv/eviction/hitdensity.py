@@ -12,7 +12,8 @@ order is LRU.
 What it learns must not depend on what it evicts (or it only ever sees the gaps it already keeps), so
 uses are counted whether the node was still cached or not: an evicted node leaves a ghost (its
 fingerprint and last use), and a new node with that fingerprint counts as a use at the ghost's age. A
-ghost pushed out of the bounded ghost list counts as a node never used again (a death at its age).
+ghost older than a horizon (``horizon_factor`` times the mean age at eviction, at least
+``min_horizon_ticks``) is dropped and counts as a node never used again (a death at its age).
 """
 
 from __future__ import annotations
@@ -37,8 +38,11 @@ class HitDensity(Policy):
     name = "hitdensity"
     static = False  # a node's density changes as it ages
 
-    def __init__(self, refresh_events: int = 128, decay: float = 0.98, ghost_entries: int = 1 << 13) -> None:
+    def __init__(self, refresh_events: int = 128, decay: float = 0.98, ghost_entries: int = 1 << 16,
+                 horizon_factor: float = 16.0, min_horizon_ticks: int = 1024) -> None:
         self.ghosts = _Ghosts(ghost_entries)
+        self.horizon_factor, self.min_horizon_ticks = horizon_factor, min_horizon_ticks
+        self.mean_eviction_age = 0.0
         self.refresh_events, self.decay = refresh_events, decay
         self.hits = [[0.0] * _NUM_BINS for _ in range(2)]
         self.deaths = [[0.0] * _NUM_BINS for _ in range(2)]
@@ -75,11 +79,15 @@ class HitDensity(Policy):
         if not removed:
             return  # still cached in another tier: its life goes on
         prev = self.last_use.pop(node.id, node.last_access_time)
-        expired = self.ghosts.add(fingerprint(node), (prev, self._class(node)))
-        if expired is not None:
-            last_use, cls = expired
-            self.deaths[cls][_bin(self.now - last_use)] += 1
-            self._event()
+        self.mean_eviction_age += 0.01 * (self.now - prev - self.mean_eviction_age)
+        expired = [self.ghosts.add(fingerprint(node), (prev, self._class(node)))]
+        horizon = max(self.min_horizon_ticks, self.horizon_factor * self.mean_eviction_age)
+        expired += self.ghosts.pop_older(lambda ghost: self.now - ghost[0] > horizon)
+        for ghost in expired:
+            if ghost is not None:
+                last_use, cls = ghost
+                self.deaths[cls][_bin(self.now - last_use)] += 1
+                self._event()
 
     def _event(self) -> None:
         self._events += 1

@@ -78,6 +78,13 @@ class _Ghosts:
             return self._fps.popitem(last=False)[1]
         return None
 
+    def pop_older(self, too_old) -> list:
+        """Drop and return the values of the oldest entries while ``too_old(value)``."""
+        out = []
+        while self._fps and too_old(next(iter(self._fps.values()))):
+            out.append(self._fps.popitem(last=False)[1])
+        return out
+
     def pop(self, fp: int) -> int | None:
         return self._fps.pop(fp, None)
 
@@ -176,32 +183,36 @@ class TinyLFU(Policy):
 
 class GDSF(Policy):
     """Greedy-dual size-frequency: H = L + uses x prefill cost saved per slot; the lowest H goes first
-    and L rises to each evicted H (aging). Cost per token grows with its position, since attention over
-    a longer context costs more: ``1 + position / attention_tokens`` (attention_tokens: where attention
-    FLOPs match the linear layers', ~32k for an 8B model)."""
+    and L rises to the H of each node that leaves the cache (aging; a move between tiers does not count).
+    Cost per token grows with its position, since attention over a longer context costs more:
+    ``1 + position / attention_tokens`` (attention_tokens: where attention FLOPs match the linear
+    layers', ~32k for an 8B model)."""
 
     name = "gdsf"
 
     def __init__(self, attention_tokens: int = 32768) -> None:
         self.attention_tokens = attention_tokens
         self.clock = 0.0
-        self._h: dict[int, tuple[int, float]] = {}  # node id -> (access tick it was set at, H)
+        self._base: dict[int, tuple[int, float]] = {}  # node id -> (access tick, clock at that access)
 
     def value_per_slot(self, node: PolicyNode) -> float:
-        mid = depth_tokens(node) + len(node) / 2
+        mid = (depth_tokens(node) + len(node) / 2) * self.element_tokens
         return node.hit_count * (1.0 + mid / self.attention_tokens)
 
+    def on_access(self, node: PolicyNode) -> None:
+        self._base[node.id] = (node.last_access_time, self.clock)
+
     def h(self, node: PolicyNode) -> float:
-        tick, h = self._h.get(node.id, (None, 0.0))
-        if tick != node.last_access_time:  # touched since: H restarts from the current clock
-            h = self.clock + self.value_per_slot(node)
-            self._h[node.id] = (node.last_access_time, h)
-        return h
+        tick, base = self._base.get(node.id, (None, 0.0))
+        if tick != node.last_access_time:  # touched without a reported use (a match): restart from now
+            base = self.clock
+            self._base[node.id] = (node.last_access_time, base)
+        return base + self.value_per_slot(node)
 
     def key(self, node: PolicyNode) -> tuple:
         return (self.h(node), node.last_access_time, node.id)
 
     def on_evict(self, node: PolicyNode, removed: bool) -> None:
-        self.clock = max(self.clock, self.h(node))
-        if removed:
-            self._h.pop(node.id, None)
+        if removed:  # a move to another tier is no eviction from the cache: the clock stays
+            self.clock = max(self.clock, self.h(node))
+            self._base.pop(node.id, None)

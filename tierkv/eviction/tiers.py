@@ -26,14 +26,17 @@ def promote_loaded(tree: RadixTree, last: TreeNode, num_tokens: int) -> list[Any
     return freed
 
 
-class ExclusiveHostOrder:
-    """L2 eviction order for exclusive tiers: copies L1 still holds go first (dropping one loses no
-    hit, only a later re-copy), then the policy's order. Static when the policy is: a node's device
-    value changes only when it is touched by a load, an insert or an L1 eviction."""
+class ExclusiveOrder:
+    """Eviction order of one tier under exclusive tiers: nodes the other tier also holds go first
+    (dropping such a copy loses no hit, only a later copy), then the policy's order. Duplicates arise
+    because L2 must hold a rooted subtree: demoting a leaf copies its ancestors too.
 
-    def __init__(self, policy) -> None:
-        self.policy = policy
+    ``other`` is the attribute naming the other tier's value: "host_value" for L1, "device_value" for L2.
+    """
+
+    def __init__(self, policy, other: str) -> None:
+        self.policy, self.other = policy, other
         self.static = policy.static
 
     def __call__(self, node: TreeNode) -> tuple:
-        return (node.device_value is None, self.policy(node))
+        return (getattr(node, self.other) is None, self.policy(node))

@@ -31,7 +31,8 @@ def _replay_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--l2-tokens", default=DEFAULT_L2_TOKENS, help="L2 (host) capacity; 0 for no L2")
     p.add_argument("--l3", default="none", help="none | file:DIR | redis://HOST:PORT[/DB] | other store spec")
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--policy", default="lru", choices=sorted(POLICIES), help="eviction policy")
+    p.add_argument("--policy", default="gdsf", choices=sorted(POLICIES),
+                   help="eviction policy (README: 'Eviction policies and tiers' compares them)")
     p.add_argument("--write-policy", default="write_through", choices=sorted(WRITE_POLICIES))
     p.add_argument("--tier-mode", default="inclusive", choices=TIER_MODES,
                    help="inclusive: L2 copies L1 (write policy); exclusive: L2 keeps what L1 dropped")

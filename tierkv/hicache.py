@@ -18,7 +18,7 @@ import torch
 
 from tierkv.config import CacheConfig
 from tierkv.eviction import eviction_order, get_policy
-from tierkv.eviction.tiers import promote_loaded
+from tierkv.eviction.tiers import promote_loaded, tier_orders
 from tierkv.pools.kv import DeviceKVPool, HostKVPool, host_pool_tokens
 from tierkv.hashing import HashNamespace
 from tierkv.radix import RadixKey, RadixTree, TreeNode
@@ -112,6 +112,7 @@ class HiRadixCache:
         self.device_pool = device_pool
         self.tree = RadixTree(self.config.page_size, bigram=self.config.bigram)
         self.priority = get_policy(self.config.eviction_policy)
+        self._device_order, self._host_order = tier_orders(self.priority, self.config.tier_mode)
         self.tp = tp or TPGroup.single()
         self.stats = CacheStats()
         self.host_pool = host_pool
@@ -389,7 +390,7 @@ class HiRadixCache:
         """
         freed, batch = 0, _WriteBackBatch()
         write_back = self.config.writes_on_evict and self.transfer is not None
-        order = eviction_order(self.tree.device_leaves(), self.priority, self._next_device_candidate)
+        order = eviction_order(self.tree.device_leaves(), self._device_order, self._next_device_candidate)
         for node in order:
             if freed >= num_tokens:
                 break
@@ -455,7 +456,7 @@ class HiRadixCache:
         nodes with host_ref (in-flight writes, loads, backups) and locked host-only nodes.
         """
         freed, evicted_slots = 0, []
-        order = eviction_order(self.tree.host_leaves(), self.priority, self._next_host_candidate)
+        order = eviction_order(self.tree.host_leaves(), self._host_order, self._next_host_candidate)
         for node in order:
             if freed >= num_tokens:
                 break

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from tierkv.bench.trace import TraceRequest
 from tierkv.config import CacheConfig
 from tierkv.eviction import Policy, eviction_order, get_policy
-from tierkv.eviction.tiers import ExclusiveOrder, promote_loaded
+from tierkv.eviction.tiers import promote_loaded, tier_orders
 from tierkv.radix import RadixKey, RadixTree, TreeNode
 
 TIER_MODES = ("inclusive", "exclusive")
@@ -108,11 +108,9 @@ class PageSim:
         self.l1_pages = config.l1_tokens // self.page
         self.l2_pages = (config.l2_tokens or 0) // self.page
         self.l2_used = 0
-        exclusive = config.tier_mode == "exclusive"
-        self.l1_heap = _TierHeap(ExclusiveOrder(self.policy, "host_value") if exclusive else self.policy,
-                                 self.tree.is_device_leaf)
-        self.l2_heap = _TierHeap(ExclusiveOrder(self.policy, "device_value") if exclusive else self.policy,
-                                 self.tree.is_host_leaf)
+        device_order, host_order = tier_orders(self.policy, config.tier_mode)
+        self.l1_heap = _TierHeap(device_order, self.tree.is_device_leaf)
+        self.l2_heap = _TierHeap(host_order, self.tree.is_host_leaf)
         self.result = SimResult(config)
 
     @property

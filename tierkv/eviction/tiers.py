@@ -40,3 +40,10 @@ class ExclusiveOrder:
 
     def __call__(self, node: TreeNode) -> tuple:
         return (getattr(node, self.other) is None, self.policy(node))
+
+
+def tier_orders(policy, tier_mode: str) -> tuple:
+    """The L1 and L2 eviction orders for ``tier_mode``: the policy itself when inclusive."""
+    if tier_mode == "exclusive":
+        return ExclusiveOrder(policy, "host_value"), ExclusiveOrder(policy, "device_value")
+    return policy, policy

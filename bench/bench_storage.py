@@ -8,13 +8,19 @@ Pages are 64 tokens of a Llama-3-8B-sized KV (128 KiB per token -> 8 MiB). Basel
 Each side runs ``--repeats`` times, in turns; the best time of each counts. Target ratio >= 0.7.
 The raw sides verify nothing; tierkv checksums every page (xxh3-64) on write and on read, which is a
 whole extra memory pass where the transport itself is a memory copy (memory, mooncake on one host).
+``--page-key`` runs the stores with page authentication (a keyed MAC, HMAC-SHA256, instead of xxh3).
+A first table compares the digests alone on the same pages, side by side: xxh3-64 (the baseline),
+HMAC-SHA256 (what ``page_key`` uses) and keyed BLAKE2b, each fed in the stores' 256 KiB chunks.
 
     python bench/bench_storage.py [--pages 64] [--backends memory,file,redis,mooncake] [--fsync] [--cold]
+                                  [--page-key SECRET]
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import hmac
 import os
 import shutil
 import sys
@@ -24,11 +30,13 @@ from typing import Callable
 
 import numpy as np
 import torch
+import xxhash
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tierkv.hashing import HashNamespace, page_hashes  # noqa: E402
 from tierkv.storage.factory import open_store  # noqa: E402
+from tierkv.storage.page_format import CHUNK_NBYTES  # noqa: E402
 
 TOKEN_NBYTES = 128 << 10
 PAGE_TOKENS = 64
@@ -54,8 +62,12 @@ class Case:
         self.cleanup: Callable[[], object] = lambda: None
 
 
-def memory_case(ns: str, page_nbytes: int, keys, pages, targets, _args) -> Case:
-    store = open_store("memory", ns, page_nbytes)
+def store_options(args) -> dict:
+    return {"page_key": args.page_key} if args.page_key else {}
+
+
+def memory_case(ns: str, page_nbytes: int, keys, pages, targets, args) -> Case:
+    store = open_store("memory", ns, page_nbytes, store_options(args))
     raw: dict = {}
 
     def raw_set():
@@ -70,7 +82,7 @@ def memory_case(ns: str, page_nbytes: int, keys, pages, targets, _args) -> Case:
 
 def file_case(ns: str, page_nbytes: int, keys, pages, targets, args) -> Case:
     root = tempfile.mkdtemp(prefix="tierkv-bench-", dir=args.dir)
-    store = open_store(f"file://{root}/store", ns, page_nbytes, {"fsync": args.fsync})
+    store = open_store(f"file://{root}/store", ns, page_nbytes, {"fsync": args.fsync, **store_options(args)})
     raw_dir = os.path.join(root, "raw")
     os.makedirs(raw_dir)
 
@@ -109,7 +121,8 @@ def redis_case(ns: str, page_nbytes: int, keys, pages, targets, args) -> Case:
     import redis
     from tests.servers import RedisServer
     server = RedisServer.start()
-    store = open_store(server.url, ns, page_nbytes, {"batch_pages": args.batch_pages, "timeout_s": 60.0})
+    store = open_store(server.url, ns, page_nbytes, {"batch_pages": args.batch_pages, "timeout_s": 60.0,
+                                                     **store_options(args)})
     client = redis.Redis(port=server.port, socket_timeout=60.0)
     raw_keys = [f"raw:{k}" for k in keys]
     got: list = []
@@ -141,7 +154,8 @@ def mooncake_case(ns: str, page_nbytes: int, keys, pages, targets, args) -> Case
     from tests.servers import MooncakeMaster
     master = MooncakeMaster.start()
     segment = 3 * len(pages) * (page_nbytes + 4096)  # store + raw copies, with allocator slack
-    config = {**master.client_config(), "global_segment_size": segment, "local_buffer_size": 64 << 20}
+    config = {**master.client_config(), "global_segment_size": segment, "local_buffer_size": 64 << 20,
+              **store_options(args)}
     store = open_store(master.url, ns, page_nbytes, config)
     store.batch_exists(keys[:1])  # set up the client outside the timed region
     client = store.client
@@ -194,6 +208,32 @@ def run_case(case: Case, keys, pages, targets, repeats: int) -> list[tuple]:
             for op, ours, raw in (("set", set_store, set_raw), ("get", get_store, get_raw))]
 
 
+DIGESTS: dict[str, Callable[[], object]] = {
+    "xxh3-64": xxhash.xxh3_64,
+    "hmac-sha256": lambda: hmac.new(b"k" * 32, digestmod=hashlib.sha256),
+    "blake2b-keyed": lambda: hashlib.blake2b(key=b"k" * 32, digest_size=16),
+}
+
+
+def digest_rows(pages, repeats: int) -> list[tuple[str, float, float]]:
+    """(digest, GB/s, fraction of xxh3's speed): every page fed in chunks, digests run in turns."""
+    views = [memoryview(p.numpy()) for p in pages]
+
+    def run(make) -> None:
+        for view in views:
+            state = make()
+            for start in range(0, len(view), CHUNK_NBYTES):
+                state.update(view[start:start + CHUNK_NBYTES])
+            state.digest()
+    best = dict.fromkeys(DIGESTS, float("inf"))
+    for rep in range(repeats):
+        names = list(DIGESTS) if rep % 2 == 0 else list(DIGESTS)[::-1]
+        for name in names:
+            best[name] = min(best[name], best_seconds(lambda: run(DIGESTS[name]), 1))
+    nbytes = sum(len(v) for v in views)
+    return [(name, nbytes / best[name] / 1e9, best["xxh3-64"] / best[name]) for name in DIGESTS]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pages", type=int, default=64)
@@ -205,6 +245,8 @@ def main() -> None:
     parser.add_argument("--dir", default=None, help="parent directory for the file backend")
     parser.add_argument("--cold", action="store_true",
                         help="file: drop both sides' pages from the page cache before each read run")
+    parser.add_argument("--page-key", default=None, help="authenticate pages with this secret (a MAC)")
+    parser.add_argument("--skip-digests", action="store_true", help="no digest table")
     args = parser.parse_args()
     page_nbytes = args.page_tokens * TOKEN_NBYTES
     ns = HashNamespace(model="llama-3-8b", kv_dtype="bfloat16", kv_shape=(2, 32, 8, 128))
@@ -213,7 +255,11 @@ def main() -> None:
     pages = [torch.randint(0, 256, (page_nbytes,), dtype=torch.uint8, generator=gen) for _ in keys]
     targets = [torch.ones(page_nbytes, dtype=torch.uint8) for _ in keys]  # touched up front
     print(f"{args.pages} pages x {page_nbytes >> 20} MiB ({args.page_tokens} tokens x 128 KiB), "
-          f"best of {args.repeats}, fsync={args.fsync}, cold={args.cold}")
+          f"best of {args.repeats}, fsync={args.fsync}, cold={args.cold}, page_key={bool(args.page_key)}")
+    if not args.skip_digests:
+        print(f"{'digest':<14} {'GB/s':>6} {'vs xxh3':>8}")
+        for name, gbps, ratio in digest_rows(pages, args.repeats):
+            print(f"{name:<14} {gbps:>6.2f} {ratio:>8.3f}")
     rows = []
     for name in args.backends.split(","):
         try:

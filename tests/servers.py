@@ -76,15 +76,17 @@ class RedisServer:
 
     port: int
     password: str | None = None
+    extra_args: tuple[str, ...] = ()
     workdir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="tierkv-redis-"))
     proc: subprocess.Popen | None = None
 
     @classmethod
-    def start(cls, password: str | None = None) -> "RedisServer":
+    def start(cls, password: str | None = None, extra_args: tuple[str, ...] = ()) -> "RedisServer":
+        """``extra_args`` go to redis-server as they are (e.g. ``("--maxmemory", "8mb")``)."""
         binary = REDIS_SERVER if os.path.exists(REDIS_SERVER) else shutil.which("redis-server")
         if not binary:
             raise ServerUnavailable("redis-server is not installed (scripts/setup_env.sh installs it)")
-        server = cls(port=free_port(), password=password)
+        server = cls(port=free_port(), password=password, extra_args=tuple(extra_args))
         server.binary = binary
         server.restart()
         return server
@@ -105,6 +107,7 @@ class RedisServer:
                 "--appendonly", "no", "--dir", self.workdir, "--daemonize", "no", "--loglevel", "warning"]
         if self.password:
             args += ["--requirepass", self.password]
+        args += list(self.extra_args)
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      start_new_session=True)
         wait_for_port(self.port, self.proc, 10.0, "redis-server")
@@ -118,6 +121,57 @@ class RedisServer:
     def stop(self) -> None:
         stop_process(self.proc)
         shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+@dataclass
+class RedisClusterServers:
+    """Three redis-server masters (no replicas) joined into one cluster with ``redis-cli --cluster create``.
+
+    ``cluster-require-full-coverage no``: when a master dies, the others keep serving their slots.
+    """
+
+    nodes: list[RedisServer]
+
+    @classmethod
+    def start(cls, num_masters: int = 3) -> "RedisClusterServers":
+        cli = shutil.which("redis-cli")
+        if not cli:
+            raise ServerUnavailable("redis-cli is not installed (scripts/setup_env.sh installs it)")
+        flags = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                 "--cluster-node-timeout", "2000", "--cluster-require-full-coverage", "no")
+        cluster = cls([])
+        try:
+            for _ in range(num_masters):
+                # The bus port would default to port + 10000, which may be taken or past 65535.
+                cluster.nodes.append(RedisServer.start(extra_args=(*flags, "--cluster-port", str(free_port()))))
+            addresses = [f"127.0.0.1:{node.port}" for node in cluster.nodes]
+            subprocess.run([cli, "--cluster", "create", *addresses, "--cluster-replicas", "0", "--cluster-yes"],
+                           check=True, capture_output=True, timeout=60)
+            cluster.wait_ok(cli)
+        except BaseException:
+            cluster.stop()
+            raise
+        return cluster
+
+    def wait_ok(self, cli: str, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        for node in self.nodes:
+            while True:
+                info = subprocess.run([cli, "-p", str(node.port), "cluster", "info"], capture_output=True,
+                                      text=True, timeout=10).stdout
+                if "cluster_state:ok" in info:
+                    break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"redis cluster not ok after {timeout_s}s: {info}")
+                time.sleep(0.1)
+
+    @property
+    def url(self) -> str:
+        return f"redis+cluster://127.0.0.1:{self.nodes[0].port}"
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
 
 
 @dataclass

@@ -28,7 +28,6 @@ def test_defaults_are_valid():
     ("hicache_ratio", 0),
     ("hicache_ratio", -1.5),
     ("hicache_ratio", "2"),
-    ("hicache_size_gb", 0),
     ("hicache_size_gb", -3),
     ("hicache_size_gb", "8"),
     ("load_back_threshold", -1),

@@ -250,5 +250,5 @@ def test_admission_keeps_never_reused_nodes_out_of_l2():
 def test_bad_tier_mode_and_admission_are_rejected():
     with pytest.raises(ValueError, match="tier_mode"):
         CacheConfig(tier_mode="both")
-    with pytest.raises(TypeError, match="l2_admission"):
+    with pytest.raises(ValueError, match="l2_admission"):
         CacheConfig(l2_admission="yes")

@@ -107,6 +107,7 @@ def test_host_not_larger_than_device_is_an_error_with_the_numbers():
     for bad in (0, -1.0, "2"):
         with pytest.raises(ValueError, match=repr(bad).replace("-", "\\-")):
             host_pool_tokens(100, 1000, 1, ratio=bad)
+    for bad in (-1.0, "2"):  # size 0 means "use the ratio" (HiCache's hicache_size=0)
         with pytest.raises(ValueError, match=repr(bad).replace("-", "\\-")):
             host_pool_tokens(100, 1000, 1, size_gb=bad)
 

@@ -75,7 +75,7 @@ def test_redis_killed_and_restarted_mid_run(own_redis):
             serve(cache, key, f"c{i}")
         cache.flush()
         cache.step()
-    assert store.backoff.ready()  # reconnected: the last round trip succeeded
+    assert store.read_backoff.ready() and store.write_backoff.ready()  # reconnected: the last round trip succeeded
 
     drop_l1_l2(cache)
     storage_hits_before = cache.stats.storage_hit_tokens

@@ -101,5 +101,5 @@ def test_config_errors_name_the_field():
         ReplayConfig(l1_tokens=8)
     with pytest.raises(ValueError, match="needs an L2"):
         ReplayConfig(l1_tokens=1_024, l3="memory")
-    with pytest.raises(ValueError, match="eviction policy"):
+    with pytest.raises(ValueError, match="eviction.policy"):
         ReplayConfig(l1_tokens=1_024, eviction_policy="nope")

@@ -1,5 +1,6 @@
 """One suite, every backend: each test runs against memory, file, redis and mooncake (when runnable)."""
 
+import errno
 import os
 import subprocess
 import sys
@@ -49,21 +50,24 @@ class Backend:
         self.shared_blobs: dict = {}
         self.cached = cached
 
-    def open(self, namespace: str = "ns-a", page_nbytes: int = PAGE_NBYTES) -> PageStore:
+    def open(self, namespace: str = "ns-a", page_nbytes: int = PAGE_NBYTES, **extra) -> PageStore:
+        """A store of this backend; ``extra`` are more backend keys (``page_key``, ``max_bytes``)."""
         if self.name == "memory":
             from tierkv.storage.memory import MemoryStore
-            store = MemoryStore(namespace, page_nbytes, blobs=self.shared_blobs)
+            store = MemoryStore(namespace, page_nbytes, blobs=self.shared_blobs, **extra)
         elif self.name == "file":
-            store = open_store(f"file://{self.tmp_path}/l3", namespace, page_nbytes)
+            store = open_store(f"file://{self.tmp_path}/l3", namespace, page_nbytes, extra)
         elif self.name == "redis":
             store = open_store(self.server.url, namespace, page_nbytes,
-                               {"key_prefix": f"t{os.getpid()}:", "timeout_s": 1.0, "retry_backoff_s": 0.05})
+                               {"key_prefix": f"t{os.getpid()}:", "timeout_s": 1.0, "retry_backoff_s": 0.05,
+                                **extra})
         else:
             # A Mooncake client takes ~2 s to close (segment unmount): reuse one per namespace.
-            if (namespace, page_nbytes) not in self.cached:
-                self.cached[namespace, page_nbytes] = open_store(
-                    self.server.url, namespace, page_nbytes, self.server.client_config())
-            store = self.cached[namespace, page_nbytes]
+            cache_key = (namespace, page_nbytes, tuple(sorted(extra.items())))
+            if cache_key not in self.cached:
+                self.cached[cache_key] = open_store(
+                    self.server.url, namespace, page_nbytes, {**self.server.client_config(), **extra})
+            store = self.cached[cache_key]
             store.stats = StoreStats()
         self.stores.append(store)
         return store
@@ -242,6 +246,54 @@ def test_one_writer_and_one_reader_thread_never_see_a_torn_page(backend):
     assert store.stats.corrupt_pages == 0 and store.stats.errors == 0
 
 
+BLOB_NBYTES = PAGE_NBYTES + HEADER_SIZE
+
+
+@pytest.mark.parametrize("backend", ["memory", "file"], indirect=True)
+def test_max_bytes_bounds_the_store_evicting_the_least_recently_used(backend):
+    """Issue 15, item 5: a bounded L3 evicts by recency (reads count as use) and never exceeds its bound."""
+    store = backend.open(max_bytes=4 * BLOB_NBYTES + 100)
+    keys, pages = make_keys(8), make_pages(8)
+    assert store.batch_set(keys[:4], pages[:4]) == [True] * 4
+    assert store.batch_get(keys[:1], empty_pages(1)) == [True]  # page 0 is now the most recent
+    assert store.batch_set(keys[4:5], pages[4:5]) == [True]
+    present = [store.batch_exists([k]) for k in keys[:5]]
+    assert present == [1, 0, 1, 1, 1] and store.stats.evicted_pages == 1
+    assert store.batch_set(keys[5:], pages[5:]) == [True] * 3
+    present = [store.batch_exists([k]) for k in keys]
+    assert sum(present) == 4 and present[5:] == [1, 1, 1] and store.size_bytes == 4 * BLOB_NBYTES
+    targets = empty_pages(8)
+    found = store.batch_get(keys, targets)
+    assert found == [bool(p) for p in present]
+    assert all(torch.equal(t, p) for t, p, ok in zip(targets, pages, found) if ok)
+    with pytest.raises(ValueError, match="max_bytes"):
+        backend.open(max_bytes=BLOB_NBYTES - 1)
+
+
+SECRET = "s3cret-page-key-0123456789"
+
+
+def test_a_planted_page_with_a_valid_checksum_is_a_miss_with_a_page_key(backend, caplog):
+    """Issue 11, item 13: every header field is public, so without a MAC anyone who can write to the
+    store can plant KV; with a page_key such a page (correct xxh3 and all) is a miss."""
+    keys, pages = make_keys(3), make_pages(3)
+    attacker = backend.open()  # no key: writes well-formed pages with a correct checksum
+    assert attacker.batch_set(keys, pages) == [True] * 3
+    targets = empty_pages(3)
+    assert backend.open().batch_get(keys, targets) == [True] * 3  # served, without a key
+    assert torch.equal(targets[1], pages[1])
+    with caplog.at_level("DEBUG"):
+        keyed = backend.open(page_key=SECRET)
+        assert keyed.batch_get(keys, empty_pages(3)) == [False] * 3
+        assert keyed.stats.corrupt_pages == 3
+        # Pages written with the key round-trip; another key, or none, cannot read them.
+        assert keyed.batch_set(keys, pages) == [True] * 3
+        assert keyed.batch_get(keys, targets) == [True] * 3 and torch.equal(targets[2], pages[2])
+        assert backend.open(page_key=SECRET[::-1]).batch_get(keys, empty_pages(3)) == [False] * 3
+        assert backend.open().batch_get(keys, empty_pages(3)) == [False] * 3
+    assert SECRET not in caplog.text and SECRET[::-1] not in caplog.text and SECRET not in repr(keyed.format)
+
+
 # File-only behaviours.
 
 def test_file_survives_a_new_store_and_a_new_process(tmp_path):
@@ -266,12 +318,64 @@ def test_file_survives_a_new_store_and_a_new_process(tmp_path):
     assert int(out.stdout) == sum(int(p.sum()) for p in pages)
 
 
+def _age(store, keys: list[str], start_s: float = 1_000_000.0) -> None:
+    """Give ``keys`` increasing modification times (oldest first): a deterministic recency order."""
+    for i, key in enumerate(keys):
+        os.utime(store.path(key), (start_s + i, start_s + i))
+
+
+def test_file_max_bytes_index_survives_a_restart(tmp_path):
+    """The file L3 rebuilds its index and size from the directory: the bound holds across restarts."""
+    url, keys, pages = f"file://{tmp_path}", make_keys(6), make_pages(6)
+    first = open_store(url, "ns", PAGE_NBYTES, {"max_bytes": 8 * BLOB_NBYTES})
+    assert first.batch_set(keys[:5], pages[:5]) == [True] * 5
+    _age(first, keys[:5])
+    (tmp_path / "stray.txt").write_text("not a page")  # ignored, never counted nor removed
+    again = open_store(url, "ns", PAGE_NBYTES, {"max_bytes": 8 * BLOB_NBYTES})
+    assert again.size_bytes == 5 * BLOB_NBYTES and again.batch_exists(keys[:5]) == 5
+    assert again.batch_get(keys[:1], empty_pages(1)) == [True]  # a hit refreshes page 0's mtime
+    # Restart with a smaller bound: the least recently used pages go at once (1 and 2, not 0).
+    smaller = open_store(url, "ns", PAGE_NBYTES, {"max_bytes": 3 * BLOB_NBYTES})
+    assert smaller.size_bytes == 3 * BLOB_NBYTES and smaller.stats.evicted_pages == 2
+    on_disk = lambda: [os.path.exists(smaller.path(k)) for k in keys]  # noqa: E731 (exists would touch)
+    assert on_disk() == [True, False, False, True, True, False]
+    assert smaller.batch_set(keys[5:], pages[5:]) == [True]  # evicts page 3, the oldest left
+    assert on_disk() == [True, False, False, False, True, True]
+    assert (tmp_path / "stray.txt").exists()
+    pages_on_disk = [p for p in tmp_path.rglob("*.page")]
+    assert len(pages_on_disk) == 3 and sum(p.stat().st_size for p in pages_on_disk) == smaller.size_bytes
+
+
 def test_file_keys_stay_inside_the_directory(tmp_path):
     store = open_store("file", "ns", PAGE_NBYTES, {"dir": str(tmp_path)})
     key = make_keys(1)[0]
     assert store.path(key).startswith(str(tmp_path) + os.sep)
     with pytest.raises(ValueError):
         store.path("../" + key)
+
+
+def test_file_symlinks_planted_in_the_store_are_never_followed(tmp_path):
+    store = open_store(f"file://{tmp_path}/l3", "ns", PAGE_NBYTES)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    keys, pages = make_keys(3), make_pages(3)
+    # A subdirectory of the store replaced by a link to somewhere else (issue 11, item 10) ...
+    os.symlink(outside, os.path.join(store.directory, keys[0][:2]))
+    # ... and a page replaced by a link to a file outside, holding a valid page of that key.
+    assert store.batch_set(keys[1:2], pages[1:2]) == [True]
+    os.replace(store.path(keys[1]), outside / "stolen.page")
+    os.symlink(outside / "stolen.page", store.path(keys[1]))
+    before = sorted(p.name for p in outside.rglob("*"))
+    assert store.batch_set(keys[:1], pages[:1]) == [False]
+    assert store.batch_exists(keys[:1]) == 0 and store.batch_exists(keys[1:2]) == 0
+    assert store.batch_get(keys[:2], empty_pages(2)) == [False, False]
+    assert sorted(p.name for p in outside.rglob("*")) == before  # nothing written outside the store
+    assert store.stats.errors >= 2 and store.stats.set_pages == 1
+    # A write over the planted page replaces the link itself, never the file it points to.
+    assert store.batch_set(keys[1:2], pages[1:2]) == [True]
+    assert not os.path.islink(store.path(keys[1])) and store.batch_exists(keys[1:2]) == 1
+    store.clear()
+    assert os.path.isfile(outside / "stolen.page") and sorted(p.name for p in outside.rglob("*")) == before
 
 
 def test_file_write_error_is_false_and_counted(tmp_path, monkeypatch):
@@ -287,6 +391,56 @@ def test_file_write_error_is_false_and_counted(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert store.batch_exists(keys) == 0
     assert not [p for p in tmp_path.rglob("*") if p.is_file()]  # no temp file left behind
+
+
+def _store_warnings(caplog) -> list:
+    return [r for r in caplog.records if r.name.startswith("tierkv.storage") and r.levelname == "WARNING"]
+
+
+def test_file_full_disk_warns_once_and_backs_off_writes(tmp_path, monkeypatch, caplog):
+    """One warning, not one per page per backup; later writes skip the disk (issue 11, item 11)."""
+    import tierkv.storage.file as file_backend
+    store = open_store(f"file:{tmp_path}", "ns", PAGE_NBYTES, {"retry_backoff_s": 30.0})
+    keys, pages = make_keys(10), make_pages(10)
+    assert store.batch_set(keys[:2], pages[:2]) == [True, True]
+    attempts = []
+
+    def no_space(fd, data, offset):
+        attempts.append(offset)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(file_backend, "_write_all", no_space)
+    with caplog.at_level("WARNING"):
+        for _ in range(3):
+            assert store.batch_set(keys[2:], pages[2:]) == [False] * 8
+    assert len(_store_warnings(caplog)) == 1 and "disk full" in caplog.text
+    assert store.stats.errors == 24 and len(attempts) == 1
+    targets = empty_pages(10)
+    assert store.batch_get(keys, targets) == [True, True] + [False] * 8  # reads go on
+    assert torch.equal(targets[1], pages[1])
+    assert not [p for p in tmp_path.rglob("*.tmp")]
+
+
+def test_store_warnings_are_rate_limited_with_a_count(tmp_path, monkeypatch, caplog):
+    """A failing disk that is not full (EIO) is tried page by page, but logs once per interval."""
+    import tierkv.storage.file as file_backend
+    store = open_store(f"file:{tmp_path}", "ns", PAGE_NBYTES)
+    now = [0.0]
+    store._error_log.clock = lambda: now[0]  # a fake clock: no waiting, no timing
+    keys, pages = make_keys(20), make_pages(20)
+
+    def io_error(fd, data, offset):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(file_backend, "_write_all", io_error)
+    with caplog.at_level("WARNING"):
+        assert store.batch_set(keys[:19], pages[:19]) == [False] * 19
+        assert len(_store_warnings(caplog)) == 1
+        now[0] += store._error_log.interval_s
+        assert store.batch_set(keys[19:], pages[19:]) == [False]
+    warnings = _store_warnings(caplog)
+    assert len(warnings) == 2 and "and 18 more like it" in warnings[1].getMessage()
+    assert store.stats.errors == 20
 
 
 def test_file_truncated_page_is_a_miss(tmp_path):
@@ -347,6 +501,57 @@ def test_redis_backoff_skips_the_network_until_the_window_ends(redis_server):
     errors = store.stats.errors
     assert store.batch_set(keys, pages) == [False]  # still inside the 30 s window: no attempt made
     assert store.stats.errors == errors + 1
+
+
+def _fill_until_refused(store: PageStore, page_nbytes: int, num_pages: int) -> tuple[list, list, list]:
+    keys = make_keys(num_pages, seed=5)
+    gen = torch.Generator().manual_seed(5)
+    pages = [torch.randint(0, 256, (page_nbytes,), dtype=torch.uint8, generator=gen) for _ in keys]
+    done: list[bool] = []
+    for start in range(0, num_pages, 4):
+        done += store.batch_set(keys[start:start + 4], pages[start:start + 4])
+    return keys, pages, done
+
+
+def test_redis_full_refuses_writes_but_still_serves_what_it_holds():
+    """maxmemory + noeviction answers SET with OOM: writes back off, reads go on (issue 11, item 8)."""
+    import redis
+    from tests.servers import RedisServer, running
+    with running(lambda: RedisServer.start(extra_args=("--maxmemory-policy", "noeviction"))) as server:
+        admin = redis.Redis(port=server.port)
+        admin.config_set("maxmemory", admin.info("memory")["used_memory"] + (1 << 20))
+        page_nbytes = 64 << 10
+        store = open_store(server.url, "ns", page_nbytes, {"retry_backoff_s": 30.0, "batch_pages": 2})
+        keys, pages, done = _fill_until_refused(store, page_nbytes, 48)
+        stored = sum(done)
+        assert 0 < stored < len(keys) and done == [True] * stored + [False] * (len(keys) - stored)
+        assert store.stats.errors >= 1
+        # Inside the 30 s write window: the stored pages are all still found and read.
+        assert store.batch_exists(keys) == stored
+        targets = [torch.zeros(page_nbytes, dtype=torch.uint8) for _ in keys]
+        assert store.batch_get(keys, targets) == done
+        assert all(torch.equal(t, p) for t, p, ok in zip(targets, pages, done) if ok)
+        assert store.stats.get_pages == stored
+        assert store.read_backoff.ready() and not store.write_backoff.ready()
+        store.clear()
+        store.close()
+        admin.close()
+
+
+def test_redis_ttl_s_sets_an_expiry_on_every_page(redis_server):
+    import redis
+    store = _redis_store(redis_server, ttl_s=90.5)
+    keys, pages = make_keys(3), make_pages(3)
+    assert store.batch_set(keys, pages) == [True] * 3
+    admin = redis.Redis(port=redis_server.port)
+    assert all(90 < admin.pttl(store.redis_key(k)) / 1000 <= 91 for k in keys)  # EX rounds up
+    targets = empty_pages(3)
+    assert store.batch_get(keys, targets) == [True] * 3 and torch.equal(targets[2], pages[2])
+    for bad in (0, -1.0, float("nan"), float("inf"), True, "60"):
+        with pytest.raises(ValueError, match="ttl_s"):
+            _redis_store(redis_server, ttl_s=bad)
+    store.clear()
+    admin.close()
 
 
 def test_redis_password_db_and_prefix(caplog):

@@ -339,14 +339,15 @@ def test_progress_counts_layout_and_zero_is_no_news():
     assert cache.prefetch_from_storage("a", cache.tree.root, key)
     assert cache.prefetch_from_storage("b", cache.tree.root, other)
     cache.storage.wait_idle()
-    counts = cache.local_progress()
-    assert counts[2:] == [0, 4, 1, 1, 0, 1, 1]  # backups done; then per prefetch: pages, finished, timed out
+    counts, flags = cache.local_progress()
+    assert counts[2:] == [0, 4, 1, 5, 0, 1, 1]  # backups done; then per prefetch: pages, finished, 1 + found
+    assert flags == [0, 0]  # per prefetch: terminated (failed short or timed out)
     # a step that agrees on nothing (another rank is behind) changes nothing
-    cache.apply_progress([0] * len(counts))
+    cache.apply_progress([0] * len(counts), [0] * len(flags))
     assert not cache.check_prefetch_progress("a")
     assert cache.storage.stats.prefetch_revoked == 0
     # the slowest rank got 2 pages of "a": every rank inserts exactly 2
-    cache.apply_progress(counts[:3] + [2, 1, 1, 0, 1, 1])
+    cache.apply_progress(counts[:3] + [2, 1, 3, 0, 1, 1], [0, 0])
     assert cache.storage.stats.prefetch_revoked == 1
     assert cache.check_prefetch_progress("a") and cache.check_prefetch_progress("b")
     assert cache.match_prefix(key).host_hit_length == 2 * PS
@@ -404,9 +405,11 @@ def test_two_ranks_agree_on_the_slowest():
         assert cache.prefetch_from_storage("r", cache.tree.root, key)
     for cache in ranks:
         cache.storage.wait_idle()
-    agreed = [min(a, b) for a, b in zip(*(c.local_progress() for c in ranks))]
+    progress = [c.local_progress() for c in ranks]
+    agreed_min = [min(a, b) for a, b in zip(*(p[0] for p in progress))]
+    agreed_max = [max(a, b) for a, b in zip(*(p[1] for p in progress))]
     for cache in ranks:
-        cache.apply_progress(agreed)
+        cache.apply_progress(agreed_min, agreed_max)
         assert cache.check_prefetch_progress("r")
         cache.check_integrity()
     shapes = [[(len(n), n.hash_values) for n in c.tree.nodes()] for c in ranks]

@@ -16,6 +16,7 @@ from tierkv.storage.memory import MemoryStore
     ("redis://bob:pw@host:7000", "redis",
      {"host": "host", "port": 7000, "username": "bob", "password": "pw"}),
     ("valkey://host:7000", "redis", {"host": "host", "port": 7000}),
+    ("redis+cluster://:pw@host:7000", "redis_cluster", {"host": "host", "port": 7000, "password": "pw"}),
     ("mooncake://127.0.0.1:50051", "mooncake", {"master": "127.0.0.1:50051"}),
 ])
 def test_specs_by_name_and_url(spec, backend, options):
@@ -63,7 +64,7 @@ def test_wrong_password_type_does_not_echo_it():
 
 
 def test_every_backend_has_an_options_table():
-    assert set(BACKEND_OPTIONS) == {"memory", "file", "redis", "mooncake"}
+    assert set(BACKEND_OPTIONS) == {"memory", "file", "redis", "redis_cluster", "mooncake"}
 
 
 def test_open_redis_is_lazy_and_validates():
@@ -75,3 +76,31 @@ def test_open_redis_is_lazy_and_validates():
         open_store("redis", "ns", 64, {"key_prefix": "a*"})
     with pytest.raises(ValueError, match="timeout_s"):
         open_store("redis", "ns", 64, {"timeout_s": 0})
+
+
+def test_page_key_from_the_extra_config_or_a_key_file(tmp_path, monkeypatch):
+    import torch
+    key_file = tmp_path / "page.key"
+    key_file.write_bytes(b"key-from-a-file-0123456789\n")
+    monkeypatch.setenv("TIERKV_PAGE_KEY_FILE", str(key_file))
+    from_file = open_store(f"file:{tmp_path}/l3", "ns", 64)
+    assert from_file.format.page_key == b"key-from-a-file-0123456789"  # stripped of the newline
+    assert open_store("memory", "ns", 64, {"page_key": "key-in-the-config-json"}).format.page_key == \
+        b"key-in-the-config-json"  # the extra config wins over the file
+    page, key = torch.arange(64, dtype=torch.uint8), "ab" * 32
+    assert from_file.batch_set([key], [page]) == [True]
+    monkeypatch.delenv("TIERKV_PAGE_KEY_FILE")
+    assert open_store(f"file:{tmp_path}/l3", "ns", 64).batch_get([key], [torch.zeros(64, dtype=torch.uint8)]) \
+        == [False]  # a store without the key cannot check the MAC: a miss
+    with_faults = open_store(f"file:{tmp_path}/l3", "ns", 64, {"page_key": "k" * 16, "faults": {}})
+    assert with_faults.format.keyed and not with_faults.inner.format.keyed
+
+
+def test_bad_page_keys_are_refused_and_never_shown(tmp_path, monkeypatch):
+    for bad in ("too-short", 1234567890123456789):
+        with pytest.raises(ValueError, match="page_key") as err:
+            open_store("memory", "ns", 64, {"page_key": bad})
+        assert str(bad) not in str(err.value)
+    monkeypatch.setenv("TIERKV_PAGE_KEY_FILE", str(tmp_path / "missing.key"))
+    with pytest.raises(ValueError, match="TIERKV_PAGE_KEY_FILE"):
+        open_store("memory", "ns", 64)

@@ -188,3 +188,40 @@ def test_integrity_through_mixed_traffic(policy):
     cache.flush()
     cache.check_integrity()
     cache.close()
+
+
+def test_close_with_two_hung_workers_waits_one_io_wait_timeout_in_all(monkeypatch):
+    """README: close waits at most io_wait_timeout_s; it used to wait that long per worker (issue 11, 11)."""
+    import tierkv.storage.worker as worker_module
+    cache = make_cache(page_size=PS)
+    store = attach_fake(cache, prefetch_stop_policy="timeout", prefetch_timeout_base=0.0,
+                        prefetch_timeout_per_ki_token=0.0, io_wait_timeout_s=0.2)
+    first, second = RadixKey(random_tokens(6 * PS, seed=11)), RadixKey(random_tokens(6 * PS, seed=12))
+    compute_and_insert(cache, first, seed=13)
+    cache.flush()
+    drop_l1_l2(cache)
+    store.hang.clear()
+    try:
+        calls = len(store.calls)
+        assert cache.prefetch_from_storage("r", cache.match_prefix(first).last_host_node, first)
+        compute_and_insert(cache, second, seed=14)
+        cache.flush()  # retires its L2 write, which starts its backup: that one hangs in the other worker
+        store.wait_for_calls(calls + 2)
+        # A fake clock that moves only by what each join is allowed to wait: no real waiting, no timing.
+        now, waits = [0.0], []
+        monkeypatch.setattr(worker_module, "monotonic", lambda: now[0], raising=False)
+        storage = cache.storage
+        for worker in (storage._prefetch_worker, storage._backup_worker):
+            real_join = worker._thread.join
+
+            def join(timeout=None, real_join=real_join):
+                waits.append(timeout)
+                now[0] += timeout
+                real_join(0)
+            monkeypatch.setattr(worker._thread, "join", join)
+        storage.close()
+        assert len(waits) == 2 and sum(waits) <= storage.config.io_wait_timeout_s
+    finally:
+        store.hang.set()
+        monkeypatch.undo()
+    cache.close()  # stops the copy threads too: no thread outlives the test

@@ -321,7 +321,7 @@ def _rank_main(rank: int, world_size: int, port: int, out_dir: str, options: dic
 def _step_without_agreement(cache: HiRadixCache) -> None:
     """The bug the agreement prevents: each rank retires what it alone has finished."""
     cache.tp.collectives += 1  # stands in for the collective, so the step still counts one
-    cache.apply_progress(cache.local_progress())
+    cache.apply_progress(*cache.local_progress())
 
 
 def _log_agreements(tp: TPGroup) -> list[tuple[list[int], list[int]]]:

@@ -28,8 +28,9 @@ def native_available() -> bool:
 
 
 def copy_page_chunks(src: PagedKVBuffer, src_pages: torch.Tensor, dst: PagedKVBuffer,
-                     dst_pages: torch.Tensor) -> None:
-    """Copy whole pages between two CPU pools with the native module, one call per batch."""
+                     dst_pages: torch.Tensor, layer: int | None = None) -> None:
+    """Copy whole pages between two CPU pools with the native module, one call per batch (``layer``:
+    only that layer's part of them, for a layer-wise load)."""
     if native is None:
         raise RuntimeError("tierkv._rowcopy is not built; use copy_rows")
     # a page's token rows are adjacent on both sides: one chunk per page and (kv, layer)
@@ -39,8 +40,8 @@ def copy_page_chunks(src: PagedKVBuffer, src_pages: torch.Tensor, dst: PagedKVBu
         # the layouts nest pages differently (page-first vs layer-first): go page by page, destination
         # order within it, so that each side's working set is one page's scattered pieces (in cache)
         order = (2, *(d for d in order if d != 2))
-    src_base, inner = src.chunk_bases(whole_pages, order)
-    dst_base, _ = dst.chunk_bases(whole_pages, order)
+    src_base, inner = src.chunk_bases(whole_pages, order, layer)
+    dst_base, _ = dst.chunk_bases(whole_pages, order, layer)
     chunk_nbytes = src.rows.shape[1] * (src.page_size if whole_pages else 1)
     native.copy_pages(dst.rows_np, src.rows_np, dst_base, src_base, _int64_array(dst_pages),
                       _int64_array(src_pages), dst.page_stride_nbytes, src.page_stride_nbytes, inner, chunk_nbytes)

@@ -1,8 +1,9 @@
 """Chained page hashes: the L3 key of a page names the page's tokens and every token before it.
 
 hash(page_0) = H(seed, tokens of page_0); hash(page_i) = H(hash(page_i-1), tokens of page_i). The seed
-comes from a :class:`HashNamespace` (model, tenant, KV layout, dtype, shape, TP shard), so two models,
-two tenants or two TP layouts never compute the same key for the same tokens. Keys are hex strings.
+comes from a :class:`HashNamespace` (model, tenant, KV layout, dtype, shape, TP shard) and the key's own
+``extra_key``, so two models, two tenants or two TP layouts never compute the same key for the same
+tokens. Keys are hex strings.
 """
 
 from __future__ import annotations
@@ -14,11 +15,16 @@ from typing import Callable, Sequence
 import numpy as np
 import xxhash
 
+from tierkv.validate import check_int, check_text
+
 HASH_ALGORITHMS = ("sha256", "xxh3_128")
 # A key names the whole prefix, so a pair-token (bigram) page must never hash like a flat page
 # holding the same integers.
 _FLAT_TAG = b"\x01"
 _PAIR_TAG = b"\x02"
+# Version of the key derivation; bumped whenever the same prefix would get a different key (v2: fields
+# quoted in the namespace name; the request's extra key tagged, None apart from "").
+HASH_FORMAT = "v2"
 
 
 def _sha256(data: bytes) -> str:
@@ -54,34 +60,47 @@ class HashNamespace:
     algorithm: str = "sha256"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.model, str) or not self.model:
-            raise ValueError(f"model must be a non-empty string, got {self.model!r}")
         hash_function(self.algorithm)
-        if not isinstance(self.tp_size, int) or self.tp_size < 1:
-            raise ValueError(f"tp_size must be an int >= 1, got {self.tp_size!r}")
-        if not isinstance(self.tp_rank, int) or not 0 <= self.tp_rank < self.tp_size:
-            raise ValueError(f"tp_rank must be in [0, {self.tp_size}), got {self.tp_rank!r}")
+        check_text("model", self.model, allow_empty=False)
+        for name in ("extra_key", "kv_layout", "kv_dtype"):
+            check_text(name, getattr(self, name))
+        check_int("tp_size", self.tp_size, minimum=1)
+        check_int("tp_rank", self.tp_rank, minimum=0, maximum=self.tp_size - 1)
         object.__setattr__(self, "kv_shape", tuple(int(d) for d in self.kv_shape))
 
     @classmethod
     def for_spec(cls, model: str, spec, host_layout: str, tp_rank: int = 0, tp_size: int = 1,
                  extra_key: str | None = None, algorithm: str = "sha256") -> "HashNamespace":
-        """The namespace of one TP shard's pages, from a :class:`tierkv.pools.spec.KVSpec`."""
+        """The namespace of one TP shard's pages, from a :class:`tierkv.pools.spec.KVSpec`.
+
+        MLA's latent KV is not sharded: every rank holds the same bytes, so its pages are named without
+        the rank and one copy in L3 serves every rank (HiCache's ``backup_skip``).
+        """
         shape = (spec.num_kv, spec.num_layers, spec.heads, spec.dim)
+        if spec.attention == "mla":
+            tp_rank, tp_size = 0, 1
         return cls(model=model, extra_key=extra_key or "", kv_layout=f"{spec.attention}/{host_layout}",
                    kv_dtype=str(spec.dtype).removeprefix("torch."), kv_shape=shape, tp_rank=tp_rank,
                    tp_size=tp_size, algorithm=algorithm)
 
     def name(self) -> str:
-        """A canonical, human-readable string of every field (also the store namespace)."""
+        """A canonical, human-readable string of every field (also the store namespace).
+
+        Strings appear as their ``repr`` (quoted and escaped), so no field's text can imitate another's.
+        """
         shape = "x".join(str(d) for d in self.kv_shape)
-        return (f"tierkv/v1|model={self.model}|extra={self.extra_key}|layout={self.kv_layout}"
-                f"|dtype={self.kv_dtype}|shape={shape}|tp={self.tp_rank}of{self.tp_size}"
+        return (f"tierkv/{HASH_FORMAT}|model={self.model!r}|extra={self.extra_key!r}|layout={self.kv_layout!r}"
+                f"|dtype={self.kv_dtype!r}|shape={shape}|tp={self.tp_rank}of{self.tp_size}"
                 f"|hash={self.algorithm}")
 
-    def seed(self) -> str:
-        """The prior hash of a sequence's first page (hex, in this namespace's algorithm)."""
-        return hash_function(self.algorithm)(self.name().encode())
+    def seed(self, request_extra_key: str | None = None) -> str:
+        """The prior hash of a sequence's first page (hex, in this namespace's algorithm).
+
+        ``request_extra_key`` is the key's own ``extra_key`` (a tenant, a LoRA id): None, "" and every
+        string give different seeds, and none equals the seed of the namespace's own ``extra_key``.
+        """
+        tenant = "none" if request_extra_key is None else f"str:{request_extra_key!r}"
+        return hash_function(self.algorithm)(f"{self.name()}|request_extra={tenant}".encode())
 
 
 def token_bytes(tokens: Sequence) -> bytes:

@@ -6,24 +6,27 @@ I/O) never touch the tree; their results arrive through ack queues drained by :m
 Tier invariants (checked by :meth:`check_integrity`): nodes holding device slots form a subtree at the
 root, and so do nodes holding host slots; every node holds one or both. A node's slots in each tier are
 owned by it alone, and every allocated slot is owned by a node, an in-flight operation or a caller.
+A node whose L1 load failed is ``invalid`` (locked, never matched) until its locks go; then it is dropped.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from tierkv.cache_records import (CacheStats, LoadResult, MatchResult, PendingLoad, PendingWrite,  # noqa: F401
+                                  _WriteBackBatch)
 from tierkv.config import CacheConfig
 from tierkv.eviction import eviction_order, get_policy
 from tierkv.eviction.tiers import promote_loaded, tier_orders
+from tierkv.failed_loads import FailedLoads
+from tierkv.hicache_l3 import StorageTierMethods
+from tierkv.layer_load import DeferredLoads, LayerLoads
 from tierkv.pools.kv import DeviceKVPool, HostKVPool, host_pool_tokens
-from tierkv.hashing import HashNamespace
-from tierkv.radix import RadixKey, RadixTree, TreeNode
-from tierkv.storage.base import PageStore
-from tierkv.storage.config import StorageConfig
+from tierkv.radix import MatchPath, RadixKey, RadixTree, TreeNode
+from tierkv.retire import Retirements
 from tierkv.storage.controller import StorageController
 from tierkv.tp import TPGroup
 from tierkv.transfer import CopyHandle, TransferController, resolve_host_layout
@@ -33,75 +36,11 @@ log = logging.getLogger(__name__)
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
 
-@dataclass
-class MatchResult:
-    """What a prefix lookup found: the L1 part (usable now) and the L2 part behind it."""
+class HiRadixCache(StorageTierMethods):
+    """Prefix cache over L1 (device) and L2 (host) tiers; see the module docstring for contracts.
 
-    device_indices: torch.Tensor
-    last_device_node: TreeNode
-    last_host_node: TreeNode
-    host_hit_length: int
-
-
-@dataclass
-class CacheStats:
-    device_hit_tokens: int = 0
-    host_hit_tokens: int = 0
-    storage_hit_tokens: int = 0
-    evicted_device_tokens: int = 0
-    evicted_host_tokens: int = 0
-    written_tokens: int = 0
-    loaded_tokens: int = 0
-    write_skipped_tokens: int = 0
-    failed_copies: int = 0
-
-
-@dataclass
-class PendingWrite:
-    """An L1 -> L2 backup in flight: ``node``'s path is locked (L1) and protected (L2) until it completes."""
-
-    node: TreeNode
-    host_slots: torch.Tensor
-    num_tokens: int
-
-
-@dataclass
-class PendingLoad:
-    """An L2 -> L1 load in flight: ``node``'s path is locked and protected until it completes."""
-
-    node: TreeNode
-    device_slots: torch.Tensor
-    handle: CopyHandle
-
-    def wait(self) -> bool:
-        """Block until the KV is in L1; False if the copy failed (its slots hold no valid KV)."""
-        self.handle.wait()
-        return self.handle.error is None
-
-
-@dataclass
-class _WriteBackBatch:
-    """Write-backs of one eviction pass: copied in one batch, then the evicted device slots are freed."""
-
-    device_slots: list[torch.Tensor] = field(default_factory=list)
-    host_slots: list[torch.Tensor] = field(default_factory=list)
-    protected: list[TreeNode] = field(default_factory=list)  # host_ref held until the copy ends
-    backed_up: list[TreeNode] = field(default_factory=list)  # every node given host slots
-    evicted_slots: list[torch.Tensor] = field(default_factory=list)
-
-
-@dataclass
-class LoadResult:
-    """Outcome of :meth:`HiRadixCache.init_load_back`: the device indices of the whole usable prefix."""
-
-    device_indices: torch.Tensor
-    last_node: TreeNode
-    pending: PendingLoad | None = None
-    loaded_tokens: int = 0
-
-
-class HiRadixCache:
-    """Prefix cache over L1 (device) and L2 (host) tiers; see the module docstring for contracts."""
+    The L3 tier's methods (attach_storage, prefetch_from_storage, ...) come from :mod:`tierkv.hicache_l3`.
+    """
 
     def __init__(self, device_pool: DeviceKVPool, config: CacheConfig | None = None,
                  host_pool: HostKVPool | None = None, tp: TPGroup | None = None) -> None:
@@ -120,7 +59,9 @@ class HiRadixCache:
         if self.config.enable_host:
             self.host_pool = host_pool or self._make_host_pool()
             self.transfer = TransferController(device_pool, self.host_pool, self.config.io_backend)
+            self.deferred_loads = DeferredLoads(self.transfer)
         self.storage: StorageController | None = None  # the L3 tier: see attach_storage
+        self.failed_loads = FailedLoads(self.tree, device_pool)
 
     def _make_host_pool(self) -> HostKVPool:
         cfg, spec = self.config, self.device_pool.spec
@@ -133,19 +74,27 @@ class HiRadixCache:
     def match_prefix(self, key: RadixKey) -> MatchResult:
         """Longest cached prefix of ``key`` in L1 and L2. Lock contract: takes no lock (caller locks).
 
+        ``last_host_node`` is the deepest node of the match, whichever tier holds it: pass it to
+        :meth:`init_load_back` (loads its host-only part) and :meth:`prefetch_from_storage` (continues
+        from its deepest L2-backed ancestor itself). Unlike HiCache's, it need not be backed up in L2
+        (a write_back node in L1 only): engines must not assume ``last_host_node.host_value`` is set.
+
         Device indices filled by another request's load still in flight are waited for (on CUDA the
         current stream waits on the load's event), so the returned KV is always ready to read.
         """
         path = self.tree.match(key)
+        self._note_failed_loads()
+        if self.failed_loads:  # nothing from an invalid node on, not even its L2 part: it is loaded
+            _cut(path, next((i for i, n in enumerate(path.nodes) if n.invalid), len(path.nodes)))
         device_nodes = []
         for node in path.nodes:
             if node.device_value is None:
                 break
             device_nodes.append(node)
         usable = self._wait_for_loads(device_nodes)
-        if usable < len(device_nodes):  # a failed load: its nodes are garbage until retired
-            device_nodes, path.nodes = device_nodes[:usable], path.nodes[:usable]
-            path.num_tokens = sum(len(n) for n in path.nodes)
+        if usable < len(device_nodes):  # a failed load: its nodes are garbage until dropped
+            device_nodes = device_nodes[:usable]
+            _cut(path, usable)
         last_device = device_nodes[-1] if device_nodes else self.tree.root
         device_hit = sum(len(n) for n in device_nodes)
         host_hit = path.num_tokens - device_hit
@@ -156,7 +105,11 @@ class HiRadixCache:
 
     def _wait_for_loads(self, device_nodes: list[TreeNode]) -> int:
         """Wait for in-flight loads into these nodes; how many leading nodes hold valid KV."""
-        if self.transfer is None or not self.transfer.loads or not device_nodes:
+        if self.transfer is None or not device_nodes:
+            return len(device_nodes)
+        if self.deferred_loads.queued and self.deferred_loads.touches(self._path_indices(device_nodes)):
+            self.deferred_loads.start()  # a caller may read this KV now: start the queued copy and wait
+        if not self.transfer.loads:
             return len(device_nodes)
         usable = len(device_nodes)
         for item in list(self.transfer.loads):
@@ -167,6 +120,7 @@ class HiRadixCache:
             if hit:
                 item.handle.wait_on_current_stream()
                 if item.handle.error is not None:
+                    self.failed_loads.mark(item.payload)
                     usable = min(usable, hit[0])
         return usable
 
@@ -177,23 +131,44 @@ class HiRadixCache:
     def dec_lock_ref(self, node: TreeNode) -> None:
         """Lock contract: releases one lock taken by :meth:`inc_lock_ref` on ``node``."""
         self.tree.dec_lock_ref(node)
+        if self.failed_loads:
+            self.failed_loads.drop_unlocked()
 
     # ---- insert and write policies -----------------------------------------------------------
-    def insert(self, key: RadixKey, device_slots: torch.Tensor, priority: int = 0) -> int:
+    def insert(self, key: RadixKey, device_slots: torch.Tensor, priority: int = 0, chunked: bool = False) -> int:
         """Cache ``key`` whose KV sits in ``device_slots``; returns how many of them the tree now owns.
 
         Slots duplicating KV the tree already holds are freed; slots past the returned count (a partial
-        last page) stay the caller's. Lock contract: takes no lock; may lock nodes for a write-through.
+        last page, or what lies below a node whose load failed) stay the caller's. The slots covering
+        the key must be allocated, whole pages, each given once; a bad call changes nothing. Hits are
+        counted as HiCache counts them: not under write_back, not for a ``chunked`` insert (one chunk
+        of a prefill in progress: the prompt has not been reused), and not for nodes this insert
+        revived (recomputed KV for a host-only node).
+        Lock contract: takes no lock; may lock nodes for a write-through.
         """
         if not isinstance(device_slots, torch.Tensor) or device_slots.dim() != 1 or device_slots.dtype != torch.int64:
             raise TypeError(f"device_slots must be a 1-D int64 tensor, got {_describe(device_slots)}")
         if not isinstance(priority, int):
             raise TypeError(f"priority must be an int, got {priority!r}")
+        if not isinstance(chunked, bool):
+            raise TypeError(f"chunked must be a bool, got {chunked!r}")
+        num_elems = len(self.tree.elements(key))
+        if len(device_slots) < num_elems:
+            raise ValueError(f"device_slots of length {len(device_slots)} is shorter than the key's {num_elems} "
+                             "elements")
+        self.device_pool.allocator.check_allocated(device_slots[:num_elems], "device_slots")
+        self._note_failed_loads()
+        if self.failed_loads:
+            key, device_slots = self.failed_loads.cut_key(key, device_slots)
         result = self.tree.insert(key, device_slots, priority)
         self._free_duplicates(device_slots, result.shared)
+        if chunked:
+            return result.prefix_len + (len(result.new_node) if result.new_node else 0)
+        revived = {id(n) for n in result.revived}
         for node in result.path:
             self.priority.on_access(node)  # before the count: policies class a use by the uses before it
-            node.hit_count += 1
+            if id(node) not in revived:
+                node.hit_count += 1
         if result.new_node is not None:
             self.priority.on_insert(result.new_node)
         threshold = self.config.write_threshold
@@ -257,39 +232,49 @@ class HiRadixCache:
             offset += len(n)
 
     # ---- completion of asynchronous work -------------------------------------------------------
-    def local_progress(self) -> list[int]:
-        """Counts of completed operations at the head of each ack queue, in a fixed order."""
+    def local_progress(self) -> tuple[list[int], list[int]]:
+        """This rank's progress: MIN counts (completed operations at the head of each ack queue, then
+        storage's) and MAX flags (storage's "terminated" votes), in a fixed order."""
         if self.transfer is None:
-            return [0, 0]
+            return [0, 0], []
         counts = [self.transfer.num_done(self.transfer.writes), self.transfer.num_done(self.transfer.loads)]
+        flags: list[int] = []
         if self.storage is not None:
-            counts += self.storage.local_progress()
-        return counts
+            storage_counts, flags = self.storage.local_progress()
+            counts += storage_counts
+        return counts, flags
 
-    def apply_progress(self, counts: list[int]) -> None:
-        """Retire the agreed number of completed operations. Lock contract: releases their locks."""
+    def apply_progress(self, min_counts: list[int], max_counts: list[int] = ()) -> None:
+        """Retire the agreed number of completed operations. Lock contract: releases their locks.
+
+        Each is retired on its own: one that raises strands no other; the first error is raised last.
+        """
         if self.transfer is None:
             return
-        for handle, pending in self.transfer.pop_done(self.transfer.writes, counts[0]):
-            self._finish_write(pending, handle)
-        for handle, pending in self.transfer.pop_done(self.transfer.loads, counts[1]):
-            self._finish_load(pending, handle)
+        retirements = Retirements()
+        for handle, pending in self.transfer.pop_done(self.transfer.writes, min_counts[0]):
+            retirements.run(self._finish_write, pending, handle)
+        for handle, pending in self.transfer.pop_done(self.transfer.loads, min_counts[1]):
+            retirements.run(self._finish_load, pending, handle)
         if self.storage is not None:
-            self.storage.apply_progress(counts[2:])
+            retirements.run(self.storage.apply_progress, list(min_counts[2:]), list(max_counts))
+        if self.failed_loads:
+            retirements.run(self.failed_loads.drop_unlocked)
+        retirements.raise_first()
 
     def step(self) -> None:
         """Once per scheduler step: agree on progress across TP ranks (one collective) and apply it."""
-        self.apply_progress(self.tp.all_reduce_min(self.local_progress()))
+        self.apply_progress(*self.tp.agree(*self.local_progress()))
 
     def writing_check(self) -> None:
         """Retire finished writes only (a step without loads or storage). Lock contract: as apply_progress."""
-        counts = self.local_progress()
-        self.apply_progress(self.tp.all_reduce_min([counts[0], 0] + [0] * (len(counts) - 2)))
+        counts, flags = self.local_progress()
+        self.apply_progress(*self.tp.agree([counts[0], 0] + [0] * (len(counts) - 2), [0] * len(flags)))
 
     def loading_check(self) -> None:
         """Retire finished loads only. Lock contract: as apply_progress."""
-        counts = self.local_progress()
-        self.apply_progress(self.tp.all_reduce_min([0, counts[1]] + [0] * (len(counts) - 2)))
+        counts, flags = self.local_progress()
+        self.apply_progress(*self.tp.agree([0, counts[1]] + [0] * (len(counts) - 2), [0] * len(flags)))
 
     def _finish_write(self, pending: PendingWrite, handle: CopyHandle) -> None:
         self.tree.dec_lock_ref(pending.node)
@@ -316,7 +301,7 @@ class HiRadixCache:
         self.tree.dec_host_ref(pending.node)
         if handle.error is not None:
             self.stats.failed_copies += 1
-            self._drop_loaded(pending)
+            self.failed_loads.mark(pending)
         elif self.config.tier_mode == "exclusive":  # promote: L1 has it now, so L2 need not
             freed = promote_loaded(self.tree, pending.node, len(pending.device_slots))
             if freed:
@@ -325,16 +310,15 @@ class HiRadixCache:
     def _admit(self, node: TreeNode) -> bool:
         return not self.config.l2_admission or self.priority.admit(node)
 
-    def _drop_loaded(self, pending: PendingLoad) -> None:
-        """A failed load left garbage in its device slots: evict them again (unlocked nodes only)."""
-        for n in reversed(self.tree.path_to_root(pending.node)):
-            if n.device_value is not None and n.lock_ref == 0 and torch.isin(n.device_value,
-                                                                             pending.device_slots).all():
-                self.device_pool.free(self.tree.clear_device_value(n))
+    def _note_failed_loads(self) -> None:
+        """Mark the nodes of loads seen failed invalid at once, before their retirement."""
+        if self.transfer is not None and self.transfer.loads:
+            self.failed_loads.note(self.transfer.loads)
 
     def flush(self) -> None:
         """Wait for every copy in flight (and L3 I/O, bounded) and retire it. Lock contract: releases their locks."""
         if self.transfer is not None:
+            self.deferred_loads.start()
             self.transfer.synchronize()
         self.step()
         if self.storage is not None:  # the writes just retired may have started backups to L3
@@ -342,27 +326,34 @@ class HiRadixCache:
             self.step()
 
     # ---- load back ---------------------------------------------------------------------------
-    def init_load_back(self, last_node: TreeNode, mem_quota: int | None = None) -> LoadResult:
+    def init_load_back(self, last_node: TreeNode, mem_quota: int | None = None, defer: bool = False) -> LoadResult:
         """Load the host-only part of ``last_node``'s path into L1 in one batch, or none of it.
 
-        Skipped when under ``load_back_threshold`` tokens, over ``mem_quota`` or when L1 has no room
-        even after eviction. Lock contract: loaded nodes stay locked until the load is acknowledged;
-        the caller must :meth:`PendingLoad.wait` before reading the KV.
+        Skipped when under ``load_back_threshold`` tokens, over ``mem_quota`` less the L1 tokens that
+        locking the path makes unevictable (HiCache's delta: the quota counts them as room), or when
+        L1 has no room even after eviction. Lock contract: loaded nodes stay locked until the load is
+        acknowledged; the caller must :meth:`PendingLoad.wait` before reading the KV. ``defer`` queues
+        the copy for :meth:`start_loading` (one layer-wise batch with the rest of the scheduler step's).
         """
         path = self.tree.path_to_root(last_node)
+        if any(n.invalid for n in path):  # a failed load's nodes: not reloadable until dropped
+            path = path[:next(i for i, n in enumerate(path) if n.invalid)]
+            last_node = path[-1] if path else self.tree.root
         host_only = [n for n in path if n.device_value is None]
         device_part = path[: len(path) - len(host_only)]
         last_device = device_part[-1] if device_part else self.tree.root
         num_tokens = sum(len(n) for n in host_only)
         if num_tokens == 0 or self.transfer is None:
             return LoadResult(self._path_indices(device_part), last_device)
-        too_small = num_tokens < self.config.load_back_threshold
-        if too_small or (mem_quota is not None and num_tokens > mem_quota):
+        if num_tokens < self.config.load_back_threshold:
             return LoadResult(self._path_indices(device_part), last_device)
         # Locked from here to the ack: making room in L1 must not evict the prefix we extend, and the
         # write-backs that eviction may cause must not evict from L2 the nodes we load.
+        evictable_before = self.tree.evictable_size
         self.tree.inc_lock_ref(last_node)
-        device_slots = self._alloc_device(num_tokens)
+        newly_locked = evictable_before - self.tree.evictable_size
+        over_quota = mem_quota is not None and num_tokens > mem_quota - newly_locked
+        device_slots = None if over_quota else self._alloc_device(num_tokens)
         if device_slots is None:
             self.tree.dec_lock_ref(last_node)
             return LoadResult(self._path_indices(device_part), last_device)
@@ -372,10 +363,20 @@ class HiRadixCache:
             self.tree.set_device_value(n, device_slots[offset:offset + len(n)])
             offset += len(n)
         self.tree.inc_host_ref(last_node)
-        pending = PendingLoad(last_node, device_slots, handle=None)  # type: ignore[arg-type]
-        pending.handle = self.transfer.load(host_slots, device_slots, pending)
+        pending = PendingLoad(last_node, device_slots, handle=None)
+        if defer:
+            self.deferred_loads.queue(pending, host_slots)
+        else:
+            pending.handle = self.transfer.load(host_slots, device_slots, pending)
         self.stats.loaded_tokens += num_tokens
         return LoadResult(self._path_indices(path), last_node, pending, num_tokens)
+
+    def start_loading(self) -> LayerLoads:
+        """Start the deferred loads as one layer-wise batch; the forward pass calls ``wait_layer(i)`` on
+        the result before layer ``i`` reads KV. Lock contract: takes none (each load holds its own)."""
+        if self.transfer is None:
+            return LayerLoads()
+        return self.deferred_loads.start()
 
     @staticmethod
     def _path_indices(nodes: list[TreeNode]) -> torch.Tensor:
@@ -491,39 +492,15 @@ class HiRadixCache:
 
     def alloc_device(self, num_tokens: int) -> torch.Tensor | None:
         """Slots for a request's new tokens, evicting from L1 if needed. Lock contract: takes no lock."""
+        self.device_pool.allocator.check_num_tokens(num_tokens)  # before evicting anything
         return self._alloc_device(num_tokens)
 
     def alloc_host(self, num_tokens: int) -> torch.Tensor | None:
         """L2 slots, evicting from L2 if needed (for the L3 tier). Lock contract: takes no lock."""
+        if self.host_pool is None:
+            raise ValueError("this cache has no host (L2) tier")
+        self.host_pool.allocator.check_num_tokens(num_tokens)
         return self._alloc_host(num_tokens)
-
-    # ---- L3 storage (tierkv.storage.controller) --------------------------------------------------
-    def attach_storage(self, store: PageStore, config: StorageConfig, namespace: HashNamespace | str) -> None:
-        """Add the L3 tier: prefetch into L2 and backup from L2 against ``store``. Lock contract: none."""
-        if self.storage is not None:
-            raise ValueError("this cache already has a storage tier")
-        if self.transfer is None:
-            raise ValueError("an L3 tier needs the host (L2) tier: enable_host=True")
-        self.storage = StorageController(self, store, config, namespace)
-
-    def prefetch_from_storage(self, request_id: str, last_host_node: TreeNode, key: RadixKey) -> bool:
-        """Start fetching the part of ``key`` beyond ``last_host_node`` from L3 into L2; True if started.
-
-        Lock contract: protects the L2 path it extends (host_ref) until the prefetch ends or is revoked.
-        """
-        return self.storage is not None and self.storage.prefetch(request_id, last_host_node, key)
-
-    def check_prefetch_progress(self, request_id: str) -> bool:
-        """True when the request may be scheduled; then its prefetch has ended and its pages are in the tree.
-
-        Lock contract: on ending, releases the prefetch's host_ref; new nodes are host-only and unlocked.
-        """
-        return self.storage is None or self.storage.check_prefetch(request_id)
-
-    def release_prefetch(self, request_id: str) -> None:
-        """Abort the request's prefetch, inserting nothing. Lock contract: releases its host_ref."""
-        if self.storage is not None:
-            self.storage.release(request_id)
 
     # ---- maintenance -------------------------------------------------------------------------
     @property
@@ -538,12 +515,15 @@ class HiRadixCache:
         """Drop every cached token in L1 and L2, and in L3 only when ``clear_storage`` (L3 may be shared
         by other servers). Lock contract: no request may hold a lock."""
         self.flush()
+        if self.storage is not None:  # first: L3 I/O still in flight keeps owning its host slots
+            self.storage.reset(clear_storage)
         self.tree.reset()
+        self.failed_loads.clear()
         self.device_pool.allocator.reset()
         if self.host_pool is not None:
-            self.host_pool.allocator.reset()
-        if self.storage is not None:
-            self.storage.reset(clear_storage)
+            owned = self.storage.owned_host_slots() if self.storage is not None else []
+            self.host_pool.allocator.reset(keep=torch.cat(owned) if owned else None)
+            self.step()  # frees at once what drained but is already finished on every rank
         self.stats = CacheStats()
 
     def close(self) -> None:
@@ -558,45 +538,28 @@ class HiRadixCache:
                         caller_host_slots: torch.Tensor | None = None) -> None:
         """Check the tree and that every allocated slot has exactly one owner (tree, in-flight, caller)."""
         self.tree.check_integrity()
+        self.failed_loads.check()
         device_owned = [n.device_value for n in self.tree.nodes() if n.device_value is not None]
         if caller_device_slots is not None:
             device_owned.append(caller_device_slots)
-        _check_ownership("device", self.device_pool, device_owned)
+        self.device_pool.allocator.check_ownership("device", device_owned)
         if self.host_pool is not None:
             host_owned = [n.host_value for n in self.tree.nodes() if n.host_value is not None]
             if self.storage is not None:
                 host_owned += self.storage.owned_host_slots()
             if caller_host_slots is not None:
                 host_owned.append(caller_host_slots)
-            _check_ownership("host", self.host_pool, host_owned)
+            self.host_pool.allocator.check_ownership("host", host_owned)
+
+
+def _cut(path: MatchPath, num_nodes: int) -> None:
+    """Keep the first ``num_nodes`` nodes of a match path."""
+    if num_nodes < len(path.nodes):
+        path.nodes = path.nodes[:num_nodes]
+        path.num_tokens = sum(len(n) for n in path.nodes)
 
 
 def _describe(value: object) -> str:
     if isinstance(value, torch.Tensor):
         return f"a {value.dim()}-D {value.dtype} tensor"
     return type(value).__name__
-
-
-def _check_ownership(tier: str, pool: DeviceKVPool | HostKVPool, owned: list[torch.Tensor]) -> None:
-    slots = torch.cat(owned) if owned else _EMPTY
-    if slots.dtype != torch.int64:
-        raise AssertionError(f"{tier} slots of dtype {slots.dtype}, expected int64")
-    if len(slots) and (slots.min() < 0 or slots.max() >= pool.num_slots):
-        raise AssertionError(f"{tier} slots outside [0, {pool.num_slots})")
-    if pool.page_size > 1:  # every owner holds whole aligned pages, so pages are freed whole
-        if any(len(v) % pool.page_size for v in owned):
-            raise AssertionError(f"{tier} slots owned in partial pages")
-        rows = slots.view(-1, pool.page_size)
-        aligned = rows[:, :1] - rows[:, :1] % pool.page_size + torch.arange(pool.page_size)
-        if not torch.equal(rows, aligned):
-            raise AssertionError(f"{tier} slots not in whole aligned pages")
-    counts = torch.bincount(slots, minlength=pool.num_slots) if len(slots) else torch.zeros(
-        pool.num_slots, dtype=torch.int64)
-    if (counts > 1).any():
-        raise AssertionError(f"{tier} slots owned twice: {torch.nonzero(counts > 1).flatten()[:8].tolist()}")
-    allocated = pool.allocator.owned_mask().repeat_interleave(pool.page_size)
-    owned_mask = counts > 0
-    if not torch.equal(allocated, owned_mask):
-        leaked = torch.nonzero(allocated & ~owned_mask).flatten()[:8].tolist()
-        stray = torch.nonzero(owned_mask & ~allocated).flatten()[:8].tolist()
-        raise AssertionError(f"{tier} pool: leaked slots {leaked}, owned but free {stray}")

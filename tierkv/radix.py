@@ -13,6 +13,8 @@ Invariants kept by the tree (checked by :meth:`RadixTree.check_integrity`):
 from __future__ import annotations
 
 import itertools
+import operator
+import reprlib
 import struct
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterator, Sequence
@@ -22,30 +24,62 @@ _node_ids = itertools.count(1)
 
 @dataclass(frozen=True)
 class RadixKey:
-    """A request's token ids plus an optional namespace; different ``extra_key`` never share nodes."""
+    """A request's token ids plus an optional namespace; different ``extra_key`` never share nodes.
+
+    ``token_ids``: a list, tuple, range or ``array`` of ints, or a numpy array / torch tensor of an integer
+    dtype; stored as a tuple of Python ints. ``extra_key``: None or a str that encodes as UTF-8 (it is
+    hashed into L3 keys). Anything else is a TypeError or ValueError naming the field and the value.
+    """
 
     token_ids: Sequence[int]
     extra_key: str | None = None
 
     def __post_init__(self) -> None:
         # frozen contents: the tree memoises a key's elements, so the ids must not change later
-        ids = self.token_ids
-        if isinstance(ids, (str, bytes)) or not hasattr(ids, "__len__"):
-            raise TypeError(f"token_ids must be a sequence of ints, got {type(ids).__name__}")
-        if hasattr(ids, "tolist"):  # a tensor or array: plain ints, not 0-d tensors that hash by identity
-            ids = ids.tolist()
-        if not isinstance(ids, tuple):
-            ids = tuple(ids)
-        try:
-            struct.pack(f"{len(ids)}q", *ids)  # C-speed check that every id is a 64-bit int
-        except struct.error as exc:
-            raise TypeError(f"token ids must be 64-bit ints: {exc}") from None
-        object.__setattr__(self, "token_ids", ids)
-        if self.extra_key is not None and not isinstance(self.extra_key, str):
-            raise TypeError(f"extra_key must be a str or None, got {self.extra_key!r}")
+        object.__setattr__(self, "token_ids", _token_tuple(self.token_ids))
+        if self.extra_key is not None:
+            if not isinstance(self.extra_key, str):
+                raise TypeError(f"extra_key must be a str or None, got {self.extra_key!r}")
+            try:
+                self.extra_key.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError(f"extra_key {self.extra_key!r} is not encodable as UTF-8") from None
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+
+def _token_tuple(ids: object) -> tuple[int, ...]:
+    """``ids`` as a tuple of 64-bit Python ints; TypeError naming what is not one."""
+    dtype = getattr(ids, "dtype", None)
+    if dtype is not None and hasattr(ids, "tolist"):  # a numpy array or torch tensor
+        name = str(dtype).removeprefix("torch.")
+        if not name.startswith(("int", "uint")) or getattr(ids, "ndim", 1) != 1:
+            raise TypeError(f"token_ids must be a 1-d integer array, got dtype {name} with "
+                            f"{getattr(ids, 'ndim', '?')} dims")
+        ids = tuple(ids.tolist())  # plain ints, not 0-d tensors that hash by identity
+    elif isinstance(ids, Sequence) and not isinstance(ids, (str, bytes, bytearray)):
+        ids = tuple(ids)
+        if set(map(type, ids)) - {int}:  # bools, floats, numpy scalars...: one at a time
+            ids = tuple(_token_id(i, x) for i, x in enumerate(ids))
+    else:  # sets and dicts have no order; strings are not token ids
+        raise TypeError(f"token_ids must be a sequence of ints (list, tuple, range, array, integer "
+                        f"tensor), got {type(ids).__name__} {reprlib.repr(ids)}")
+    try:
+        struct.pack(f"{len(ids)}q", *ids)  # C-speed check that every id fits in 64 bits
+    except struct.error as exc:
+        raise TypeError(f"token ids must be 64-bit ints: {exc}") from None
+    return ids
+
+
+def _token_id(index: int, value: object) -> int:
+    """One id that is not a plain int: integer types are converted, bools and the rest refused."""
+    if isinstance(value, bool) or type(value).__name__ in ("bool", "bool_"):
+        raise TypeError(f"token_ids[{index}] must be an int, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"token_ids[{index}] must be an int, got {value!r}") from None
 
 
 class _Frontiers:
@@ -72,6 +106,7 @@ class TreeNode:
     __slots__ = (
         "id", "key", "extra_key", "parent", "children", "_device_value", "_host_value", "hash_values",
         "lock_ref", "host_ref", "hit_count", "last_access_time", "creation_time", "priority", "_frontiers",
+        "invalid",
     )
 
     def __init__(self, key: list, extra_key: str | None, parent: "TreeNode | None", tick: int) -> None:
@@ -90,6 +125,7 @@ class TreeNode:
         self.last_access_time = tick
         self.creation_time = tick
         self.priority = 0
+        self.invalid = False  # device_value is garbage (a failed load): never matched, dropped when unlocked
 
     @property
     def device_value(self) -> Any:
@@ -314,6 +350,7 @@ class RadixTree:
         top.last_access_time = child.last_access_time
         top.hit_count, top.priority = child.hit_count, child.priority
         top.lock_ref, top.host_ref = child.lock_ref, child.host_ref
+        top.invalid = child.invalid
         if child.device_value is not None:
             top.device_value = child.device_value[:n]
             child.device_value = child.device_value[n:]

@@ -11,6 +11,7 @@ import queue
 import threading
 from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -93,6 +94,24 @@ def copy_pages(src: PagedKVBuffer, src_pages: torch.Tensor, dst: PagedKVBuffer, 
     cpu_copy.copy_rows(src_table, src_rows, src.row_dim_order, dst_table, dst_rows, dst.row_dim_order)
 
 
+def copy_layer_rows(src_table: torch.Tensor, src_rows: torch.Tensor, src_order: tuple[int, ...],
+                    dst_table: torch.Tensor, dst_rows: torch.Tensor, dst_order: tuple[int, ...], layer: int
+                    ) -> None:
+    """Copy layer ``layer`` of the pages whose row indices :func:`paired_page_rows` gave (CPU pools)."""
+    cpu_copy.copy_rows(src_table, src_rows[:, layer:layer + 1], src_order, dst_table, dst_rows[:, layer:layer + 1],
+                       dst_order)
+
+
+def copy_layer(src: PagedKVBuffer, src_pages: torch.Tensor, dst: PagedKVBuffer, dst_pages: torch.Tensor,
+               layer: int) -> None:
+    """Copy layer ``layer`` of whole pages between pools of any layouts, one index op each way (the
+    accelerator path of a layer-wise load; CPU pools use :func:`copy_layer_rows`)."""
+    src_layer = src.paged.permute(src.perm).select(1, layer)  # [num_kv, pages, page_size, heads, dim]
+    dst_layer = dst.paged.permute(dst.perm).select(1, layer)
+    data = src_layer.index_select(1, src_pages.to(src.device))
+    dst_layer.index_copy_(1, dst_pages.to(dst.device), data.to(dst.device, non_blocking=True))
+
+
 # CPU copies up to this size run on the submitting thread: a hand-off to the worker (queue, event,
 # GIL switches) costs ~100 us, more than copying this many bytes.
 _INLINE_COPY_MAX_BYTES = 256 * 1024
@@ -106,6 +125,7 @@ class CopyHandle:
     cuda_event: Any = None
     cpu_event: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
+    layer_events: list = field(default_factory=list)  # per layer, for a layer-wise load (CUDA or CPU events)
 
     def done(self) -> bool:
         if self.cuda_event is not None:
@@ -117,6 +137,15 @@ class CopyHandle:
             self.cuda_event.synchronize()
             return True
         return self.cpu_event.wait(timeout_s)
+
+    def wait_layer(self, layer: int) -> None:
+        """Order later work after layer ``layer`` of this copy (after all of it when not layer-wise)."""
+        if not self.layer_events:
+            self.wait_on_current_stream()
+        elif self.cuda_event is not None:
+            torch.cuda.current_stream().wait_event(self.layer_events[layer])
+        else:
+            self.layer_events[layer].wait()
 
     def wait_on_current_stream(self) -> None:
         """Order later work after this copy: the compute stream waits on CUDA, the caller on CPU."""
@@ -166,6 +195,56 @@ class TransferController:
         handle = self._submit("load", self.host_pool, host_slots, self.device_pool, device_slots)
         self.loads.append(_Queued(handle, payload))
         return handle
+
+    def load_layers(self, host_slots: torch.Tensor, device_slots: torch.Tensor, payloads: Sequence[Any]
+                    ) -> CopyHandle:
+        """Queue an L2 -> L1 copy that moves one layer at a time, each layer signalled on its own (see
+        :meth:`CopyHandle.wait_layer`); one ack per payload, all sharing the handle."""
+        src, dst = self.host_pool, self.device_pool
+        src_pages, dst_pages = src.allocator.slots_to_pages(host_slots), dst.allocator.slots_to_pages(device_slots)
+        if len(src_pages) != len(dst_pages):
+            raise ValueError(f"load: {len(host_slots)} source slots vs {len(device_slots)} destination slots")
+        handle, num_layers = CopyHandle(), dst.spec.num_layers
+        if self.use_cuda:
+            self._load_stream.wait_stream(torch.cuda.current_stream(dst.device))
+            with torch.cuda.stream(self._load_stream):
+                for layer in range(num_layers):
+                    copy_layer(src, src_pages, dst, dst_pages, layer)
+                    handle.layer_events.append(torch.cuda.Event())
+                    handle.layer_events[-1].record(self._load_stream)
+            handle.cuda_event = handle.layer_events[-1]
+        else:
+            handle.layer_events = [threading.Event() for _ in range(num_layers)]
+            self._jobs.put(partial(self._copy_layers, handle, src_pages, dst_pages))
+            self._last_queued = handle
+        self.loads.extend(_Queued(handle, payload) for payload in payloads)
+        return handle
+
+    def _copy_layers(self, handle: CopyHandle, src_pages: torch.Tensor, dst_pages: torch.Tensor) -> None:
+        try:
+            if self.delay_hook is not None:
+                self.delay_hook("load")
+            copy_one_layer = self._cpu_layer_copier(src_pages, dst_pages)
+            for layer, event in enumerate(handle.layer_events):
+                copy_one_layer(layer)
+                event.set()
+        except BaseException as exc:  # reported through the handle: the loads' KV must not be used
+            log.error("layer-wise load failed: %s", exc)
+            handle.error = exc
+        finally:
+            for event in handle.layer_events:  # waiters of later layers must not hang on a failure
+                event.set()
+            handle.cpu_event.set()
+
+    def _cpu_layer_copier(self, src_pages: torch.Tensor, dst_pages: torch.Tensor) -> Callable[[int], None]:
+        """Copies one layer of these pages L2 -> L1: the native chunk copy, else vectorised row copies
+        over row tables computed once for the batch."""
+        src, dst = self.host_pool, self.device_pool
+        if cpu_copy.native_available() and self.io_backend == "kernel":
+            return partial(cpu_copy.copy_page_chunks, src, src_pages, dst, dst_pages)
+        src_table, src_rows, dst_table, dst_rows = paired_page_rows(src, src_pages, dst, dst_pages)
+        return partial(copy_layer_rows, src_table, src_rows, src.row_dim_order, dst_table, dst_rows,
+                       dst.row_dim_order)
 
     def write_now(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> BaseException | None:
         """Copy L1 -> L2 and wait (write_back on eviction); returns the error if the copy failed."""

@@ -30,6 +30,8 @@ from tierkv.hicache import HiRadixCache, MatchResult
 from tierkv.pools import DeviceKVPool, HostKVPool, KVSpec
 from tierkv.radix import RadixKey
 from tierkv.storage.controller import open_storage
+from tierkv.storage.factory import redact_spec
+from tierkv.validate import check_bool, check_int, check_text
 
 REPLAY_KV_SPEC = KVSpec(num_layers=1, kv_heads=1, head_dim=1, dtype=torch.float64)
 
@@ -52,16 +54,17 @@ class ReplayConfig:
     l3_tokens: int | None = None  # a bounded L3's capacity, for MIN's bound (None: unbounded)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.page_size, int) or self.page_size < 1:
-            raise ValueError(f"page_size must be a positive int, got {self.page_size!r}")
-        if not isinstance(self.l1_tokens, int) or self.l1_tokens < self.page_size:
-            raise ValueError(f"l1_tokens must be an int >= page_size ({self.page_size}), got {self.l1_tokens!r}")
-        if self.l2_tokens is not None and (not isinstance(self.l2_tokens, int) or self.l2_tokens <= self.l1_tokens):
-            raise ValueError(f"l2_tokens must be an int > l1_tokens ({self.l1_tokens}), got {self.l2_tokens!r}")
+        check_int("page_size", self.page_size, minimum=1)
+        check_int("l1_tokens", self.l1_tokens, minimum=self.page_size)
+        if self.l2_tokens is not None:
+            check_int("l2_tokens", self.l2_tokens, minimum=self.l1_tokens + 1)
+        check_bool("include_output", self.include_output)
+        check_bool("verify", self.verify)
+        check_text("l3", self.l3, allow_empty=False, secret=True)
         if self.l3 != "none" and self.l2_tokens is None:
-            raise ValueError(f"l3 {self.l3!r} needs an L2 tier (l2_tokens), got l2_tokens=None")
-        if self.l3_tokens is not None and (not isinstance(self.l3_tokens, int) or self.l3_tokens < 0):
-            raise ValueError(f"l3_tokens must be an int >= 0 or None, got {self.l3_tokens!r}")
+            raise ValueError(f"l3 {redact_spec(self.l3)!r} needs an L2 tier (l2_tokens), got l2_tokens=None")
+        if self.l3_tokens is not None:
+            check_int("l3_tokens", self.l3_tokens, minimum=0)
         self.cache_config()
 
     def cache_config(self) -> CacheConfig:

@@ -32,6 +32,7 @@ from tierkv.bench.optimal import OptimalResult, belady_min
 from tierkv.bench.replay import ReplayConfig, ReplayResult, replay
 from tierkv.bench.trace import Trace
 from tierkv.bench.ttft import TTFTModel
+from tierkv.storage.factory import redact_spec
 
 _SIZE_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9}
 
@@ -184,7 +185,7 @@ def build_report(run: RunOutcome, model: TTFTModel, trace_path: str = "") -> dic
         "uncached_requests": tiered.uncached_requests,
         "replay_wall_s": tiered.wall_s,
         "wall_s": run.wall_s,
-        "config": asdict(tiered.config),
+        "config": {**asdict(tiered.config), "l3": redact_spec(tiered.config.l3)},  # no URL password
         "model": {**asdict(model.model), "kv_bytes_per_token": b, "effective_flops": model.effective_flops,
                   "l2_link": asdict(model.l2_link), "l3_link": asdict(model.l3_link)},
         "baselines": {"no_cache": {"hit_ratio": 0.0, "ttft_s": summarise(no_cache)}},

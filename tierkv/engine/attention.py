@@ -9,6 +9,7 @@ copied) followed by the slots of the tokens it computed itself.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -43,6 +44,12 @@ class ForwardBatch:
     out_slots: torch.Tensor
     seqs: list[SeqSlice]
     sample_rows: torch.Tensor
+    layer_loads: Any = None  # tierkv.layer_load.LayerLoads: L2 -> L1 loads the layers must wait for
+
+    def wait_kv(self, layer: int) -> None:
+        """Before layer ``layer`` reads the pool: wait for that layer of the loads in flight, no more."""
+        if self.layer_loads is not None:
+            self.layer_loads.wait_layer(layer)
 
     @classmethod
     def build(cls, seqs: list[tuple[torch.Tensor, int]], sample: list[bool], device: torch.device) -> "ForwardBatch":

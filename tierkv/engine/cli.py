@@ -27,6 +27,8 @@ def serve_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--l1-tokens", type=int, default=8192)
     parser.add_argument("--l3", default=None, help="storage spec for mode l1+l2+l3, e.g. file:/tmp/kv")
     parser.add_argument("--storage-extra", default=None, help="JSON extra config for the L3 tier")
+    parser.add_argument("--model-id", default=None,
+                        help="a name added to the model's L3 namespace (which always digests config and weights)")
     _engine_args(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -35,7 +37,7 @@ def serve_main(argv: list[str] | None = None) -> int:
         extra = json.loads(args.storage_extra) if args.storage_extra else None
         config = EngineConfig(mode=args.mode, device=args.device, l1_tokens=args.l1_tokens, page_size=args.page_size,
                               l3=args.l3, storage_extra=extra, max_running_requests=args.max_running,
-                              chunk_tokens=args.chunk_tokens)
+                              chunk_tokens=args.chunk_tokens, model_id=args.model_id)
         engine = Engine(args.model, config)
         server = CompletionServer(engine, args.host, args.port, model_name=args.model)
     except (ValueError, OSError) as exc:

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from tierkv.pools.spec import KVSpec, parse_dtype
+from tierkv.validate import check_bool, check_choice, check_int, check_number
 
 ARCHS = ("llama", "qwen3", "deepseek_v2")
 _HF_ARCH_NAMES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -42,20 +43,25 @@ class ModelConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.arch not in ARCHS:
-            raise ValueError(f"arch {self.arch!r} is not one of {ARCHS}")
+        check_choice("arch", self.arch, ARCHS)
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "max_position"):
-            _positive(name, getattr(self, name))
+            check_int(name, getattr(self, name), minimum=1)
+        for name in ("num_kv_heads", "head_dim", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                     "v_head_dim", "seed"):
+            check_int(name, getattr(self, name), minimum=0)
+        check_number("rope_theta", self.rope_theta, minimum=0, exclusive_minimum=True)
+        check_number("rms_norm_eps", self.rms_norm_eps, minimum=0, exclusive_minimum=True)
+        check_bool("tie_word_embeddings", self.tie_word_embeddings)
         parse_dtype(self.dtype)
         if self.is_mla:
             for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-                _positive(name, getattr(self, name))
+                check_int(name, getattr(self, name), minimum=1)
             if self.qk_rope_head_dim % 2:
                 raise ValueError(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
         else:
-            _positive("num_kv_heads", self.num_kv_heads)
-            _positive("head_dim", self.head_dim)
+            check_int("num_kv_heads", self.num_kv_heads, minimum=1)
+            check_int("head_dim", self.head_dim, minimum=1)
             if self.num_heads % self.num_kv_heads:
                 raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads "
                                  f"{self.num_kv_heads}")
@@ -127,11 +133,6 @@ class ModelConfig:
 
     def save_json(self, path: Path) -> None:
         Path(path).write_text(json.dumps(self.to_hf_dict(), indent=2))
-
-
-def _positive(name: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 PRESETS: dict[str, ModelConfig] = {

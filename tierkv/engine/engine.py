@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
-from tierkv.config import CacheConfig
+from tierkv.config import WRITE_POLICIES, CacheConfig
 from tierkv.engine.config import ModelConfig
-from tierkv.engine.loader import build_model
+from tierkv.engine.loader import build_model, model_namespace
 from tierkv.engine.models import CausalLM
 from tierkv.engine.request import Request
 from tierkv.engine.runner import ModelRunner
 from tierkv.engine.scheduler import Scheduler, SchedulerConfig
 from tierkv.hicache import HiRadixCache
-from tierkv.pools.kv import DeviceKVPool
+from tierkv.pools.kv import HOST_LAYOUTS, DeviceKVPool
+from tierkv.pools.spec import parse_dtype
+from tierkv.validate import check_bool, check_choice, check_int, check_number, check_text
 
 CACHE_MODES = ("none", "l1", "l1+l2", "l1+l2+l3")
 MODE_LABELS = {"none": "no cache", "l1": "L1 only", "l1+l2": "L1+L2", "l1+l2+l3": "L1+L2+L3"}
@@ -23,7 +26,8 @@ MODE_LABELS = {"none": "no cache", "l1": "L1 only", "l1+l2": "L1+L2", "l1+l2+l3"
 @dataclass(frozen=True)
 class EngineConfig:
     """Sizes and policies of one engine. ``l3`` is a storage spec (e.g. ``file:/path``) for mode l1+l2+l3;
-    ``storage_extra`` its extra config (prefetch policy, thresholds) as a dict."""
+    ``storage_extra`` its extra config (prefetch policy, thresholds) as a dict. ``model_id`` (optional)
+    is added to the model's L3 namespace, which always names the config and a digest of the weights."""
 
     mode: str = "l1+l2"
     device: str = "cpu"
@@ -38,14 +42,35 @@ class EngineConfig:
     storage_extra: dict | None = None
     max_running_requests: int = 16
     chunk_tokens: int = 256
+    model_id: str | None = None
+    layerwise_load: bool = True
 
     def __post_init__(self) -> None:
-        if self.mode not in CACHE_MODES:
-            raise ValueError(f"mode {self.mode!r} is not one of {CACHE_MODES}")
+        check_choice("mode", self.mode, CACHE_MODES)
+        check_text("device", self.device, allow_empty=False)
+        check_int("page_size", self.page_size, minimum=1)
+        check_int("l1_tokens", self.l1_tokens, minimum=self.page_size)
+        check_number("hicache_ratio", self.hicache_ratio, minimum=0, exclusive_minimum=True)
+        if self.hicache_size_gb is not None:  # 0: use the ratio
+            check_number("hicache_size_gb", self.hicache_size_gb, minimum=0)
+        check_choice("write_policy", self.write_policy, sorted(WRITE_POLICIES))
+        check_choice("host_layout", self.host_layout, HOST_LAYOUTS)
+        if self.kv_dtype is not None:
+            try:
+                parse_dtype(self.kv_dtype)
+            except ValueError as exc:
+                raise ValueError(f"kv_dtype: {exc}") from None
+        if self.l3 is not None:
+            check_text("l3", self.l3, secret=True)
         if self.mode == "l1+l2+l3" and not self.l3:
             raise ValueError("mode 'l1+l2+l3' needs l3 (a storage spec such as 'file:/path')")
-        if not isinstance(self.l1_tokens, int) or self.l1_tokens < self.page_size:
-            raise ValueError(f"l1_tokens must be an int of at least one page, got {self.l1_tokens!r}")
+        if self.storage_extra is not None and not isinstance(self.storage_extra, dict):
+            raise ValueError(f"storage_extra must be a dict, got {type(self.storage_extra).__name__}")
+        check_int("max_running_requests", self.max_running_requests, minimum=1)
+        check_int("chunk_tokens", self.chunk_tokens, minimum=1)
+        if self.model_id is not None:
+            check_text("model_id", self.model_id, allow_empty=False)
+        check_bool("layerwise_load", self.layerwise_load)
 
 
 class Engine:
@@ -62,16 +87,17 @@ class Engine:
         self.cache = HiRadixCache(self.device_pool, cache_cfg)
         self.runner = ModelRunner(self.model, self.device_pool)
         self.scheduler = Scheduler(self.runner, self.cache, SchedulerConfig(
-            cfg.max_running_requests, cfg.chunk_tokens, use_prefix_cache=cfg.mode != "none"))
+            cfg.max_running_requests, cfg.chunk_tokens, use_prefix_cache=cfg.mode != "none",
+            layerwise_load=cfg.layerwise_load))
         if cfg.mode == "l1+l2+l3":
             from tierkv.engine.prefetch import attach_l3
             attach_l3(self, cfg.l3, cfg.storage_extra or {})
 
-    @property
+    @functools.cached_property
     def namespace(self) -> str:
-        """Names the model in L3 keys (the KV layout and dtype are added by the hash namespace)."""
-        m = self.model.config
-        return f"{m.arch}-L{m.num_layers}-H{m.hidden_size}-V{m.vocab_size}-seed{m.seed}"
+        """Names the model in L3 keys: ``model_id``, the whole model config and a digest of the weights
+        (the KV layout and dtype are added by the hash namespace). Computed once, when L3 is attached."""
+        return model_namespace(self.model, self.config.model_id)
 
     def submit(self, prompt: list[int], max_new_tokens: int, **kwargs) -> Request:
         return self.scheduler.submit(Request(list(prompt), max_new_tokens, **kwargs))

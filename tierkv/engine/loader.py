@@ -1,10 +1,15 @@
-"""Build a model from a preset/config (seeded random weights) or a local HF-layout safetensors checkpoint."""
+"""Build a model from a preset/config (seeded random weights) or a local HF-layout safetensors checkpoint,
+and name it for L3: a digest of its weights and config that two different models never share."""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 from pathlib import Path
 
 import torch
+import xxhash
 from safetensors.torch import load_file, save_file
 
 from tierkv.engine.config import ModelConfig, resolve_config
@@ -57,3 +62,25 @@ def save_checkpoint(lm: CausalLM, directory: str | Path) -> Path:
         del state["lm_head.weight"]  # safetensors refuses shared tensors; HF omits the tied head too
     save_file(state, str(directory / "model.safetensors"))
     return directory
+
+
+def weights_digest(lm: torch.nn.Module) -> str:
+    """xxh3-128 (hex) over every tensor's name, dtype, shape and bytes, whatever device it is on.
+
+    The bytes themselves, not a checkpoint's headers and sizes: a fine-tune has the same headers and
+    sizes as its base model. Hashing runs at memory speed, well below the cost of loading the weights.
+    """
+    state = xxhash.xxh3_128()
+    for name, tensor in sorted(lm.state_dict().items()):
+        flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+        state.update(f"{name}|{flat.dtype}|{tuple(tensor.shape)}|".encode())
+        state.update(flat.view(torch.uint8).numpy())
+    return state.hexdigest()
+
+
+def model_namespace(lm: CausalLM, model_id: str | None = None) -> str:
+    """The model part of the L3 namespace: ``model_id`` (or the architecture) and a digest of the whole
+    config, the weights and ``model_id``, so any change that changes the KV changes the keys."""
+    identity = {"model_id": model_id, "config": dataclasses.asdict(lm.config), "weights": weights_digest(lm)}
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:32]
+    return f"{model_id or lm.config.arch}-{digest}"

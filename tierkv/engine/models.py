@@ -81,6 +81,7 @@ class GQAAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, batch.positions, cfg.rope_theta)
         k = apply_rope(k, batch.positions, cfg.rope_theta)
+        batch.wait_kv(self.layer)
         out = gqa_paged_attention(q, k, v, pool.k_buffer(self.layer), pool.v_buffer(self.layer), batch,
                                   1.0 / math.sqrt(cfg.head_dim))
         return self.o_proj(out.flatten(-2))
@@ -106,6 +107,7 @@ class MLAttention(nn.Module):
         q = torch.cat((q_nope, apply_rope(q_pe, batch.positions, cfg.rope_theta, interleaved=True)), dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
         k_pe = apply_rope(k_pe[:, None, :], batch.positions, cfg.rope_theta, interleaved=True)
+        batch.wait_kv(self.layer)
         cache = pool.latent_buffer(self.layer)  # [slots, 1, kv_lora_rank + rope]
         cache[batch.out_slots] = torch.cat((self.kv_a_layernorm(latent)[:, None, :], k_pe), -1).to(cache.dtype)
         out = q.new_empty(q.shape[0], cfg.num_heads, cfg.v_head_dim)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -34,6 +34,8 @@ class Request:
     cached_len: int = 0
     num_computed: int = 0
     locked_node: TreeNode | None = None
+    pending_load: Any = None  # a deferred L2 -> L1 load of its prefix (tierkv.hicache.PendingLoad)
+    restarts: int = 0  # times a failed prefix load made it start over
     device_hit_tokens: int = 0
     host_hit_tokens: int = 0
     storage_hit_tokens: int = 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -37,9 +38,13 @@ class ModelRunner:
     def device(self) -> torch.device:
         return self.model.device
 
-    def forward(self, items: list[WorkItem]) -> torch.Tensor:
-        """One pass over all items; returns fp32 logits ``[num_sampling_items, vocab]`` in item order."""
+    def forward(self, items: list[WorkItem], layer_loads: Any = None) -> torch.Tensor:
+        """One pass over all items; returns fp32 logits ``[num_sampling_items, vocab]`` in item order.
+
+        ``layer_loads`` (a :class:`tierkv.layer_load.LayerLoads`): each layer waits for its own layer
+        of those L2 -> L1 loads before reading KV, so the copy of later layers overlaps this compute."""
         ids = torch.tensor([t for it in items for t in it.new_token_ids], dtype=torch.int64, device=self.device)
         batch = ForwardBatch.build([(it.kv_slots, len(it.new_token_ids)) for it in items],
                                    [it.sample for it in items], self.device)
+        batch.layer_loads = layer_loads
         return self.model(ids, batch, self.pool)

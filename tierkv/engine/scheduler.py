@@ -29,17 +29,23 @@ IDLE_WAIT_S = 0.0005
 @dataclass(frozen=True)
 class SchedulerConfig:
     """``chunk_tokens`` caps the prompt tokens prefilled per step (chunked prefill); ``use_prefix_cache``
-    False runs the same engine with no reuse (the baseline the exactness tests compare against)."""
+    False runs the same engine with no reuse (the baseline the exactness tests compare against);
+    ``layerwise_load`` batches a step's L2 -> L1 loads and lets each layer wait for its own copy only
+    (HiCache's load-back), else each load is waited for whole at admission."""
 
     max_running_requests: int = 16
     chunk_tokens: int = 256
     use_prefix_cache: bool = True
+    layerwise_load: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_running_requests", "chunk_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        for name in ("use_prefix_cache", "layerwise_load"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
 
 @dataclass
@@ -54,6 +60,7 @@ class EngineCounters:
     device_hit_tokens: int = 0
     host_hit_tokens: int = 0
     storage_hit_tokens: int = 0
+    restarted_requests: int = 0  # a layer-wise prefix load failed under them: recomputed
     ttft_s: list[float] = field(default_factory=list)
 
 
@@ -91,7 +98,8 @@ class Scheduler:
                 time.sleep(IDLE_WAIT_S)
             return []
         items, sampled = self._plan()
-        logits = self.runner.forward(items)
+        loads = self.cache.start_loading() if self.config.layerwise_load else None
+        logits = self.runner.forward(items, loads)
         return self._advance(sampled, logits)
 
     def run(self, requests: list[Request] | None = None) -> list[Request]:
@@ -164,10 +172,12 @@ class Scheduler:
         match = self.cache.match_prefix(RadixKey(request.prompt[:-1], request.extra_key))
         prefix, node = match.device_indices, match.last_device_node
         request.device_hit_tokens = len(prefix)
-        if match.host_hit_length > 0:
-            loaded = self.cache.init_load_back(match.last_host_node)
-            if loaded.pending is None or loaded.pending.wait():
+        if match.host_hit_length > 0 and request.restarts == 0:  # after a failed load: recompute, no retry
+            defer = self.config.layerwise_load  # started with the step's other loads; checked in _advance
+            loaded = self.cache.init_load_back(match.last_host_node, defer=defer)
+            if defer or loaded.pending is None or loaded.pending.wait():
                 prefix, node = loaded.device_indices, loaded.last_node
+                request.pending_load = loaded.pending if defer else None
             request.host_hit_tokens = len(prefix) - request.device_hit_tokens
         if self.prefetcher is not None:
             request.storage_hit_tokens = min(self.prefetcher.storage_tokens(request, len(prefix)),
@@ -197,6 +207,12 @@ class Scheduler:
         now = time.perf_counter()
         finished, row = [], 0
         for r, n in sampled:
+            if r.pending_load is not None:
+                load_ok, r.pending_load = r.pending_load.wait(), None
+                if not load_ok:  # this pass read garbage for its prefix: drop its result, recompute
+                    row += int(r.num_computed + n >= len(r.all_tokens))
+                    self._restart(r)
+                    continue
             r.num_computed += n
             if r.num_computed < len(r.all_tokens):
                 continue
@@ -234,6 +250,20 @@ class Scheduler:
         c.device_hit_tokens += request.device_hit_tokens
         c.host_hit_tokens += request.host_hit_tokens
         c.storage_hit_tokens += request.storage_hit_tokens
+
+    def _restart(self, request: Request) -> None:
+        """Its prefix load failed: release its slots and lock and queue it again at the head; the cache
+        keeps the failed nodes out of later matches, so it recomputes what L1 no longer holds."""
+        self.running.remove(request)
+        self.cache.device_pool.free(request.own_slots)
+        self.cache.dec_lock_ref(request.locked_node)
+        request.slots, request.locked_node = None, None
+        request.cached_len = request.num_computed = 0
+        request.device_hit_tokens = request.host_hit_tokens = request.storage_hit_tokens = 0
+        self.counters.prompt_tokens -= len(request.prompt)  # counted again when it is admitted again
+        self.counters.restarted_requests += 1
+        request.restarts += 1
+        self.waiting.appendleft(request)
 
     def _fail(self, request: Request, reason: str) -> None:
         log.warning("request %s failed: %s", request.rid, reason)

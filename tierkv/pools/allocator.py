@@ -25,13 +25,17 @@ class SlotAllocator:
         self.num_pages = num_slots // page_size
         self.num_slots = self.num_pages * page_size
         self._page_offsets = np.arange(page_size, dtype=np.int64)
+        self._positions: np.ndarray | None = None  # scratch for check_allocated
         self.reset()
 
-    def reset(self) -> None:
-        self._free_pages = np.arange(self.num_pages, dtype=np.int64)
+    def reset(self, keep: torch.Tensor | None = None) -> None:
+        """Free every page but those of the slots ``keep`` (held by an owner that outlives the reset)."""
+        self._is_free = np.ones(self.num_pages, dtype=np.bool_)
+        if keep is not None and keep.numel():
+            self._is_free[self._slots_to_pages(keep)] = False
+        self._free_pages = np.flatnonzero(self._is_free).astype(np.int64)
         self._released: list[np.ndarray] = []
         self._num_released = 0
-        self._is_free = np.ones(self.num_pages, dtype=np.bool_)
 
     @property
     def num_free_slots(self) -> int:
@@ -41,10 +45,45 @@ class SlotAllocator:
     def num_used_slots(self) -> int:
         return self.num_slots - self.num_free_slots
 
-    def alloc(self, num_tokens: int) -> torch.Tensor | None:
-        """Slots for ``num_tokens`` (a multiple of page_size), or None when not enough are free."""
+    def check_num_tokens(self, num_tokens: int) -> None:
+        """Raise unless ``num_tokens`` is an int >= 0 and a multiple of page_size."""
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)):
+            raise TypeError(f"num_tokens must be an int, got {num_tokens!r}")
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         if num_tokens % self.page_size:
             raise ValueError(f"num_tokens {num_tokens} is not a multiple of page_size {self.page_size}")
+
+    def check_allocated(self, slots: torch.Tensor, name: str) -> None:
+        """Raise ValueError unless ``slots`` (1-D int64) are whole aligned pages in range, allocated,
+        each given once. Vectorised numpy: inserts call it on every prompt's slots."""
+        slots_np = slots.detach().cpu().numpy()
+        if len(slots_np) == 0:
+            return
+        if self.page_size == 1:
+            pages = slots_np
+        else:
+            try:
+                pages = self._slots_to_pages(slots)
+            except ValueError as exc:
+                raise ValueError(f"{name}: {exc}") from None
+        if pages.min() < 0 or pages.max() >= self.num_pages:
+            raise ValueError(f"{name}: slot out of range [0, {self.num_slots})")
+        free = self._is_free[pages]
+        if free.any():
+            raise ValueError(f"{name}: pages {pages[free].tolist()[:8]} are not allocated")
+        # each page given once: write each position into a scratch array; a repeated page keeps
+        # only its last position (O(n), no sort)
+        if self._positions is None:
+            self._positions = np.zeros(self.num_pages, dtype=np.int64)
+        order = np.arange(len(pages))
+        self._positions[pages] = order
+        if not (self._positions[pages] == order).all():
+            raise ValueError(f"{name}: pages {_duplicates(pages).tolist()[:8]} given more than once")
+
+    def alloc(self, num_tokens: int) -> torch.Tensor | None:
+        """Slots for ``num_tokens`` (a multiple of page_size), or None when not enough are free."""
+        self.check_num_tokens(num_tokens)
         num_pages = num_tokens // self.page_size
         if num_pages > len(self._free_pages):
             self._merge_released()
@@ -105,6 +144,32 @@ class SlotAllocator:
             merged.sort()
             self._free_pages = merged
             self._released, self._num_released = [], 0
+
+    def check_ownership(self, tier: str, owned: list[torch.Tensor]) -> None:
+        """Raise AssertionError unless every allocated slot is in exactly one of ``owned`` (whole
+        aligned pages, in range) and no free slot is in any. For integrity checks."""
+        slots = torch.cat(owned) if owned else torch.empty(0, dtype=torch.int64)
+        if slots.dtype != torch.int64:
+            raise AssertionError(f"{tier} slots of dtype {slots.dtype}, expected int64")
+        if len(slots) and (slots.min() < 0 or slots.max() >= self.num_slots):
+            raise AssertionError(f"{tier} slots outside [0, {self.num_slots})")
+        if self.page_size > 1:  # every owner holds whole aligned pages, so pages are freed whole
+            if any(len(v) % self.page_size for v in owned):
+                raise AssertionError(f"{tier} slots owned in partial pages")
+            rows = slots.view(-1, self.page_size)
+            aligned = rows[:, :1] - rows[:, :1] % self.page_size + torch.arange(self.page_size)
+            if not torch.equal(rows, aligned):
+                raise AssertionError(f"{tier} slots not in whole aligned pages")
+        counts = torch.bincount(slots, minlength=self.num_slots) if len(slots) else torch.zeros(
+            self.num_slots, dtype=torch.int64)
+        if (counts > 1).any():
+            raise AssertionError(f"{tier} slots owned twice: {torch.nonzero(counts > 1).flatten()[:8].tolist()}")
+        allocated = self.owned_mask().repeat_interleave(self.page_size)
+        owned_mask = counts > 0
+        if not torch.equal(allocated, owned_mask):
+            leaked = torch.nonzero(allocated & ~owned_mask).flatten()[:8].tolist()
+            stray = torch.nonzero(owned_mask & ~allocated).flatten()[:8].tolist()
+            raise AssertionError(f"{tier} pool: leaked slots {leaked}, owned but free {stray}")
 
 
 def _all_distinct(pages: np.ndarray) -> bool:

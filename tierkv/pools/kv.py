@@ -83,15 +83,19 @@ class PagedKVBuffer:
         """Bytes between the same row of two consecutive pages in :attr:`rows`."""
         return self.row_strides[2] * self.rows.shape[1]
 
-    def chunk_bases(self, whole_pages: bool, order: tuple[int, ...]) -> tuple[np.ndarray, int]:
+    def chunk_bases(self, whole_pages: bool, order: tuple[int, ...], layer: int | None = None
+                    ) -> tuple[np.ndarray, int]:
         """Byte offsets in :attr:`rows` of page 0's chunks, flat in ``order`` of the canonical ``(kv, layer,
         page, token-in-page)`` dims with the page dim left out, and how many follow the page dim there.
 
         A chunk is a token row, or with ``whole_pages`` all of a page's rows for one (kv, layer), valid
-        only when they are adjacent (``row_strides[3] == 1``). Cached: a pool sees few orders."""
-        key = (whole_pages, order)
+        only when they are adjacent (``row_strides[3] == 1``). ``layer``: that layer's chunks only (a
+        layer-wise load). Cached: a pool sees few orders."""
+        key = (whole_pages, order, layer)
         if key not in self._chunk_bases:
             base = self._row_base[..., :1] if whole_pages else self._row_base
+            if layer is not None:
+                base = base[:, layer:layer + 1]
             base = base.permute(order).numpy() * self.rows.shape[1]
             page_pos = order.index(2)
             inner = int(np.prod(base.shape[page_pos + 1:]))
@@ -234,11 +238,13 @@ class HostKVPool(PagedKVBuffer):
 
 def host_pool_tokens(device_tokens: int, bytes_per_token: int, page_size: int,
                      ratio: float = 2.0, size_gb: float | None = None) -> int:
-    """L2 size in tokens: ``size_gb`` when given (overrides ``ratio``), else ``ratio`` x the L1 size.
+    """L2 size in tokens: ``size_gb`` when given and not 0 (overrides ``ratio``), else ``ratio`` x the L1 size.
 
-    A host pool not larger than the device pool cannot hold anything L1 does not, so it is an error.
+    A host pool not larger than the device pool cannot hold anything L1 does not, so it is an error,
+    and so is one larger than the host memory available now (the pool's pages are touched lazily, so
+    the allocation itself would succeed and the process be killed later).
     """
-    if size_gb is not None:
+    if size_gb:
         if not isinstance(size_gb, (int, float)) or size_gb <= 0:
             raise ValueError(f"hicache_size must be a positive number of GB, got {size_gb!r}")
         tokens = int(size_gb * 1e9) // bytes_per_token
@@ -250,4 +256,21 @@ def host_pool_tokens(device_tokens: int, bytes_per_token: int, page_size: int,
     if tokens <= device_tokens:
         raise ValueError(f"host pool of {tokens} tokens is not larger than the device pool of "
                          f"{device_tokens} tokens (hicache_ratio={ratio!r}, hicache_size={size_gb!r})")
+    available_bytes = available_host_memory_bytes()
+    if available_bytes is not None and tokens * bytes_per_token > available_bytes:
+        raise ValueError(f"host pool of {tokens} tokens needs {tokens * bytes_per_token / 1e9:.1f} GB but only "
+                         f"{available_bytes / 1e9:.1f} GB of host memory is available; lower hicache_ratio "
+                         f"({ratio!r}) or hicache_size_gb ({size_gb!r})")
     return tokens
+
+
+def available_host_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux); None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None

@@ -6,6 +6,8 @@ import logging
 import threading
 from dataclasses import dataclass, field
 
+import torch
+
 from tierkv.pools.kv import HostKVPool
 from tierkv.radix import TreeNode
 from tierkv.storage.base import PageStore
@@ -17,6 +19,10 @@ log = logging.getLogger(__name__)
 class Backup:
     """Writes ``hashes`` from ``host_pages``; holds one host_ref on ``node`` until the controller retires it.
 
+    ``host_slots`` are the slots of ``host_pages``: the tree owns them while ``state`` is running; when a
+    reset drops the tree under a backup still in flight, the backup drains: it owns them itself until
+    its worker has returned (the worker may still read them), like a draining prefetch.
+
     Pages already present at the head (batch_exists) are skipped. Only ``done`` and the page counts are
     written by the worker thread.
     """
@@ -24,21 +30,38 @@ class Backup:
     node: TreeNode
     hashes: list[str]
     host_pages: list[int]
+    host_slots: torch.Tensor
     page_size: int
+    state: str = "running"
     done: threading.Event = field(default_factory=threading.Event)
+    cancel: threading.Event = field(default_factory=threading.Event)
     skipped_pages: int = 0
     written_pages: int = 0
     failed_pages: int = 0
+    agreed_finished: bool = False  # scheduler thread only, once draining
 
     @property
     def num_tokens(self) -> int:
         return len(self.hashes) * self.page_size
+
+    def local_counts(self) -> tuple[list[int], list[int]]:
+        """While draining, in a prefetch's progress layout: MIN [0, finished, 0], MAX [0]."""
+        return [0, int(self.done.is_set()), 0], [0]
+
+    def agree(self, min_counts: list[int], max_counts: list[int]) -> None:
+        self.agreed_finished = self.agreed_finished or bool(min_counts[1])
+
+    def wait_worker(self, timeout_s: float) -> bool:
+        """Wait until the worker has returned; False on timeout."""
+        return self.done.wait(timeout_s)
 
     def run(self, store: PageStore, host_pool: HostKVPool, batch_pages: int) -> None:
         """Skip the leading run already stored and write the rest (host-pool page views where possible)."""
         try:
             self.skipped_pages = store.batch_exists(self.hashes)
             for start in range(self.skipped_pages, len(self.hashes), batch_pages):
+                if self.cancel.is_set():  # the cache was reset: these pages are no longer wanted
+                    return
                 end = min(len(self.hashes), start + batch_pages)
                 values = [host_pool.read_page(p) for p in self.host_pages[start:end]]
                 ok = store.batch_set(self.hashes[start:end], values)

@@ -9,7 +9,9 @@ implementations must be safe for one reader thread and one writer thread at once
 
 Fault contract: a backend never raises into its caller for an I/O or connection failure; it counts the
 failure in ``stats.errors`` and answers a miss (exists/get) or False (set). A malformed key is a
-caller bug and raises ValueError.
+caller bug and raises ValueError. Warnings are rate-limited per store and kind (one per
+``LOG_INTERVAL_S``, the next one saying how many were held back): a full disk fails every page of
+every backup, and one line per page would drown the log.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ import re
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -32,6 +35,7 @@ log = logging.getLogger(__name__)
 # Chained page hashes are hex digests (sha256: 64 chars, xxh3-128: 32); anything else is refused so a
 # key can never name a path or a pattern outside the store's own space.
 _KEY_RE = re.compile(r"[0-9a-f]{16,128}")
+LOG_INTERVAL_S = 10.0
 
 
 @dataclass
@@ -46,6 +50,7 @@ class StoreStats:
     set_seconds: float = 0.0
     exists_calls: int = 0
     corrupt_pages: int = 0
+    evicted_pages: int = 0
     errors: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -62,8 +67,8 @@ class Backoff:
     MAX_FACTOR = 64
 
     def __init__(self, base_s: float) -> None:
-        if base_s <= 0:
-            raise ValueError(f"retry_backoff_s must be > 0, got {base_s!r}")
+        if isinstance(base_s, bool) or not isinstance(base_s, (int, float)) or not 0 < base_s < float("inf"):
+            raise ValueError(f"retry_backoff_s must be a finite number > 0, got {base_s!r}")
         self.base_s = base_s
         self._lock = threading.Lock()
         self._retry_at = 0.0
@@ -83,6 +88,85 @@ class Backoff:
     def succeeded(self) -> None:
         with self._lock:
             self._failures, self._retry_at = 0, 0.0
+
+
+class RateLimitedLog:
+    """At most one warning per ``interval_s``; the next one logged carries the count held back since."""
+
+    def __init__(self, logger: logging.Logger, interval_s: float = LOG_INTERVAL_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.logger, self.interval_s, self.clock = logger, interval_s, clock
+        self._lock = threading.Lock()
+        self._next_at = float("-inf")
+        self.suppressed = 0
+
+    def warning(self, msg: str, *args: object) -> None:
+        with self._lock:
+            now = self.clock()
+            if now < self._next_at:
+                self.suppressed += 1
+                return
+            held_back, self.suppressed = self.suppressed, 0
+            self._next_at = now + self.interval_s
+        if held_back:
+            msg, args = msg + " (and %d more like it in the last %.0f s)", (*args, held_back, self.interval_s)
+        self.logger.warning(msg, *args)
+
+
+class LruIndex:
+    """Sizes of stored pages in recency order: the capacity bookkeeping of a bounded store.
+
+    Not thread-safe on its own: the store calls it under its own lock.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.size_bytes = 0
+        self._sizes: OrderedDict[str, int] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._sizes)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._sizes
+
+    def touch(self, key: str) -> None:
+        if key in self._sizes:
+            self._sizes.move_to_end(key)
+
+    def add(self, key: str, size_bytes: int) -> list[str]:
+        """Record ``key`` as the most recent page; return the least recent keys to evict to fit."""
+        self.remove(key)
+        self._sizes[key] = size_bytes
+        self.size_bytes += size_bytes
+        victims = []
+        while self.size_bytes > self.max_bytes and len(self._sizes) > 1:
+            victim, size = self._sizes.popitem(last=False)
+            self.size_bytes -= size
+            victims.append(victim)
+        return victims
+
+    def remove(self, key: str) -> None:
+        size = self._sizes.pop(key, None)
+        if size is not None:
+            self.size_bytes -= size
+
+    def clear(self) -> None:
+        self._sizes.clear()
+        self.size_bytes = 0
+
+
+def check_max_bytes(max_bytes: int | None, blob_nbytes: int) -> int | None:
+    """``max_bytes`` if None or an int that holds at least one stored page; ValueError otherwise."""
+    if max_bytes is None:
+        return None
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < blob_nbytes:
+        raise ValueError(f"max_bytes must be an int >= one stored page ({blob_nbytes} bytes), got {max_bytes!r}")
+    return max_bytes
+
+
+def is_key(name: str) -> bool:
+    return bool(_KEY_RE.fullmatch(name))
 
 
 def check_key(key: str) -> str:
@@ -107,16 +191,19 @@ class PageStore(ABC):
 
     name = "abstract"
 
-    def __init__(self, namespace: str, page_nbytes: int) -> None:
+    def __init__(self, namespace: str, page_nbytes: int, page_key: bytes | str | None = None) -> None:
         if not isinstance(page_nbytes, int) or page_nbytes < 1:
             raise ValueError(f"page_nbytes must be an int >= 1, got {page_nbytes!r}")
-        self.format = PageFormat(namespace, page_nbytes)
+        # With a page_key every page carries a MAC and pages without a valid one are misses.
+        self.format = PageFormat(namespace, page_nbytes, page_key)
         self.namespace = namespace
         # 32 hex chars naming the namespace in paths and remote key prefixes.
         self.namespace_tag = namespace_digest(namespace).hex()
         self.page_nbytes = page_nbytes
         self.stats = StoreStats()
         self._stats_lock = threading.Lock()
+        self._error_log = RateLimitedLog(log)
+        self._corrupt_log = RateLimitedLog(log)
 
     @abstractmethod
     def batch_exists(self, keys: list[str]) -> int:
@@ -145,13 +232,13 @@ class PageStore(ABC):
 
     # Helpers for implementations.
 
-    def _verified(self, key: str, header: bytes | memoryview, payload: memoryview,
-                  payload_checksum: int | None = None) -> bool:
-        """True if the stored page checks out; otherwise log, count, remove it and return False."""
+    def _verified(self, key: str, header: bytes | memoryview, payload: memoryview, state: Any = None) -> bool:
+        """True if the stored page checks out (``state``: its payload hasher, already fed, if any);
+        otherwise log, count, remove it and return False."""
         try:
-            self.format.verify(key, header, payload, payload_checksum)
+            self.format.verify(key, header, payload, state)
         except PageFormatError as err:
-            log.warning("%s store: dropping corrupt page: %s", self.name, err)
+            self._corrupt_log.warning("%s store: dropping corrupt page: %s", self.name, err)
             self._count(corrupt_pages=1)
             self._drop(key)
             return False
@@ -161,7 +248,7 @@ class PageStore(ABC):
         """Best-effort removal of a corrupt page: backups skip pages that exist, so it would stay."""
 
     def _error(self, what: str, err: BaseException) -> None:
-        log.warning("%s store: %s failed: %s: %s", self.name, what, type(err).__name__, err)
+        self._error_log.warning("%s store: %s failed: %s: %s", self.name, what, type(err).__name__, err)
         self._count(errors=1)
 
     def _count(self, **deltas: float) -> None:

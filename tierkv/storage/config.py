@@ -11,6 +11,8 @@ import json
 from dataclasses import dataclass, field, fields
 from typing import Any, Iterable, Mapping
 
+from tierkv.validate import check_bool, check_choice, check_int, check_seconds
+
 STOP_POLICIES = ("best_effort", "wait_complete", "timeout")
 HASH_ALGORITHMS = ("sha256", "xxh3_128")
 
@@ -22,7 +24,8 @@ class StorageConfig:
     Timeouts are seconds (the seed's names keep no unit suffix). ``hash_algorithm`` None keeps the
     namespace's own. ``hicache_storage_pass_prefix_keys`` is accepted so the seed's configs parse; it
     changes nothing here, since a chained page hash already names its whole prefix.
-    ``prefetch_max_tokens_in_flight`` is the rate limit; ``backup_max_pending_tokens`` caps the backup
+    ``prefetch_max_tokens_in_flight`` is the rate limit (None: HiCache's 0.8 x (L2 - L1) tokens, at least
+    one page, resolved by the controller); ``backup_max_pending_tokens`` caps the backup
     queue (later backups are dropped, costing only a future L3 miss); ``io_wait_timeout_s`` bounds every
     wait on storage threads (flush, reset, close).
     """
@@ -33,27 +36,23 @@ class StorageConfig:
     hicache_storage_pass_prefix_keys: bool = False
     prefetch_stop_policy: str = "best_effort"
     hash_algorithm: str | None = None
-    prefetch_max_tokens_in_flight: int = 1 << 20
+    prefetch_max_tokens_in_flight: int | None = None
     prefetch_batch_pages: int = 16
     backup_max_pending_tokens: int = 1 << 20
     io_wait_timeout_s: float = 10.0
     backend_config: Mapping[str, Any] = field(default_factory=dict, repr=False)  # may hold a password
 
     def __post_init__(self) -> None:
-        _check_int("prefetch_threshold", self.prefetch_threshold, minimum=0)
+        check_int("prefetch_threshold", self.prefetch_threshold, minimum=0)
         for name in ("prefetch_max_tokens_in_flight", "prefetch_batch_pages", "backup_max_pending_tokens"):
-            _check_int(name, getattr(self, name), minimum=1)
+            if name != "prefetch_max_tokens_in_flight" or self.prefetch_max_tokens_in_flight is not None:
+                check_int(name, getattr(self, name), minimum=1)
         for name in ("prefetch_timeout_base", "prefetch_timeout_per_ki_token", "io_wait_timeout_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
-        if not isinstance(self.hicache_storage_pass_prefix_keys, bool):
-            raise ValueError(f"hicache_storage_pass_prefix_keys must be a bool, "
-                             f"got {self.hicache_storage_pass_prefix_keys!r}")
-        if self.prefetch_stop_policy not in STOP_POLICIES:
-            raise ValueError(f"prefetch_stop_policy {self.prefetch_stop_policy!r} is not one of {STOP_POLICIES}")
-        if self.hash_algorithm is not None and self.hash_algorithm not in HASH_ALGORITHMS:
-            raise ValueError(f"hash_algorithm {self.hash_algorithm!r} is not one of {HASH_ALGORITHMS}")
+            check_seconds(name, getattr(self, name))
+        check_bool("hicache_storage_pass_prefix_keys", self.hicache_storage_pass_prefix_keys)
+        check_choice("prefetch_stop_policy", self.prefetch_stop_policy, STOP_POLICIES)
+        if self.hash_algorithm is not None:
+            check_choice("hash_algorithm", self.hash_algorithm, HASH_ALGORITHMS)
         if not isinstance(self.backend_config, Mapping):
             raise ValueError(f"backend_config must be a mapping, got {self.backend_config!r}")
         object.__setattr__(self, "backend_config", dict(self.backend_config))  # a private copy; picklable
@@ -90,10 +89,6 @@ class StorageConfig:
         return cls.from_dict(values, backend_keys)
 
     def prefetch_timeout_s(self, num_tokens: int) -> float:
-        """The timeout policy's budget: linear in the pages asked for."""
+        """The timeout policy's budget for ``num_tokens`` that L3 holds (HiCache: the agreed hit, not the
+        tokens asked for, so a prompt with 1 of 64 pages in L3 waits for 1 page's worth)."""
         return self.prefetch_timeout_base + self.prefetch_timeout_per_ki_token * num_tokens / 1024
-
-
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")

@@ -4,10 +4,20 @@ Thread contract: every method runs on the scheduler thread and is the only code 
 the two worker threads (prefetch, backup) only read/write host pages the in-flight object owns or
 protects, and report through its counters and events.
 
+Ownership contract: a host slot handed to a worker stays owned until that worker returns, whatever
+``release``, a stop-policy timeout or ``reset`` does. One mechanism: an in-flight object whose worker
+may still touch its slots when the cache lets it go moves to ``draining`` (a released or timed-out
+prefetch; every prefetch and backup still in flight at a reset) and owns its slots there; ``step``
+frees them once the worker is agreed finished.
+
 TP contract: what asynchronous progress decides (retiring backups, revoking, stopping, freeing a
-drained prefetch's slots) is decided from counts agreed across ranks. The counts vector is
-``[completed backups at the queue head] + [completed pages, finished, timed out] per prefetch``, in the
-order prefetches started (running ones, then draining ones), which is identical on every rank.
+drained prefetch's slots) is decided from counts agreed across ranks in the cache's one per-step
+collective. The MIN vector is ``[completed backups at the queue head] + [completed pages, finished,
+pages found] per prefetch`` and the MAX vector ``[terminated] per prefetch`` (see prefetch.py), both in
+the order prefetches started (running ones, then draining items), which is identical on every rank.
+
+MLA: the latent KV is the same on every rank, so its pages are named without the rank
+(:meth:`HashNamespace.for_spec`) and written by rank 0 alone; every rank reads them.
 """
 
 from __future__ import annotations
@@ -15,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
@@ -24,17 +34,22 @@ import torch
 
 from tierkv.hashing import HashNamespace, page_hashes
 from tierkv.radix import RadixKey, TreeNode
+from tierkv.retire import Retirements
 from tierkv.storage.backup import Backup
 from tierkv.storage.base import PageStore
 from tierkv.storage.config import StorageConfig
 from tierkv.storage.factory import BACKEND_OPTIONS, open_store, parse_spec
-from tierkv.storage.prefetch import NUM_COUNTS, Prefetch
-from tierkv.storage.worker import IOWorker
+from tierkv.storage.prefetch import NUM_MAX_COUNTS, NUM_MIN_COUNTS, Prefetch
+from tierkv.storage.worker import IOWorker, stop_workers
 
 if TYPE_CHECKING:
     from tierkv.hicache import HiRadixCache
 
 log = logging.getLogger(__name__)
+
+# Seeds kept per tenant (extra key), least recently used dropped first: one entry per tenant ever
+# seen would grow without bound on a multi-tenant server; a dropped seed is recomputed alike.
+MAX_CACHED_SEEDS = 4096
 
 
 @dataclass
@@ -89,18 +104,30 @@ class StorageController:
         self.page_size = cache.config.page_size
         self.stats = StorageStats()
         self.prefetches: dict[str, Prefetch] = {}  # by request id, in start order: running or revoked
-        self.draining: list[Prefetch] = []
+        self.draining: list[Prefetch | Backup] = []  # let go while their worker may still touch their slots
         self.backups: deque[Backup] = deque()
-        self._seeds: dict[str | None, str] = {}
+        self._seeds: OrderedDict[str | None, str] = OrderedDict()
+        tp = cache.tp
+        # HiCache's backup_skip: one copy of MLA KV, written by rank 0 (reads still agree across ranks)
+        self.skip_backup_writes = cache.device_pool.spec.attention == "mla" and tp.rank != 0
+        self.agree_found = tp.world_size > 1
+        self.max_tokens_in_flight = config.prefetch_max_tokens_in_flight
+        if self.max_tokens_in_flight is None:  # HiCache: room for prefetches is what L2 has beyond L1
+            room = cache.host_pool.num_slots - cache.device_pool.num_slots
+            self.max_tokens_in_flight = max(int(0.8 * room), cache.config.page_size)
         self._prefetch_worker = IOWorker("tierkv-prefetch")
         self._backup_worker = IOWorker("tierkv-backup")
 
     # ---- hashes -------------------------------------------------------------------------------
     def _seed(self, extra_key: str | None) -> str:
-        if extra_key not in self._seeds:
-            ns = self.namespace if extra_key is None else dataclasses.replace(self.namespace, extra_key=extra_key)
-            self._seeds[extra_key] = ns.seed()
-        return self._seeds[extra_key]
+        seed = self._seeds.get(extra_key)
+        if seed is not None:
+            self._seeds.move_to_end(extra_key)
+            return seed
+        seed = self._seeds[extra_key] = self.namespace.seed(extra_key)
+        while len(self._seeds) > MAX_CACHED_SEEDS:
+            self._seeds.popitem(last=False)
+        return seed
 
     def path_hashes(self, node: TreeNode) -> list[str]:
         """Page hashes of ``node``'s whole path, attaching them to nodes that lack them."""
@@ -133,20 +160,23 @@ class StorageController:
         anchor = path[anchor_index - 1] if anchor_index else self.tree.root
         anchor_len = sum(len(n) for n in path[:anchor_index])
         num_tokens = len(elems) - anchor_len
-        if self.tokens_in_flight + num_tokens > self.config.prefetch_max_tokens_in_flight:
+        if self.tokens_in_flight + num_tokens > self.max_tokens_in_flight:
             self.stats.prefetch_rate_limited += 1
             return False
+        # hashed before anything is taken: a key that cannot be hashed leaves no slot or ref behind
+        prior = self.path_hashes(anchor)[-1] if anchor_index else self._seed(key.extra_key)
+        hashes = page_hashes(elems[anchor_len:], self.page_size, prior, self.namespace)
         self.tree.inc_host_ref(anchor)  # before allocating: L2 eviction must not take the anchor
         host_slots = self.cache.alloc_host(num_tokens)
         if host_slots is None:
             self.tree.dec_host_ref(anchor)
             self.stats.prefetch_no_room += 1
             return False
-        prior = self.path_hashes(anchor)[-1] if anchor_index else self._seed(key.extra_key)
-        hashes = page_hashes(elems[anchor_len:], self.page_size, prior, self.namespace)
         pages = self.host_pool.allocator.slots_to_pages(host_slots).tolist()
+        config, ps = self.config, self.page_size
         prefetch = Prefetch(request_id, anchor, anchor_len, key, hashes, host_slots, pages,
-                            self.config.prefetch_timeout_s(num_tokens))
+                            config.prefetch_timeout_base, config.prefetch_timeout_per_ki_token * ps / 1024,
+                            agree_found=self.agree_found, min_found_pages=-(-config.prefetch_threshold // ps))
         self.prefetches[request_id] = prefetch
         self._prefetch_worker.submit(partial(prefetch.run, self.store, self.host_pool,
                                              self.config.prefetch_batch_pages))
@@ -183,10 +213,26 @@ class StorageController:
         """Insert the first ``keep_pages`` pages, drop the anchor's host_ref, free or drain the rest."""
         prefetch.cancel.set()
         keep_tokens = keep_pages * self.page_size
-        if keep_tokens:
-            self._insert(prefetch, keep_tokens)
-            self.cache.stats.storage_hit_tokens += keep_tokens
-            self.stats.prefetched_tokens += keep_tokens
+        try:
+            if keep_tokens:
+                new_tokens = self._insert(prefetch, keep_tokens)  # pages the tree already had are no L3 hit
+                self.cache.stats.storage_hit_tokens += new_tokens
+                self.stats.prefetched_tokens += new_tokens
+        except Exception:
+            self._free_unadopted(prefetch.host_slots[:keep_tokens])
+            raise
+        finally:  # even if the insert failed: the anchor must not stay protected, nor the rest be lost
+            self._release_rest(prefetch, keep_tokens)
+
+    def _free_unadopted(self, slots: torch.Tensor) -> None:
+        """After a failed insert: free the pages of ``slots`` that no node took and that are not freed
+        yet (a full scan of the tree, on this failure path only)."""
+        held = [n.host_value for n in self.tree.nodes() if n.host_value is not None]
+        adopted = torch.isin(slots, torch.cat(held)) if held else torch.zeros(len(slots), dtype=torch.bool)
+        allocated = self.host_pool.allocator.owned_mask().repeat_interleave(self.page_size)[slots]
+        self.host_pool.free(slots[allocated & ~adopted])
+
+    def _release_rest(self, prefetch: Prefetch, keep_tokens: int) -> None:
         self.tree.dec_host_ref(prefetch.anchor)
         rest = prefetch.host_slots[keep_tokens:]
         if prefetch.agreed_finished:
@@ -196,11 +242,11 @@ class StorageController:
             prefetch.host_slots, prefetch.state = rest, "draining"
             self.draining.append(prefetch)
 
-    def _insert(self, prefetch: Prefetch, num_tokens: int) -> None:
-        """Hang the fetched pages under the anchor as host-only nodes.
+    def _insert(self, prefetch: Prefetch, num_tokens: int) -> int:
+        """Hang the fetched pages under the anchor as host-only nodes; the tokens new to the tree.
 
         Parts the tree already holds in L2 (another request got there first) free our copy; nodes on
-        the way that hold only device slots adopt ours as their backup.
+        the way that hold only device slots adopt ours as their backup (not new: the tree had them).
         """
         end = prefetch.anchor_len + num_tokens
         key = prefetch.key
@@ -225,8 +271,10 @@ class StorageController:
             leaf = self.tree.add_leaf(parent, elems[path.num_tokens:], key.extra_key)
             leaf.host_value = slots[offset:]
             leaf.hash_values = prefetch.hashes[offset // ps: num_tokens // ps]
+            return num_tokens - offset
+        return 0
 
-    def _counted(self) -> list[Prefetch]:
+    def _counted(self) -> list[Prefetch | Backup]:
         return [p for p in self.prefetches.values() if p.state == "running"] + self.draining
 
     # ---- backup -------------------------------------------------------------------------------
@@ -244,11 +292,14 @@ class StorageController:
         slots = torch.cat([n.host_value for n in path])
         pages = self.host_pool.allocator.slots_to_pages(slots).tolist()
         self.tree.inc_host_ref(node)
-        backup = Backup(node, hashes, pages, self.page_size)
+        backup = Backup(node, hashes, pages, slots, self.page_size)
         self.backups.append(backup)
+        self.stats.backup_started += 1
+        if self.skip_backup_writes:  # rank 0 writes the one copy; retired in queue order like any other
+            backup.done.set()
+            return
         self._backup_worker.submit(partial(backup.run, self.store, self.host_pool,
                                            self.config.prefetch_batch_pages))
-        self.stats.backup_started += 1
 
     def _retire_backup(self, backup: Backup) -> None:
         self.tree.dec_host_ref(backup.node)
@@ -257,36 +308,51 @@ class StorageController:
         self.stats.backup_failed_pages += backup.failed_pages
 
     # ---- progress (TP agreement) --------------------------------------------------------------
-    def local_progress(self) -> list[int]:
-        """This rank's counts, in the order described in the module docstring."""
+    def local_progress(self) -> tuple[list[int], list[int]]:
+        """This rank's MIN and MAX counts, in the order described in the module docstring."""
         done = 0
         for backup in self.backups:
             if not backup.done.is_set():
                 break
             done += 1
-        counts = [done]
+        min_counts, max_counts = [done], []
         for prefetch in self._counted():
-            counts += prefetch.local_counts()
-        return counts
+            mins, maxs = prefetch.local_counts()
+            min_counts += mins
+            max_counts += maxs
+        return min_counts, max_counts
 
-    def apply_progress(self, counts: list[int]) -> None:
-        """Act on agreed counts. Lock contract: releases host_refs of retired backups and revoked prefetches."""
-        for _ in range(counts[0]):
+    def apply_progress(self, min_counts: list[int], max_counts: list[int]) -> None:
+        """Act on agreed counts. Lock contract: releases host_refs of retired backups and revoked prefetches.
+
+        Each item is retired on its own: one that raises strands no other; the first error is
+        raised once all are done.
+        """
+        counted = self._counted()
+        if len(min_counts) != 1 + NUM_MIN_COUNTS * len(counted) or \
+                len(max_counts) != NUM_MAX_COUNTS * len(counted):
+            raise ValueError(f"{len(min_counts)} MIN and {len(max_counts)} MAX progress counts for "
+                             f"{len(counted)} prefetches")
+        retirements = Retirements()
+        for _ in range(min_counts[0]):
             backup = self.backups.popleft()
             backup.done.wait()
-            self._retire_backup(backup)
-        counted = self._counted()
-        if len(counts) != 1 + NUM_COUNTS * len(counted):
-            raise ValueError(f"{len(counts)} progress counts for {len(counted)} prefetches")
-        for i, prefetch in enumerate(counted):
-            prefetch.agree(counts[1 + NUM_COUNTS * i: 1 + NUM_COUNTS * (i + 1)])
+            retirements.run(self._retire_backup, backup)
+        for i, item in enumerate(counted):
+            item.agree(min_counts[1 + NUM_MIN_COUNTS * i: 1 + NUM_MIN_COUNTS * (i + 1)],
+                       max_counts[NUM_MAX_COUNTS * i: NUM_MAX_COUNTS * (i + 1)])
         for prefetch in counted:
             if prefetch.state == "running" and prefetch.agreed_finished and prefetch.agreed_pages == 0:
-                self._revoke(prefetch)
-        for prefetch in [p for p in self.draining if p.agreed_finished]:
-            self.draining.remove(prefetch)
-            self.host_pool.free(prefetch.host_slots)
-            prefetch.state = "done"
+                retirements.run(self._revoke, prefetch)
+        for item in [d for d in self.draining if d.agreed_finished]:
+            self.draining.remove(item)  # first: a failing free must not be retried on a later step
+            retirements.run(self._retire_drained, item)
+        retirements.raise_first()
+
+    def _retire_drained(self, item: Prefetch | Backup) -> None:
+        """Its worker has returned: the slots it owned go back to the pool."""
+        item.state = "done"
+        self.host_pool.free(item.host_slots)
 
     def _revoke(self, prefetch: Prefetch) -> None:
         """Nothing was found: give the slots back now; the request proceeds without waiting."""
@@ -298,15 +364,15 @@ class StorageController:
 
     # ---- maintenance --------------------------------------------------------------------------
     def owned_host_slots(self) -> list[torch.Tensor]:
-        """Host slots held by prefetches (the tree owns everything else)."""
+        """Host slots held by running prefetches and draining items (the tree owns everything else)."""
         return [p.host_slots for p in self._counted()]
 
     def wait_idle(self, timeout_s: float | None = None) -> bool:
         """Wait until every backup is written and every prefetch's worker is done; False on timeout."""
         deadline = time.monotonic() + (self.config.io_wait_timeout_s if timeout_s is None else timeout_s)
-        events = [b.done for b in self.backups] + [p.finished for p in self._counted()]
-        for event in events:
-            if not event.wait(max(0.0, deadline - time.monotonic())):
+        waits = [b.done.wait for b in self.backups] + [p.wait_worker for p in self._counted()]
+        for wait in waits:
+            if not wait(max(0.0, deadline - time.monotonic())):
                 log.warning("storage I/O still running after %.1f s; not waiting longer",
                             self.config.io_wait_timeout_s)
                 return False
@@ -316,13 +382,28 @@ class StorageController:
         """Wait (bounded by io_wait_timeout_s) for in-flight I/O; the cache's next step retires it."""
         self.wait_idle()
 
-    def reset(self, clear_store: bool = False) -> None:
-        """Forget in-flight work (the cache has reset the tree and pools); empty the store if asked."""
-        for prefetch in self._counted():
-            prefetch.cancel.set()
+    def clear_store(self) -> bool:
+        """Empty the store after in-flight backups (bounded wait: they would re-add pages); False when
+        the backend cannot clear."""
         self.wait_idle()
+        try:
+            self.store.clear()
+        except NotImplementedError:
+            return False
+        return True
+
+    def reset(self, clear_store: bool = False) -> None:
+        """Cancel in-flight work; what is still in flight after a bounded wait drains, owning its host
+        slots (see :meth:`owned_host_slots`) until its worker returns. Call before the cache resets its
+        tree and pools. Empties the store if asked."""
+        for item in [*self._counted(), *self.backups]:
+            item.cancel.set()
+        self.wait_idle()
+        running = [p for p in self.prefetches.values() if p.state == "running"]
+        for item in [*running, *self.backups]:
+            item.state = "draining"
+            self.draining.append(item)
         self.prefetches.clear()
-        self.draining.clear()
         self.backups.clear()
         if clear_store:
             self.store.clear()
@@ -332,7 +413,6 @@ class StorageController:
         """Stop the worker threads (bounded wait) and close the store."""
         for prefetch in self._counted():
             prefetch.cancel.set()
-        timeout_s = self.config.io_wait_timeout_s
-        stopped = self._prefetch_worker.stop(timeout_s) & self._backup_worker.stop(timeout_s)
+        stopped = stop_workers([self._prefetch_worker, self._backup_worker], self.config.io_wait_timeout_s)
         if stopped:
             self.store.close()

@@ -1,32 +1,51 @@
 """Open a page store from a name or URL plus backend keys from the extra-config JSON.
 
 Specs: ``memory``; ``file`` / ``file:///abs/dir`` / ``file:rel/dir``; ``redis`` /
-``redis://[user][:password]@host:port/db`` (``valkey://`` is an alias); ``mooncake`` /
+``redis://[user][:password]@host:port/db`` (``valkey://`` is an alias);
+``redis+cluster://[user][:password]@host:port`` (any node of a Redis Cluster); ``mooncake`` /
 ``mooncake://master_host:port``. Values named in the URL are defaults; the same key in
 ``extra_config`` overrides them. A ``"faults"`` object in ``extra_config`` wraps any backend in
-:class:`tierkv.storage.faults.FaultyStore`.
+:class:`tierkv.storage.faults.FaultyStore`. A ``"page_key"`` (or the file ``$TIERKV_PAGE_KEY_FILE``
+names) makes every page carry a MAC; ``"max_bytes"`` bounds the file and memory backends (LRU) and
+``"ttl_s"`` gives Redis pages an expiry.
 """
 
 from __future__ import annotations
 
+import os
 from urllib.parse import unquote, urlsplit
 
 from tierkv.storage.base import PageStore
+from tierkv.storage.page_format import check_page_key
+from tierkv.validate import check_int, check_seconds
+
+# A file holding the page key (the shared secret that authenticates L3 pages), when the extra config
+# names none: keeps the secret out of command lines and config files.
+PAGE_KEY_FILE_ENV = "TIERKV_PAGE_KEY_FILE"
 
 # Backend keys allowed in extra_config, with their types (float also accepts int).
 BACKEND_OPTIONS: dict[str, dict[str, type]] = {
-    "memory": {},
-    "file": {"dir": str, "fsync": bool},
+    "memory": {"max_bytes": int},
+    "file": {"dir": str, "fsync": bool, "max_bytes": int, "retry_backoff_s": float},
     "redis": {"host": str, "port": int, "db": int, "username": str, "password": str, "key_prefix": str,
-              "timeout_s": float, "batch_pages": int, "retry_backoff_s": float},
+              "timeout_s": float, "batch_pages": int, "retry_backoff_s": float, "ttl_s": float},
+    "redis_cluster": {"host": str, "port": int, "db": int, "username": str, "password": str, "key_prefix": str,
+                      "timeout_s": float, "batch_pages": int, "retry_backoff_s": float, "ttl_s": float},
     "mooncake": {"master": str, "metadata_server": str, "local_hostname": str, "protocol": str,
                  "device_name": str, "global_segment_size": int, "local_buffer_size": int,
                  "key_prefix": str, "replica_num": int, "retry_backoff_s": float},
 }
-# Every backend may be wrapped in fault injection (tests, chaos runs): see tierkv.storage.faults.
+# Every backend may be wrapped in fault injection (tests, chaos runs): see tierkv.storage.faults; and
+# every backend may authenticate its pages with a shared secret: see tierkv.storage.page_format.
 for _options in BACKEND_OPTIONS.values():
     _options["faults"] = dict
-_ALIASES = {"valkey": "redis"}
+    _options["page_key"] = str
+SECRET_OPTIONS = ("password", "page_key")
+_ALIASES = {"valkey": "redis", "redis+cluster": "redis_cluster", "valkey+cluster": "redis_cluster"}
+# Ranges of the numeric options (every backend's option of that name): waits must be finite and > 0.
+_SECONDS_OPTIONS = {"timeout_s", "retry_backoff_s", "ttl_s"}
+_INT_RANGES = {"port": (1, 65535), "db": (0, None), "batch_pages": (1, None), "global_segment_size": (1, None),
+               "local_buffer_size": (1, None), "replica_num": (1, None), "max_bytes": (1, None)}
 
 
 def parse_spec(spec: str) -> tuple[str, dict]:
@@ -53,7 +72,7 @@ def _url_options(backend: str, spec: str, url) -> dict:
         if not url.path:
             raise ValueError(f"file URL {redact_spec(spec)!r} names no directory")
         return {"dir": unquote(url.path)}
-    if backend == "redis":
+    if backend in ("redis", "redis_cluster"):
         options: dict = {}
         if url.hostname:
             options["host"] = url.hostname
@@ -95,10 +114,30 @@ def check_options(backend: str, options: dict) -> dict:
         ok = (isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float
               else isinstance(value, kind) and (kind is bool or not isinstance(value, bool)))
         if not ok:
-            shown = "***" if key == "password" else repr(value)
+            shown = "***" if key in SECRET_OPTIONS else repr(value)
             raise ValueError(f"{backend} storage option {key!r} must be {kind.__name__}, got {shown} "
                              f"({type(value).__name__})")
+        if key in _SECONDS_OPTIONS:
+            check_seconds(f"{backend} storage option {key!r}", value, positive=True)
+        elif key in _INT_RANGES:
+            check_int(f"{backend} storage option {key!r}", value, *_INT_RANGES[key])
     return options
+
+
+def resolve_page_key(options: dict) -> bytes | None:
+    """Pop ``page_key`` from ``options``; without one, read the file ``$TIERKV_PAGE_KEY_FILE`` names.
+
+    Errors name the option or the file, never the key.
+    """
+    page_key = options.pop("page_key", None)
+    path = os.environ.get(PAGE_KEY_FILE_ENV)
+    if page_key is None and path:
+        try:
+            with open(path, "rb") as key_file:
+                page_key = key_file.read().strip()
+        except OSError as err:
+            raise ValueError(f"{PAGE_KEY_FILE_ENV}={path!r}: cannot read the page key: {err.strerror}") from None
+    return check_page_key(page_key)
 
 
 def open_store(spec: str, namespace: str, page_nbytes: int, extra_config: dict | None = None) -> PageStore:
@@ -107,24 +146,35 @@ def open_store(spec: str, namespace: str, page_nbytes: int, extra_config: dict |
     if extra_config is not None and not isinstance(extra_config, dict):
         raise ValueError(f"extra_config must be a dict, got {type(extra_config).__name__}")
     options = check_options(backend, {**options, **(extra_config or {})})
+    page_key = resolve_page_key(options)
     faults = options.pop("faults", None)
     if faults is not None:
         from tierkv.storage.faults import wrap_with_faults
-        return wrap_with_faults(lambda inner_nbytes: open_store(spec, namespace, inner_nbytes, options),
-                                namespace, page_nbytes, faults)
+        return wrap_with_faults(lambda inner_nbytes: _open_backend(backend, namespace, inner_nbytes, options),
+                                namespace, page_nbytes, faults, page_key)
+    return _open_backend(backend, namespace, page_nbytes, options, page_key)
+
+
+def _open_backend(backend: str, namespace: str, page_nbytes: int, options: dict,
+                  page_key: bytes | None = None) -> PageStore:
     if backend == "memory":
         from tierkv.storage.memory import MemoryStore
-        return MemoryStore(namespace, page_nbytes)
+        return MemoryStore(namespace, page_nbytes, max_bytes=options.get("max_bytes"), page_key=page_key)
     if backend == "file":
         from tierkv.storage.file import FileStore
         if "dir" not in options:
             raise ValueError("file storage needs a directory: file:///abs/dir, file:dir or extra_config "
                              "'dir'")
-        return FileStore(namespace, page_nbytes, root=options["dir"], fsync=options.get("fsync", False))
+        return FileStore(namespace, page_nbytes, root=options["dir"], fsync=options.get("fsync", False),
+                         max_bytes=options.get("max_bytes"), retry_backoff_s=options.get("retry_backoff_s", 1.0),
+                         page_key=page_key)
     if backend == "redis":
         from tierkv.storage.redis_store import RedisStore
-        return RedisStore(namespace, page_nbytes, **options)
+        return RedisStore(namespace, page_nbytes, **options, page_key=page_key)
+    if backend == "redis_cluster":
+        from tierkv.storage.redis_cluster import RedisClusterStore
+        return RedisClusterStore(namespace, page_nbytes, **options, page_key=page_key)
     if "master" not in options:
         raise ValueError("mooncake storage needs a master: mooncake://host:port or extra_config 'master'")
     from tierkv.storage.mooncake_store import MooncakeStore
-    return MooncakeStore(namespace, page_nbytes, **options)
+    return MooncakeStore(namespace, page_nbytes, **options, page_key=page_key)

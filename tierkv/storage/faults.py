@@ -19,6 +19,7 @@ import torch
 
 from tierkv.storage.base import PageStore
 from tierkv.storage.page_format import HEADER_SIZE
+from tierkv.validate import check_int, check_number, check_seconds
 
 OPERATIONS = ("exists", "get", "set")
 FAULT_KINDS = ("latency", "error", "hang", "partial", "corrupt_get", "corrupt_set")
@@ -50,15 +51,10 @@ class FaultConfig:
         for f in fields(self):
             value = getattr(self, f.name)
             if f.name.endswith("_rate"):
-                _number(f.name, value)
-                if not 0.0 <= value <= 1.0:
-                    raise ValueError(f"faults.{f.name} must be in [0, 1], got {value!r}")
+                check_number(f"faults.{f.name}", value, 0.0, 1.0)
             elif f.name.endswith("_s"):
-                _number(f.name, value)
-                if not 0.0 <= value < float("inf"):
-                    raise ValueError(f"faults.{f.name} must be a finite number of seconds >= 0, got {value!r}")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
-            raise ValueError(f"faults.seed must be an int, got {self.seed!r}")
+                check_seconds(f"faults.{f.name}", value)
+        check_int("faults.seed", self.seed)
         ops = self.operations
         if isinstance(ops, str) or not isinstance(ops, (list, tuple)) or not set(ops) <= set(OPERATIONS):
             raise ValueError(f"faults.operations must be a list drawn from {OPERATIONS}, got {ops!r}")
@@ -79,11 +75,6 @@ class FaultConfig:
         return asdict(self)
 
 
-def _number(name: str, value: object) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value:
-        raise ValueError(f"faults.{name} must be a number, got {value!r}")
-
-
 class FaultyStore(PageStore):
     """Wraps ``inner`` (whose pages are ``HEADER_SIZE`` bytes larger) and injects faults per ``config``.
 
@@ -92,11 +83,12 @@ class FaultyStore(PageStore):
 
     name = "faulty"
 
-    def __init__(self, inner: PageStore, config: FaultConfig, namespace: str) -> None:
+    def __init__(self, inner: PageStore, config: FaultConfig, namespace: str,
+                 page_key: bytes | str | None = None) -> None:
         page_nbytes = inner.page_nbytes - HEADER_SIZE
         if page_nbytes <= 0:
             raise ValueError(f"inner store pages of {inner.page_nbytes} bytes leave no room for a frame")
-        super().__init__(namespace, page_nbytes)
+        super().__init__(namespace, page_nbytes, page_key)
         self.inner, self.config = inner, config
         self.name = f"faulty({inner.name})"
         self.injected = dict.fromkeys(FAULT_KINDS, 0)
@@ -207,7 +199,11 @@ class FaultyStore(PageStore):
         return f"FaultyStore({self.inner!r}, {self.config!r})"
 
 
-def wrap_with_faults(open_inner, namespace: str, page_nbytes: int, faults: object) -> PageStore:
-    """Open the inner store (``open_inner(inner_page_nbytes)``) and wrap it; ``faults`` as in extra config."""
+def wrap_with_faults(open_inner, namespace: str, page_nbytes: int, faults: object,
+                     page_key: bytes | None = None) -> PageStore:
+    """Open the inner store (``open_inner(inner_page_nbytes)``) and wrap it; ``faults`` as in extra config.
+
+    The page key (if any) goes to the wrapper, whose frame is what the inner store holds: a flipped
+    byte anywhere in it then fails the MAC."""
     config = FaultConfig.from_dict(faults) if not isinstance(faults, FaultConfig) else faults
-    return FaultyStore(open_inner(page_nbytes + HEADER_SIZE), config, namespace)
+    return FaultyStore(open_inner(page_nbytes + HEADER_SIZE), config, namespace, page_key)

@@ -42,8 +42,8 @@ class MooncakeStore(PageStore):
                  metadata_server: str = "P2PHANDSHAKE", local_hostname: str = "127.0.0.1",
                  protocol: str = "tcp", device_name: str = "", global_segment_size: int = 1 << 30,
                  local_buffer_size: int = 64 << 20, key_prefix: str = "tierkv:", replica_num: int = 1,
-                 retry_backoff_s: float = 0.5) -> None:
-        super().__init__(namespace, page_nbytes)
+                 retry_backoff_s: float = 0.5, page_key: bytes | str | None = None) -> None:
+        super().__init__(namespace, page_nbytes, page_key)
         if protocol not in ("tcp", "rdma"):
             raise ValueError(f"mooncake protocol {protocol!r} is not one of ('tcp', 'rdma')")
         for field, value in (("global_segment_size", global_segment_size),

@@ -6,13 +6,26 @@ kernel's page-cache copies ~20% slower here.
 
 Header layout (little endian, 48 bytes): magic b"TKV1", format version u16, flags u16, namespace digest
 (16 bytes), payload length u64, xxh3-64 checksum of the payload u64, page key digest (8 bytes).
+
+With a page key (a shared secret), flag ``FLAG_MAC`` is set and the last 16 bytes hold instead a keyed
+MAC: HMAC-SHA256, truncated to 128 bits, over the other header fields, the page key string and the
+payload. Every header field is computable from public facts, so without a MAC anyone who can write to
+a shared store could plant KV for a guessable prompt; with one, a page not written by a holder of the
+secret is a miss. A store with a key refuses pages without a MAC, and a store without one refuses
+pages with a MAC (it cannot check them).
+
+Verification state: the chunked copy/read/write loops feed a *payload hasher* from
+:meth:`PageFormat.payload_hasher` (xxh3-64, or the MAC already fed with the header fields) while the
+bytes are in cache, and hand it to :meth:`PageFormat.header` / :meth:`PageFormat.verify`.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -21,6 +34,11 @@ MAGIC = b"TKV1"
 FORMAT_VERSION = 1
 _HEADER = struct.Struct("<4sHH16sQQ8s")
 HEADER_SIZE = _HEADER.size
+_MAC_HEADER = struct.Struct("<4sHH16sQ16s")  # same size: the checksum and key digest become the MAC
+_MAC_PREFIX = struct.Struct("<4sHH16sQ")
+FLAG_MAC = 1
+MAC_NBYTES = 16
+MIN_PAGE_KEY_NBYTES = 16
 # Checksums run over chunks that still sit in the core's cache after the copy or read that brought
 # them, so verification costs almost no extra memory traffic (a cold 8 MiB pass halves throughput).
 CHUNK_NBYTES = 256 << 10
@@ -42,25 +60,39 @@ def checksum(payload: memoryview) -> int:
     return xxhash.xxh3_64_intdigest(payload)
 
 
-def copy_with_checksum(dst: memoryview, src: memoryview) -> int:
-    """Copy ``src`` into ``dst`` (same length) chunk by chunk; return the checksum of the bytes."""
+def copy_with_checksum(dst: memoryview, src: memoryview, state: Any = None) -> Any:
+    """Copy ``src`` into ``dst`` (same length) chunk by chunk, feeding each chunk to ``state`` (a payload
+    hasher; a fresh xxh3-64 if None) while it is in cache; return the hasher."""
     if len(dst) != len(src):
         raise ValueError(f"copy of {len(src)} bytes into {len(dst)}")
-    state = xxhash.xxh3_64()
+    state = xxhash.xxh3_64() if state is None else state
     dst_array, src_array = np.frombuffer(dst, np.uint8), np.frombuffer(src, np.uint8)
     for start in range(0, len(src), CHUNK_NBYTES):
         end = start + CHUNK_NBYTES
         dst_array[start:end] = src_array[start:end]
         state.update(dst[start:end])
-    return state.intdigest()
+    return state
+
+
+def check_page_key(page_key: object) -> bytes | None:
+    """``page_key`` as bytes (None stays None); ValueError, never showing the key, if it is too weak."""
+    if page_key is None:
+        return None
+    if isinstance(page_key, str):
+        page_key = page_key.encode()
+    if not isinstance(page_key, (bytes, bytearray)) or len(page_key) < MIN_PAGE_KEY_NBYTES:
+        raise ValueError(f"page_key must be a string or bytes of at least {MIN_PAGE_KEY_NBYTES} bytes "
+                         f"(got a {type(page_key).__name__}, value not shown)")
+    return bytes(page_key)
 
 
 @dataclass(frozen=True)
 class PageFormat:
-    """Encodes and checks headers for one namespace and one page size in bytes."""
+    """Encodes and checks headers for one namespace and one page size in bytes (keyed: with a MAC)."""
 
     namespace: str
     payload_nbytes: int
+    page_key: bytes | None = field(default=None, repr=False, compare=False)  # a secret: never shown
 
     @property
     def blob_nbytes(self) -> int:
@@ -74,32 +106,59 @@ class PageFormat:
         return blob[len(blob) - HEADER_SIZE:], blob[:len(blob) - HEADER_SIZE]
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "page_key", check_page_key(self.page_key))
         object.__setattr__(self, "_namespace_digest", namespace_digest(self.namespace))
 
-    def header(self, key: str, payload: memoryview, payload_checksum: int | None = None) -> bytes:
-        """The header of ``payload`` stored under ``key`` (pass the checksum if already computed)."""
-        if payload_checksum is None:
-            payload_checksum = checksum(payload)
-        return _HEADER.pack(MAGIC, FORMAT_VERSION, 0, self._namespace_digest, len(payload),
-                            payload_checksum, _key_digest(key))
+    @property
+    def keyed(self) -> bool:
+        return self.page_key is not None
 
-    def verify(self, key: str, header: bytes | memoryview, payload: memoryview,
-               payload_checksum: int | None = None) -> None:
-        """Raise :class:`PageFormatError` naming what does not match (checksum computed unless given)."""
+    def payload_hasher(self, key: str) -> Any:
+        """A fresh hasher for the payload of page ``key``: xxh3-64, or the MAC fed with the header fields."""
+        if self.page_key is None:
+            return xxhash.xxh3_64()
+        prefix = _MAC_PREFIX.pack(MAGIC, FORMAT_VERSION, FLAG_MAC, self._namespace_digest, self.payload_nbytes)
+        return hmac.new(self.page_key, prefix + key.encode(), hashlib.sha256)
+
+    def _fed(self, key: str, payload: memoryview, state: Any) -> Any:
+        if state is None:
+            state = self.payload_hasher(key)
+            state.update(payload)
+        return state
+
+    def header(self, key: str, payload: memoryview, state: Any = None) -> bytes:
+        """The header of ``payload`` stored under ``key`` (pass its payload hasher if already fed)."""
+        state = self._fed(key, payload, state)
+        if self.page_key is not None:
+            if len(payload) != self.payload_nbytes:  # the MAC was fed this length
+                raise ValueError(f"payload of {len(payload)} bytes, expected {self.payload_nbytes}")
+            return _MAC_HEADER.pack(MAGIC, FORMAT_VERSION, FLAG_MAC, self._namespace_digest, len(payload),
+                                    state.digest()[:MAC_NBYTES])
+        return _HEADER.pack(MAGIC, FORMAT_VERSION, 0, self._namespace_digest, len(payload),
+                            state.intdigest(), _key_digest(key))
+
+    def verify(self, key: str, header: bytes | memoryview, payload: memoryview, state: Any = None) -> None:
+        """Raise :class:`PageFormatError` naming what does not match (payload hashed unless ``state``)."""
         if len(header) != HEADER_SIZE:
             raise PageFormatError(f"page {key}: header of {len(header)} bytes, expected {HEADER_SIZE}")
-        magic, version, _, ns, length, stored_checksum, key_digest = _HEADER.unpack(header)
+        magic, version, flags, ns, length, stored_checksum, key_digest = _HEADER.unpack(header)
         if magic != MAGIC or version != FORMAT_VERSION:
             raise PageFormatError(f"page {key}: format {magic!r} v{version}, expected {MAGIC!r} "
                                   f"v{FORMAT_VERSION}")
         if ns != self._namespace_digest:
             raise PageFormatError(f"page {key}: written under another namespace")
-        if key_digest != _key_digest(key):
+        if bool(flags & FLAG_MAC) != self.keyed:
+            raise PageFormatError(f"page {key}: " + ("carries no MAC, and this store has a page_key"
+                                                     if self.keyed else "carries a MAC, and this store has no "
+                                                     "page_key to check it"))
+        if not self.keyed and key_digest != _key_digest(key):
             raise PageFormatError(f"page {key}: header names another key")
         if length != self.payload_nbytes or len(payload) != length:
             raise PageFormatError(f"page {key}: payload {len(payload)} bytes, header {length}, "
                                   f"expected {self.payload_nbytes}")
-        if payload_checksum is None:
-            payload_checksum = checksum(payload)
-        if payload_checksum != stored_checksum:
+        state = self._fed(key, payload, state)
+        if self.keyed:
+            if not hmac.compare_digest(state.digest()[:MAC_NBYTES], _MAC_HEADER.unpack(header)[5]):
+                raise PageFormatError(f"page {key}: MAC mismatch (not written with this page_key)")
+        elif state.intdigest() != stored_checksum:
             raise PageFormatError(f"page {key}: checksum mismatch")

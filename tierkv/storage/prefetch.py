@@ -2,10 +2,17 @@
 
 The worker thread fills host pages in order and only ever raises ``completed_pages``, then sets
 ``finished``. The scheduler thread sees that progress only through agreed counts (see
-:meth:`Prefetch.local_counts` / :meth:`Prefetch.agree`), so every TP rank decides alike. Counts are
-agreed by element-wise MIN: a rank inserts only the pages every rank has, a prefetch is finished when
-it is finished everywhere, and the timeout fires once every rank's clock has passed it. Every count
-only grows, so a step that agrees on zeros (a rank with no news) changes nothing.
+:meth:`Prefetch.local_counts` / :meth:`Prefetch.agree`), so every TP rank decides alike. Two kinds of
+counts travel in the one per-step agreement:
+
+- MIN fields: a rank inserts only the pages every rank has, a prefetch is finished when it is finished
+  everywhere, and the pages to read are the leading run that *every* rank's L3 holds (with several
+  ranks the worker waits after ``exists`` until that count is agreed, then reads only it: a rank whose
+  L3 holds all 8 pages does not read 8 when another holds 3).
+- MAX fields: "terminated" (this rank's reads failed short, or its timeout passed). Terminated anywhere
+  means terminated everywhere: no rank waits for pages that another rank can never contribute.
+
+Every count only grows, so a step that agrees on zeros (a rank with no news) changes nothing.
 """
 
 from __future__ import annotations
@@ -23,7 +30,12 @@ from tierkv.storage.base import PageStore
 
 log = logging.getLogger(__name__)
 
-NUM_COUNTS = 3  # per prefetch in the progress vector: completed pages, finished, timed out
+# per prefetch in the progress vectors: MIN (completed pages, finished, 1 + pages found), MAX (terminated).
+# "Found" travels as 1 + pages so that 0 stays the neutral "no news yet" of every field.
+NUM_MIN_COUNTS = 3
+NUM_MAX_COUNTS = 1
+_FOUND_UNKNOWN = -1
+_AGREEMENT_POLL_S = 0.01
 
 
 @dataclass(eq=False)
@@ -32,7 +44,10 @@ class Prefetch:
 
     While running it holds one host_ref on ``anchor``. ``state`` moves running -> done, or running ->
     revoked (nothing found), or running -> draining (ended while the worker may still write into the
-    slots it kept; they are freed once the worker is agreed finished).
+    slots it kept; they are freed once the worker is agreed finished). ``agree_found`` (several TP
+    ranks): the worker reads only the leading run of pages that every rank found, once agreed, and
+    nothing when that run is under ``min_found_pages`` (the controller then revokes it). The timeout
+    budget is ``timeout_base_s`` plus ``timeout_per_page_s`` per page found (agreed), HiCache's rule.
     """
 
     request_id: str
@@ -42,42 +57,74 @@ class Prefetch:
     hashes: list[str]
     host_slots: torch.Tensor
     host_pages: list[int]
-    timeout_s: float
+    timeout_base_s: float
+    timeout_per_page_s: float
     started_s: float = field(default_factory=time.monotonic)
     state: str = "running"
+    agree_found: bool = False
+    min_found_pages: int = 0
     # written by the worker thread only
     found_pages: int = 0
     completed_pages: int = 0
+    failed: bool = False
     cancel: threading.Event = field(default_factory=threading.Event)
+    exists_done: threading.Event = field(default_factory=threading.Event)
     finished: threading.Event = field(default_factory=threading.Event)
-    # agreed across ranks; scheduler thread only
+    # agreed across ranks; scheduler thread only (``found_agreed`` is how the worker learns agreed_found)
     agreed_pages: int = 0
     agreed_finished: bool = False
-    agreed_timed_out: bool = False
+    agreed_found: int = _FOUND_UNKNOWN
+    agreed_terminated: bool = False
+    found_agreed: threading.Event = field(default_factory=threading.Event)
 
     @property
     def num_pages(self) -> int:
         return len(self.hashes)
 
-    def local_counts(self) -> list[int]:
-        """This rank's progress: completed pages, finished, finished-or-timed-out."""
-        finished = self.finished.is_set()  # read first: once set, completed_pages is final
-        timed_out = time.monotonic() - self.started_s >= self.timeout_s
-        return [self.completed_pages, int(finished), int(finished or timed_out)]
+    def local_counts(self) -> tuple[list[int], list[int]]:
+        """This rank's progress: MIN fields (completed pages, finished, 1 + pages found), MAX (terminated)."""
+        finished = self.finished.is_set()  # read first: once set, completed_pages and failed are final
+        found = 1 + self.found_pages if self.exists_done.is_set() else 0
+        timed_out = time.monotonic() - self.started_s >= self.budget_s
+        terminated = (finished and self.failed) or timed_out
+        return [self.completed_pages, int(finished), found], [int(terminated)]
 
-    def agree(self, counts: list[int]) -> None:
-        """Record counts agreed (element-wise minimum) across ranks."""
-        self.agreed_pages = max(self.agreed_pages, min(counts[0], self.num_pages))
-        self.agreed_finished = self.agreed_finished or bool(counts[1])
-        self.agreed_timed_out = self.agreed_timed_out or bool(counts[2])
+    @property
+    def budget_s(self) -> float:
+        """The timeout policy's budget: grows with the pages L3 holds, once agreed (base until then)."""
+        return self.timeout_base_s + self.timeout_per_page_s * max(self.agreed_found, 0)
+
+    def agree(self, min_counts: list[int], max_counts: list[int]) -> None:
+        """Record counts agreed across ranks (MIN fields, MAX fields; see the module docstring)."""
+        self.agreed_pages = max(self.agreed_pages, min(min_counts[0], self.num_pages))
+        self.agreed_finished = self.agreed_finished or bool(min_counts[1])
+        if self.agreed_found == _FOUND_UNKNOWN and min_counts[2] > 0:
+            self.agreed_found = min_counts[2] - 1
+            self.found_agreed.set()
+        self.agreed_terminated = self.agreed_terminated or bool(max_counts[0])
 
     def may_stop(self, policy: str) -> bool:
-        """Whether the stop policy lets the request go now (from agreed state only)."""
-        if policy == "best_effort":
+        """Whether the stop policy lets the request go now (from agreed state only).
+
+        Terminated anywhere (a rank's reads failed short, or its timeout passed) stops every policy:
+        the pages every rank holds can no longer grow past what the agreed count already says.
+        """
+        if policy == "best_effort" or self.agreed_terminated:
             return True
-        if policy == "wait_complete":
-            return self.agreed_finished
-        return self.agreed_finished or self.agreed_timed_out
+        return self.agreed_finished
+
+    def wait_worker(self, timeout_s: float) -> bool:
+        """Wait until the worker is done or, with several ranks, parked until a step agrees the pages
+        found (waiting longer could only stall: that agreement needs the caller's next step)."""
+        if not self.agree_found:
+            return self.finished.wait(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while not self.finished.wait(_AGREEMENT_POLL_S):
+            if self.exists_done.is_set() and not self.found_agreed.is_set():
+                return True
+            if time.monotonic() >= deadline:
+                return False
+        return True
 
     # ---- worker thread ------------------------------------------------------------------------
     def run(self, store: PageStore, host_pool: HostKVPool, batch_pages: int) -> None:
@@ -85,17 +132,33 @@ class Prefetch:
         try:
             if self.cancel.is_set():
                 return
-            self.found_pages = store.batch_exists(self.hashes)
-            for start in range(0, self.found_pages, batch_pages):
+            try:
+                self.found_pages = store.batch_exists(self.hashes)
+            finally:  # a failed exists finds 0 pages: the other ranks must not wait for this one
+                self.exists_done.set()
+            num_pages = self._pages_to_read()
+            for start in range(0, num_pages, batch_pages):
                 if self.cancel.is_set():
                     return
-                if not self._read(store, host_pool, start, min(self.found_pages, start + batch_pages)):
+                if not self._read(store, host_pool, start, min(num_pages, start + batch_pages)):
+                    self.failed = True
                     return
         except Exception as exc:  # a failing backend means fewer pages, never a crash
+            self.failed = True
             log.warning("prefetch %s: storage failed after %d pages: %s: %s", self.request_id,
                         self.completed_pages, type(exc).__name__, exc)
         finally:
             self.finished.set()
+
+    def _pages_to_read(self) -> int:
+        """The pages found here or, with several ranks, the count every rank found (0 when cancelled)."""
+        found = self.found_pages
+        if self.agree_found:
+            while not self.found_agreed.wait(_AGREEMENT_POLL_S):
+                if self.cancel.is_set():
+                    return 0
+            found = min(self.agreed_found, found)
+        return found if found >= self.min_found_pages else 0  # too short to be worth it: revoked
 
     def _read(self, store: PageStore, host_pool: HostKVPool, start: int, end: int) -> bool:
         pages = self.host_pages[start:end]

@@ -7,9 +7,17 @@ Keys are ``<key_prefix><namespace tag>:<page hash>``, so ``clear`` can SCAN one 
 connection failure makes the batch a miss (exists/get) or False (set), counts one error and backs off:
 calls in the backoff window answer at once without touching the network, then the next call retries
 (redis-py reconnects); each further failure doubles the window up to 64 times ``retry_backoff_s``.
+
+Reads and writes back off separately. A server that is gone stops both; a server that answers with an
+error stops only that direction. In particular a full server (``maxmemory`` with ``noeviction``
+answers SET with ``OOM``) only stops writes: the pages it already holds keep being served. With
+``ttl_s`` every page is written with ``SET ... EX ttl_s``; for a bounded Redis prefer ``maxmemory``
+with ``allkeys-lru`` or ``allkeys-lfu`` (the server then evicts, and never refuses).
 """
 
 from __future__ import annotations
+
+import math
 
 import redis
 import torch
@@ -28,10 +36,14 @@ class RedisStore(PageStore):
     def __init__(self, namespace: str, page_nbytes: int, host: str = "127.0.0.1", port: int = 6379,
                  db: int = 0, username: str | None = None, password: str | None = None,
                  key_prefix: str = "tierkv:", timeout_s: float = 5.0, batch_pages: int = 8,
-                 retry_backoff_s: float = 0.5) -> None:
-        super().__init__(namespace, page_nbytes)
+                 retry_backoff_s: float = 0.5, ttl_s: float | None = None,
+                 page_key: bytes | str | None = None) -> None:
+        super().__init__(namespace, page_nbytes, page_key)
         if timeout_s <= 0:
             raise ValueError(f"redis timeout_s must be > 0, got {timeout_s!r}")
+        if ttl_s is not None and not (isinstance(ttl_s, (int, float)) and not isinstance(ttl_s, bool)
+                                      and 1 <= ttl_s < 2 ** 31):
+            raise ValueError(f"redis ttl_s must be a number of seconds in [1, 2**31), got {ttl_s!r}")
         if any(c in key_prefix for c in "*?[]\\"):
             raise ValueError(f"redis key_prefix {key_prefix!r} must not contain glob characters *?[]\\")
         if batch_pages < 1:
@@ -39,28 +51,41 @@ class RedisStore(PageStore):
         self.address = f"{host}:{port}/{db}"
         self.key_prefix = f"{key_prefix}{self.namespace_tag}:"
         self.batch_pages = batch_pages
-        self.backoff = Backoff(retry_backoff_s)
+        # SET's EX takes whole seconds: round up so a page never expires before ttl_s.
+        self._ttl_s = None if ttl_s is None else math.ceil(ttl_s)
+        self._expiry = b"" if ttl_s is None else b"$2\r\nEX\r\n$%d\r\n%d\r\n" % (
+            len(str(math.ceil(ttl_s))), math.ceil(ttl_s))
+        self.read_backoff = Backoff(retry_backoff_s)
+        self.write_backoff = Backoff(retry_backoff_s)
+        self.client = self._make_client(host, port, db, username, password, timeout_s)
+
+    def _make_client(self, host: str, port: int, db: int, username: str | None, password: str | None,
+                     timeout_s: float):
         # No library-level retries: a dead server must cost one timeout, then our own backoff.
-        self.client = redis.Redis(host=host, port=port, db=db, username=username, password=password,
-                                  socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                  retry=Retry(NoBackoff(), 0), retry_on_error=[], health_check_interval=0)
+        return redis.Redis(host=host, port=port, db=db, username=username, password=password,
+                           socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                           retry=Retry(NoBackoff(), 0), retry_on_error=[], health_check_interval=0)
 
     def redis_key(self, key: str) -> str:
         return self.key_prefix + check_key(key)
 
-    def _available(self) -> bool:
-        if self.backoff.ready():
+    def _available(self, backoff: Backoff) -> bool:
+        if backoff.ready():
             return True
         self._count(errors=1)
         return False
 
-    def _failed(self, what: str, err: BaseException) -> None:
+    def _failed(self, what: str, err: BaseException, backoff: Backoff) -> None:
+        """Count and log ``err``; back off ``backoff``'s direction, or both if the server is unreachable."""
         self._error(f"{what} on {self.address}", err)
-        self.backoff.failed()
+        backoff.failed()
+        if not isinstance(err, redis.ResponseError):  # gone, refused, timed out: neither direction works
+            other = self.write_backoff if backoff is self.read_backoff else self.read_backoff
+            other.failed()
 
     def _pipelined(self, what: str, command: str, args: list[tuple]) -> list | None:
-        """Run ``command`` once per args tuple, ``batch_pages`` per round trip; None on failure."""
-        if not self._available():
+        """Run read-only ``command`` once per args tuple, ``batch_pages`` per round trip; None on failure."""
+        if not self._available(self.read_backoff):
             return None
         replies: list = []
         try:
@@ -70,9 +95,9 @@ class RedisStore(PageStore):
                     pipe.execute_command(command, *one)
                 replies += pipe.execute(raise_on_error=True)
         except (redis.RedisError, OSError) as err:
-            self._failed(what, err)
+            self._failed(what, err, self.read_backoff)
             return None
-        self.backoff.succeeded()
+        self.read_backoff.succeeded()
         return replies
 
     def batch_exists(self, keys: list[str]) -> int:
@@ -99,10 +124,10 @@ class RedisStore(PageStore):
         if blob is None:
             return False
         header, payload = self.format.split(memoryview(blob))
-        payload_checksum = None
+        state = None
         if len(payload) == self.page_nbytes:
-            payload_checksum = copy_with_checksum(view, payload)
-        if not self._verified(key, header, payload, payload_checksum):
+            state = copy_with_checksum(view, payload, self.format.payload_hasher(key))
+        if not self._verified(key, header, payload, state):
             return False
         self._count(get_pages=1, get_bytes=self.page_nbytes)
         return True
@@ -113,34 +138,53 @@ class RedisStore(PageStore):
         if not names:
             return []
         with self._timed("set"):
-            if not self._available():
+            if not self._available(self.write_backoff):
                 return [False] * len(keys)
             try:
-                self._send_sets(keys, names, views)
+                done, refusal = self._send_sets(keys, names, views)
             except (redis.RedisError, OSError) as err:
-                self._failed("set", err)
+                self._failed("set", err, self.write_backoff)
                 return [False] * len(keys)
-            self.backoff.succeeded()
-            self._count(set_pages=len(keys), set_bytes=len(keys) * self.page_nbytes)
-            return [True] * len(keys)
+            if refusal is None:
+                self.write_backoff.succeeded()
+            else:  # e.g. OOM from a full server: it is alive and still serves what it holds
+                self._failed(f"set of {len(done) - sum(done)}/{len(done)} pages (refused)", refusal,
+                             self.write_backoff)
+            self._count(set_pages=sum(done), set_bytes=sum(done) * self.page_nbytes)
+            return done
 
-    def _send_sets(self, keys: list[str], names: list[bytes], views: list[memoryview]) -> None:
+    def _send_sets(self, keys: list[str], names: list[bytes], views: list[memoryview]
+                   ) -> tuple[list[bool], redis.ResponseError | None]:
         """Pipelined SETs packed by hand so the payload goes from the page's memory to the socket
-        (redis-py would need header + payload joined into one fresh 8 MiB buffer per page)."""
+        (redis-py would need header + payload joined into one fresh 8 MiB buffer per page).
+
+        Returns which pages were stored and the last error reply (a refused SET, such as OOM).
+        """
         pool = self.client.connection_pool
         conn = pool.get_connection()
+        done: list[bool] = []
+        refusal = None
+        set_words = b"*5\r\n$3\r\nSET" if self._expiry else b"*3\r\n$3\r\nSET"
         try:
             for start in range(0, len(keys), self.batch_pages):
                 packed: list = []
                 for key, name, view in zip(keys[start:start + self.batch_pages],
                                            names[start:start + self.batch_pages],
                                            views[start:start + self.batch_pages]):
-                    packed += [b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n"
-                               % (len(name), name, self.format.blob_nbytes),
-                               view, self.format.header(key, view), b"\r\n"]
+                    packed += [b"%s\r\n$%d\r\n%s\r\n$%d\r\n"
+                               % (set_words, len(name), name, self.format.blob_nbytes),
+                               view, self.format.header(key, view), b"\r\n" + self._expiry]
                 conn.send_packed_command(packed, check_health=False)
                 for _ in range(len(packed) // 4):
-                    conn.read_response()
+                    try:
+                        conn.read_response()  # an error reply is read whole: the connection stays in step
+                        done.append(True)
+                    except redis.ResponseError as err:
+                        done.append(False)
+                        refusal = err
+                if refusal is not None:  # a full server refuses the rest too: do not send it
+                    break
+            return done + [False] * (len(keys) - len(done)), refusal
         except BaseException:
             conn.disconnect()  # unread replies would desynchronise the next user of this connection
             raise
@@ -151,11 +195,11 @@ class RedisStore(PageStore):
         try:
             self.client.delete(self.redis_key(key))
         except (redis.RedisError, OSError) as err:
-            self._failed("remove corrupt page", err)
+            self._failed("remove corrupt page", err, self.write_backoff)
 
     def clear(self) -> None:
         """Delete this namespace's pages (SCAN on the prefix); a connection failure is counted, not raised."""
-        if not self._available():
+        if not self._available(self.write_backoff):
             return
         try:
             batch = []
@@ -167,9 +211,9 @@ class RedisStore(PageStore):
             if batch:
                 self.client.unlink(*batch)
         except (redis.RedisError, OSError) as err:
-            self._failed("clear", err)
+            self._failed("clear", err, self.write_backoff)
             return
-        self.backoff.succeeded()
+        self.write_backoff.succeeded()
 
     def close(self) -> None:
         try:

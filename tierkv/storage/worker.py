@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from typing import Callable
+from time import monotonic
+from typing import Callable, Iterable
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +35,24 @@ class IOWorker:
 
     def stop(self, timeout_s: float) -> bool:
         """Finish queued jobs and end the thread; False if it did not end within ``timeout_s``."""
-        self._jobs.put(None)
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
-            log.warning("%s did not stop within %.1f s (a backend call hangs); leaving it", self._thread.name,
-                        timeout_s)
-            return False
-        return True
+        return stop_workers([self], timeout_s)
+
+
+def stop_workers(workers: Iterable[IOWorker], timeout_s: float) -> bool:
+    """Stop every worker within one shared ``timeout_s`` (not one each); False if any is still running.
+
+    All are told to stop first, then each join gets what is left of the single deadline, so a close
+    with two hung workers waits ``timeout_s`` in all, as the README promises.
+    """
+    workers = list(workers)
+    for worker in workers:
+        worker._jobs.put(None)
+    deadline = monotonic() + timeout_s
+    stopped = True
+    for worker in workers:
+        worker._thread.join(max(0.0, deadline - monotonic()))
+        if worker._thread.is_alive():
+            log.warning("%s did not stop within %.1f s (a backend call hangs); leaving it",
+                        worker._thread.name, timeout_s)
+            stopped = False
+    return stopped

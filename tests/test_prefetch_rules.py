@@ -1,0 +1,96 @@
+"""HiCache's prefetch rules: revoke under the threshold, a budget sized by what L3 holds, the default
+rate limit, and prefetched tokens counting only what was new to the tree."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tierkv.radix import RadixKey
+
+from storage_util import attach_fake, compute_and_insert, drop_l1_l2, make_cache, random_tokens
+
+PS = 16
+
+
+def _cache_with_stored(num_pages: int, stored_pages: int, **storage):
+    """A cache whose L3 holds the first ``stored_pages`` of a ``num_pages`` key; L1 and L2 empty."""
+    cache = make_cache(page_size=PS, device_tokens=num_pages * PS * 2)
+    store = attach_fake(cache, **storage)
+    key = RadixKey(random_tokens(num_pages * PS, seed=41))
+    compute_and_insert(cache, key, seed=42)
+    drop_l1_l2(cache)
+    for stored in list(store.blobs)[stored_pages:]:
+        del store.blobs[stored]
+    store.calls.clear()
+    return cache, store, key
+
+
+def test_prefetch_revoked_when_l3_holds_less_than_the_threshold():
+    cache, store, key = _cache_with_stored(8, 1, prefetch_threshold=4 * PS)
+    assert cache.prefetch_from_storage("r", cache.tree.root, key)  # 8 pages beyond L2: worth asking
+    cache.flush()
+    assert cache.check_prefetch_progress("r")
+    assert cache.storage.stats.prefetch_revoked == 1
+    assert "get" not in store.calls  # 1 page found < the 4-page threshold: nothing read
+    assert cache.match_prefix(key).host_hit_length == 0
+    assert cache.host_pool.allocator.num_free_slots == cache.host_pool.num_slots
+    cache.check_integrity()
+    cache.close()
+
+
+def test_timeout_budget_grows_with_the_pages_l3_holds():
+    base_s, per_ki_s = 0.5, 64.0
+    cache, store, key = _cache_with_stored(64, 1, prefetch_stop_policy="timeout", prefetch_timeout_base=base_s,
+                                           prefetch_timeout_per_ki_token=per_ki_s, prefetch_batch_pages=1)
+    store.hang.clear()  # exists passes below; reads block, so only the budget can end the prefetch
+    assert cache.prefetch_from_storage("r", cache.tree.root, key)
+    prefetch = cache.storage.prefetches["r"]
+    store.hang.set()
+    prefetch.finished.wait(5.0)
+    # L3 holds 1 page: the budget is base + 1 page's share (0.5 s + 1 s), not base + 64 pages' (64.5 s)
+    cache.step()
+    assert prefetch.budget_s == pytest.approx(base_s + per_ki_s * PS / 1024)
+    cache.close()
+
+
+def test_a_timed_out_prefetch_stops_after_the_budget_of_what_l3_holds():
+    cache, store, key = _cache_with_stored(64, 4, prefetch_stop_policy="timeout", prefetch_timeout_base=0.5,
+                                           prefetch_timeout_per_ki_token=64.0, prefetch_batch_pages=1)
+    store.corrupt = set(store.blobs)  # reads return nothing useful: only the budget ends it
+    assert cache.prefetch_from_storage("r", cache.tree.root, key)
+    prefetch = cache.storage.prefetches["r"]
+    assert prefetch.exists_done.wait(5.0)
+    cache.step()  # agrees on the 4 pages L3 holds
+    prefetch.started_s = time.monotonic() - (0.5 + 4 * 1.0 + 0.1)  # as if 4.6 s had passed
+    cache.step()
+    assert cache.check_prefetch_progress("r"), "4 pages' budget (4.5 s) has passed; 64 pages' would not"
+    cache.flush()
+    cache.check_integrity()
+    cache.close()
+
+
+def test_default_rate_limit_is_four_fifths_of_l2_beyond_l1():
+    cache = make_cache(page_size=PS, device_tokens=512, hicache_ratio=3.0)
+    attach_fake(cache)
+    room = cache.host_pool.num_slots - cache.device_pool.num_slots
+    assert cache.storage.max_tokens_in_flight == int(0.8 * room)
+    cache.close()
+    cache = make_cache(page_size=PS, device_tokens=512)
+    attach_fake(cache, prefetch_max_tokens_in_flight=64)
+    assert cache.storage.max_tokens_in_flight == 64
+    cache.close()
+
+
+def test_prefetched_tokens_exclude_pages_the_tree_already_had():
+    cache, store, key = _cache_with_stored(4, 4, prefetch_stop_policy="wait_complete",
+                                           prefetch_max_tokens_in_flight=1024)
+    assert cache.prefetch_from_storage("a", cache.tree.root, key)
+    assert cache.prefetch_from_storage("b", cache.tree.root, key)  # the same prompt, twice in flight
+    cache.flush()
+    assert cache.check_prefetch_progress("a") and cache.check_prefetch_progress("b")
+    assert cache.storage.stats.prefetched_tokens == 4 * PS  # "b" brought nothing new
+    assert cache.stats.storage_hit_tokens == 4 * PS
+    cache.check_integrity()
+    cache.close()

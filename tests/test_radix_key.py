@@ -1,0 +1,59 @@
+"""RadixKey: the token id forms callers pass are accepted as ints; everything else is refused by name."""
+
+import json
+from array import array
+
+import numpy as np
+import pytest
+import torch
+
+from tierkv.radix import RadixKey, RadixTree
+
+GOOD = [
+    [5, 6, 7], (5, 6, 7), range(5, 8), array("q", [5, 6, 7]), array("i", [5, 6, 7]), np.array([5, 6, 7]),
+    np.array([5, 6, 7], dtype=np.int32), np.array([5, 6, 7], dtype=np.uint16), torch.tensor([5, 6, 7]),
+    torch.tensor([5, 6, 7], dtype=torch.int32), [np.int64(5), np.int32(6), 7],
+]
+
+
+@pytest.mark.parametrize("ids", GOOD, ids=lambda ids: type(ids).__name__)
+def test_accepted_forms_become_a_tuple_of_plain_ints(ids):
+    key = RadixKey(ids)
+    assert key.token_ids == (5, 6, 7) and all(type(t) is int for t in key.token_ids)
+    tree = RadixTree()
+    tree.insert(RadixKey([5, 6, 7]), [0, 1, 2])
+    assert tree.match(key).num_tokens == 3
+
+
+BAD = [
+    ({5, 6, 7}, "set"), (frozenset({5}), "frozenset"), ({5: 1, 6: 2}, "dict"), ({}.keys(), "dict_keys"),
+    ([5, True, 7], "True"), ([False], "False"), ([5, 6.0], "6.0"), ([5, "6"], "'6'"), ([5, None], "None"),
+    ([np.bool_(True)], "True"), ([2 ** 63], "64-bit"), ("567", "str"), (b"\x05\x06", "bytes"), (5, "int"),
+    (np.array([5.0, 6.0]), "float64"), (np.array([True, False]), "bool"), (torch.tensor([1.0]), "float32"),
+    (torch.tensor([True]), "bool"), (np.array([[5, 6]]), "2 dims"), (iter([5, 6]), "iterator"),
+]
+
+
+@pytest.mark.parametrize("ids,needle", BAD, ids=lambda v: type(v).__name__ if not isinstance(v, str) else v)
+def test_other_token_ids_are_a_type_error_naming_the_value(ids, needle):
+    with pytest.raises(TypeError, match="token_ids|token ids") as err:
+        RadixKey(ids)
+    assert needle in str(err.value)
+
+
+@pytest.mark.parametrize("extra_key", [json.loads('"\\ud800"'), "tenant-\udcff", "\ud83d"])
+def test_extra_key_not_encodable_as_utf8_is_a_value_error_naming_it(extra_key):
+    with pytest.raises(ValueError, match="extra_key") as err:
+        RadixKey([1, 2, 3], extra_key)
+    assert repr(extra_key) in str(err.value)
+
+
+@pytest.mark.parametrize("extra_key", [3, b"tenant", ["t"]])
+def test_extra_key_of_another_type_is_a_type_error(extra_key):
+    with pytest.raises(TypeError, match="extra_key"):
+        RadixKey([1], extra_key)
+
+
+@pytest.mark.parametrize("extra_key", [None, "", "tenant \u00e9", "\U0001f600"])
+def test_valid_extra_keys_are_kept(extra_key):
+    assert RadixKey([1], extra_key).extra_key == extra_key

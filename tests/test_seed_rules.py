@@ -1,0 +1,86 @@
+"""HiCache's rules where tierkv once deviated: hit counting (write_back, chunked inserts, revived
+nodes), the load-back quota's delta, and what ``last_host_node`` promises."""
+
+from __future__ import annotations
+
+import pytest
+
+from tierkv.radix import RadixKey
+
+from storage_util import compute_and_insert, make_cache, random_tokens
+
+PS = 16
+
+
+def _path_hits(cache, key: RadixKey) -> list[int]:
+    return [n.hit_count for n in cache.tree.match(key, touch=False).nodes]
+
+
+def test_a_prompt_prefilled_in_two_chunks_counts_one_hit():
+    cache = make_cache(page_size=PS, write_policy="write_through_selective")  # backup at the 2nd hit
+    key = RadixKey(random_tokens(4 * PS, seed=61))
+    slots = cache.alloc_device(4 * PS)
+    cache.insert(RadixKey(key.token_ids[: 2 * PS]), slots[: 2 * PS], chunked=True)  # the first chunk
+    owned = cache.insert(key, slots)  # the whole prompt, once prefilled
+    assert owned == 4 * PS
+    cache.flush()
+    assert _path_hits(cache, key) == [1, 1]
+    assert cache.stats.written_tokens == 0  # one request: nothing is hot enough for L2 yet
+    cache.check_integrity()
+    cache.close()
+
+
+def test_write_back_counts_no_hits():
+    cache = make_cache(page_size=PS, write_policy="write_back")
+    key = RadixKey(random_tokens(2 * PS, seed=62))
+    compute_and_insert(cache, key, seed=63)
+    compute_and_insert(cache, key, seed=63)
+    assert _path_hits(cache, key) == [0]
+    cache.close()
+
+
+def test_a_revived_node_is_not_counted():
+    cache = make_cache(page_size=PS, write_policy="write_through")
+    key = RadixKey(random_tokens(2 * PS, seed=64))
+    kv = compute_and_insert(cache, key, seed=65)
+    cache.flush()
+    cache.evict(cache.device_pool.num_slots)  # host-only now
+    assert cache.match_prefix(key).host_hit_length == 2 * PS
+    compute_and_insert(cache, key, seed=0, kv=kv)  # recomputed: the host-only node gets device slots back
+    assert _path_hits(cache, key) == [1]
+    cache.check_integrity()
+    cache.close()
+
+
+@pytest.mark.parametrize("mem_quota,loads", [(40, False), (64, True)])
+def test_load_back_quota_counts_tokens_the_lock_makes_unevictable(mem_quota: int, loads: bool):
+    cache = make_cache(page_size=PS, write_policy="write_through", load_back_threshold=1)
+    key = RadixKey(random_tokens(4 * PS, seed=66))
+    kv = compute_and_insert(cache, key, seed=67)
+    cache.flush()
+    cache.evict(cache.device_pool.num_slots)
+    compute_and_insert(cache, RadixKey(key.token_ids[: 2 * PS]), seed=0, kv=kv[:, :, : 2 * PS])
+    m = cache.match_prefix(key)
+    assert len(m.device_indices) == 2 * PS and m.host_hit_length == 2 * PS
+    # 32 tokens to load; locking the path makes the 32-token device prefix unevictable
+    result = cache.init_load_back(m.last_host_node, mem_quota=mem_quota)
+    assert (result.pending is not None) == loads
+    if result.pending is not None:
+        assert result.pending.wait()
+        assert result.loaded_tokens == 2 * PS  # the host-only half was loaded
+    cache.flush()
+    cache.check_integrity()
+    cache.close()
+
+
+def test_last_host_node_is_the_deepest_match_whatever_tier_holds_it():
+    cache = make_cache(page_size=PS, write_policy="write_back")
+    key = RadixKey(random_tokens(3 * PS, seed=68))
+    compute_and_insert(cache, key, seed=69)
+    m = cache.match_prefix(key)
+    assert m.last_host_node is m.last_device_node  # L1 only: HiCache would return the root here
+    assert m.last_host_node.host_value is None and m.host_hit_length == 0
+    cache.evict(cache.device_pool.num_slots)  # write_back copies to L2 first
+    m = cache.match_prefix(key)
+    assert m.last_host_node.host_value is not None and m.host_hit_length == 3 * PS
+    cache.close()

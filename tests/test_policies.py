@@ -32,7 +32,6 @@ def _used(policy, tree, node, times=1):
     for _ in range(times):
         tree.match(RadixKey(list(node.key)))
         policy.on_access(node)
-        node.hit_count += 1
 
 
 def _three(policy):
@@ -41,7 +40,6 @@ def _three(policy):
     nodes = _leaves(tree, [("a", [1, 10]), ("b", [2, 20]), ("c", [3, 30])])
     for n in nodes.values():
         policy.on_access(n)
-        n.hit_count = 1
     _used(policy, tree, nodes["c"], 2)
     _used(policy, tree, nodes["a"])
     return tree, nodes
@@ -73,7 +71,7 @@ def test_gdsf_prefers_to_keep_deeper_tokens_and_ages_by_its_clock():
     deep_parent = tree.insert(RadixKey([2] * 60000), [0] * 60000).new_node
     deep = tree.insert(RadixKey([2] * 60000 + [5] * 4), [0] * 60004).new_node
     for n in (shallow, deep_parent, deep):
-        n.hit_count = 1
+        policy.on_access(n)
     # equal uses: attention after 60k tokens makes the deep leaf's prefill dearer, so it stays longer
     assert _order(policy, {"s": shallow, "d": deep}) == "sd"
     before = policy.clock
@@ -86,12 +84,12 @@ def test_s3fifo_ghost_sends_a_returning_node_to_main():
     tree = RadixTree()
     nodes = _leaves(tree, [("a", list(range(8))), ("b", list(range(100, 108)))])
     for n in nodes.values():
-        n.hit_count = 1
+        policy.on_access(n)
     policy.on_evict(nodes["a"], removed=True)
     tree.clear_device_value(nodes["a"])
     tree.remove_leaf(nodes["a"])
     again = tree.insert(RadixKey(list(range(10))), [0] * 10).new_node  # the same prefix comes back, longer
-    again.hit_count = 1
+    policy.on_access(again)
     assert fingerprint(again) == fingerprint(nodes["a"])
     policy.on_insert(again)
     assert _order(policy, {"b": nodes["b"], "a": again}) == "ba"  # b still in the small queue
@@ -101,7 +99,9 @@ def test_arc_bonus_grows_on_a_ghost_of_t2_and_shrinks_on_a_ghost_of_t1():
     policy = get_policy("arc")
     tree = RadixTree()
     nodes = _leaves(tree, [("x", [1, 10]), ("y", [2, 20])])
-    nodes["x"].hit_count, nodes["y"].hit_count = 3, 1
+    for name, uses in (("x", 3), ("y", 1)):
+        for _ in range(uses):
+            policy.on_access(nodes[name])
     for n in nodes.values():
         policy.on_evict(n, removed=True)
         tree.clear_device_value(n)
@@ -116,14 +116,15 @@ def test_tinylfu_remembers_frequency_across_eviction_and_gates_admission():
     policy = get_policy("tinylfu")
     tree = RadixTree()
     node = tree.insert(RadixKey([1, 10]), [0, 0]).new_node
-    node.hit_count = 1
+    policy.on_access(node)
     assert not policy.admit(node)  # used once: not worth an L2 copy
-    node.hit_count = 6
+    for _ in range(5):
+        policy.on_access(node)
     policy.on_evict(node, removed=True)
     tree.clear_device_value(node)
     tree.remove_leaf(node)
     back = tree.insert(RadixKey([1, 10]), [0, 0]).new_node
-    back.hit_count = 1
+    policy.on_access(back)
     policy.on_insert(back)
     assert policy.frequency(back) == 1 + 3 and policy.admit(back)
 
@@ -135,7 +136,7 @@ def test_hit_density_learns_that_young_nodes_are_not_reused():
     old, young = (tree.insert(RadixKey([i, 10]), [0, 0]).new_node for i in (1, 2))
     old.last_access_time, young.last_access_time = 1, 1000
     for n in (old, young):
-        n.hit_count = 1
+        policy.on_access(n)
     policy.now = 1000
     assert _order(policy, {"o": old, "y": young}) == "oy"  # no data yet: LRU
     for i in range(20):  # twenty nodes, each used again 1000 ticks after its first use

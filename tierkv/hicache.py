@@ -165,13 +165,14 @@ class HiRadixCache(StorageTierMethods):
         if chunked:
             return result.prefix_len + (len(result.new_node) if result.new_node else 0)
         revived = {id(n) for n in result.revived}
+        threshold = self.config.write_threshold
         for node in result.path:
-            self.priority.on_access(node)  # before the count: policies class a use by the uses before it
             if id(node) not in revived:
-                node.hit_count += 1
+                self.priority.on_access(node)  # the policy counts uses itself (Policy.uses)
+                if threshold is not None:  # the seed's hit_count counts for write-through only
+                    node.hit_count += 1
         if result.new_node is not None:
             self.priority.on_insert(result.new_node)
-        threshold = self.config.write_threshold
         if self.transfer is not None and threshold is not None:
             hot = [n for n in result.path if n.host_value is None and n.hit_count >= threshold]
             if hot and self._admit(hot[-1]):

@@ -146,9 +146,10 @@ class PageSim:
         result = self.tree.insert(key, range(len(key)))
         revived = {id(n) for n in result.revived}  # recomputed, not hit: no use counted (as the cache)
         for node in result.path:
-            self.policy.on_access(node)  # before the count: the policy classes a use by the uses before it
             if id(node) not in revived:
-                node.hit_count += 1
+                self.policy.on_access(node)
+                if self.config.write_threshold is not None:
+                    node.hit_count += 1
             self.l1_heap.push(node)
             if node.host_value is not None:
                 self.l2_heap.push(node)

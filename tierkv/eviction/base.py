@@ -40,6 +40,14 @@ class Policy:
     static = True
     element_tokens = 1  # tokens per key element (the page simulator keys by page)
 
+    def __init__(self) -> None:
+        self._uses: dict[int, int] = {}
+
+    def uses(self, node: PolicyNode) -> int:
+        """Requests that used ``node``: counted from :meth:`on_access`, since the cache's ``hit_count``
+        follows the seed's rules (only write-through counts; a split copies it to the new parent)."""
+        return max(self._uses.get(node.id, 0), node.hit_count)
+
     def key(self, node: PolicyNode) -> tuple:
         return (node.last_access_time, node.id)
 
@@ -50,15 +58,20 @@ class Policy:
         """``node`` was just created by an insert (a new leaf)."""
 
     def on_access(self, node: PolicyNode) -> None:
-        """A request used ``node`` (its ``last_access_time`` is the tick of this use)."""
+        """A request used ``node`` (its ``last_access_time`` is the tick of this use). Subclasses that
+        override it call it last, so :meth:`uses` still counts the uses before this one."""
+        self._uses[node.id] = self._uses.get(node.id, 0) + 1
 
     def on_evict(self, node: PolicyNode, removed: bool) -> None:
-        """``node`` left a tier; ``removed`` when it left the tree altogether (no tier holds it)."""
+        """``node`` left a tier; ``removed`` when it left the tree altogether (no tier holds it).
+        Subclasses that override it call it last."""
+        if removed:
+            self._uses.pop(node.id, None)
 
     def admit(self, node: PolicyNode) -> bool:
         """Whether ``node`` is worth a copy in a lower tier (L2 backup or demotion), asked only when
         admission is on (``CacheConfig.l2_admission``): by default, once it has been used twice."""
-        return node.hit_count >= 2
+        return self.uses(node) >= 2
 
 
 def depth_tokens(node: PolicyNode) -> int:

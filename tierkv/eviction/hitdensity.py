@@ -40,6 +40,7 @@ class HitDensity(Policy):
 
     def __init__(self, refresh_events: int = 128, decay: float = 0.98, ghost_entries: int = 1 << 16,
                  horizon_factor: float = 16.0, min_horizon_ticks: int = 1024) -> None:
+        super().__init__()
         self.ghosts = _Ghosts(ghost_entries)
         self.horizon_factor, self.min_horizon_ticks = horizon_factor, min_horizon_ticks
         self.mean_eviction_age = 0.0
@@ -51,9 +52,8 @@ class HitDensity(Policy):
         self.now = 0
         self._events = 0
 
-    @staticmethod
-    def _class(node: PolicyNode) -> int:
-        return 1 if node.hit_count >= 2 else 0
+    def _class(self, node: PolicyNode) -> int:
+        return 1 if self.uses(node) >= 2 else 0
 
     def key(self, node: PolicyNode) -> tuple:
         age = self.now - self.last_use.get(node.id, node.last_access_time)
@@ -67,6 +67,7 @@ class HitDensity(Policy):
             self.hits[self._class(node)][_bin(now - prev)] += 1
             self._event()
         self.last_use[node.id] = now
+        super().on_access(node)
 
     def on_insert(self, node: PolicyNode) -> None:
         ghost = self.ghosts.pop(fingerprint(node))
@@ -78,6 +79,10 @@ class HitDensity(Policy):
     def on_evict(self, node: PolicyNode, removed: bool) -> None:
         if not removed:
             return  # still cached in another tier: its life goes on
+        self._record_removal(node)
+        super().on_evict(node, removed)
+
+    def _record_removal(self, node: PolicyNode) -> None:
         prev = self.last_use.pop(node.id, node.last_access_time)
         self.mean_eviction_age += 0.01 * (self.now - prev - self.mean_eviction_age)
         expired = [self.ghosts.add(fingerprint(node), (prev, self._class(node)))]

@@ -1,6 +1,6 @@
 """The eviction policies. Each orders leaves by a key (smallest evicted first); see :mod:`.base`.
 
-``hit_count`` counts the requests whose prompt covered a node (its uses), ``last_access_time`` and
+``self.uses(node)`` counts the requests whose prompt covered a node, ``last_access_time`` and
 ``creation_time`` are ticks of the tree's logical clock (one per match or insert).
 """
 
@@ -41,7 +41,7 @@ class LFU(Policy):
     name = "lfu"
 
     def key(self, node: PolicyNode) -> tuple:
-        return (node.hit_count, node.last_access_time, node.id)
+        return (self.uses(node), node.last_access_time, node.id)
 
 
 class CallerPriority(Policy):
@@ -60,7 +60,7 @@ class SLRU(Policy):
     name = "slru"
 
     def key(self, node: PolicyNode) -> tuple:
-        return (node.hit_count >= 2, node.last_access_time, node.id)
+        return (self.uses(node) >= 2, node.last_access_time, node.id)
 
 
 class _Ghosts:
@@ -96,11 +96,12 @@ class S3FIFO(Policy):
     name = "s3fifo"
 
     def __init__(self, ghost_entries: int = 1 << 16) -> None:
+        super().__init__()
         self.ghosts = _Ghosts(ghost_entries)
         self.returned: set[int] = set()
 
     def key(self, node: PolicyNode) -> tuple:
-        if node.hit_count < 2 and node.id not in self.returned:
+        if self.uses(node) < 2 and node.id not in self.returned:
             return (0, node.creation_time, node.id)
         return (1, node.last_access_time, node.id)
 
@@ -112,6 +113,7 @@ class S3FIFO(Policy):
         if removed:
             self.returned.discard(node.id)
             self.ghosts.add(fingerprint(node))
+        super().on_evict(node, removed)
 
 
 class ARC(Policy):
@@ -125,13 +127,14 @@ class ARC(Policy):
     static = False  # the bonus moves, so keys of untouched nodes change
 
     def __init__(self, ghost_entries: int = 1 << 16, step_ticks: int = 16) -> None:
+        super().__init__()
         self.ghosts = _Ghosts(ghost_entries)
         self.returned: set[int] = set()
         self.t2_bonus = 0
         self.step_ticks = step_ticks
 
     def _in_t2(self, node: PolicyNode) -> bool:
-        return node.hit_count >= 2 or node.id in self.returned
+        return self.uses(node) >= 2 or node.id in self.returned
 
     def key(self, node: PolicyNode) -> tuple:
         return (node.last_access_time + (self.t2_bonus if self._in_t2(node) else 0), node.id)
@@ -148,6 +151,7 @@ class ARC(Policy):
         if removed:
             self.ghosts.add(fingerprint(node), int(self._in_t2(node)))
             self.returned.discard(node.id)
+        super().on_evict(node, removed)
 
 
 class TinyLFU(Policy):
@@ -157,12 +161,13 @@ class TinyLFU(Policy):
     name = "tinylfu"
 
     def __init__(self, sketch_entries: int = 1 << 16, max_count: int = 15) -> None:
+        super().__init__()
         self.history = _Ghosts(sketch_entries)
         self.max_count = max_count
         self.remembered: dict[int, int] = {}
 
     def frequency(self, node: PolicyNode) -> int:
-        return min(self.max_count, node.hit_count + self.remembered.get(node.id, 0))
+        return min(self.max_count, self.uses(node) + self.remembered.get(node.id, 0))
 
     def key(self, node: PolicyNode) -> tuple:
         return (self.frequency(node), node.last_access_time, node.id)
@@ -176,6 +181,7 @@ class TinyLFU(Policy):
         if removed:
             self.history.add(fingerprint(node), self.frequency(node))
             self.remembered.pop(node.id, None)
+        super().on_evict(node, removed)
 
     def admit(self, node: PolicyNode) -> bool:
         return self.frequency(node) >= 2
@@ -191,16 +197,18 @@ class GDSF(Policy):
     name = "gdsf"
 
     def __init__(self, attention_tokens: int = 32768) -> None:
+        super().__init__()
         self.attention_tokens = attention_tokens
         self.clock = 0.0
         self._base: dict[int, tuple[int, float]] = {}  # node id -> (access tick, clock at that access)
 
     def value_per_slot(self, node: PolicyNode) -> float:
         mid = (depth_tokens(node) + len(node) / 2) * self.element_tokens
-        return node.hit_count * (1.0 + mid / self.attention_tokens)
+        return self.uses(node) * (1.0 + mid / self.attention_tokens)
 
     def on_access(self, node: PolicyNode) -> None:
         self._base[node.id] = (node.last_access_time, self.clock)
+        super().on_access(node)
 
     def h(self, node: PolicyNode) -> float:
         tick, base = self._base.get(node.id, (None, 0.0))
@@ -216,3 +224,4 @@ class GDSF(Policy):
         if removed:  # a move to another tier is no eviction from the cache: the clock stays
             self.clock = max(self.clock, self.h(node))
             self._base.pop(node.id, None)
+        super().on_evict(node, removed)

@@ -68,25 +68,30 @@ class SimResult:
 class _TierHeap:
     """Eviction candidates of one tier: a heap of (key, id, node), re-keyed lazily when popped."""
 
-    def __init__(self, policy: Policy, is_leaf) -> None:
-        self.policy, self.is_leaf, self.heap = policy, is_leaf, []
-        self.deferred: list[TreeNode] = []  # locked or protected now: back in the heap after this pass
+    def __init__(self, policy: Policy, is_leaf, tier: str) -> None:
+        self.policy, self.is_leaf, self.tier, self.heap = policy, is_leaf, tier, []
+        self.deferred: dict[int, TreeNode] = {}  # leaves locked or protected now: back after this pass
 
     def push(self, node: TreeNode) -> None:
         heapq.heappush(self.heap, (self.policy(node), node.id, node))
 
     def restore(self) -> None:
-        for node in self.deferred:
+        for node in self.deferred.values():
             self.push(node)
         self.deferred.clear()
+
+    def _locked_leaf(self, node: TreeNode) -> bool:
+        tier = self.tier
+        return ((node.lock_ref or node.host_ref) and getattr(node, tier) is not None
+                and not any(getattr(c, tier) is not None for c in node.children.values()))
 
     def pop(self) -> TreeNode | None:
         heap = self.heap
         while heap:
             key, _, node = heapq.heappop(heap)
             if not self.is_leaf(node):
-                if node.lock_ref or node.host_ref:
-                    self.deferred.append(node)
+                if self._locked_leaf(node):
+                    self.deferred[node.id] = node
                 continue  # otherwise pushed again when it becomes a leaf or is touched
             now = self.policy(node)
             if now != key:
@@ -109,8 +114,8 @@ class PageSim:
         self.l2_pages = (config.l2_tokens or 0) // self.page
         self.l2_used = 0
         device_order, host_order = tier_orders(self.policy, config.tier_mode)
-        self.l1_heap = _TierHeap(device_order, self.tree.is_device_leaf)
-        self.l2_heap = _TierHeap(host_order, self.tree.is_host_leaf)
+        self.l1_heap = _TierHeap(device_order, self.tree.is_device_leaf, "device_value")
+        self.l2_heap = _TierHeap(host_order, self.tree.is_host_leaf, "host_value")
         self.result = SimResult(config)
 
     @property

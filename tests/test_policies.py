@@ -10,6 +10,7 @@ from tierkv.bench.trace import load_trace
 from tierkv.config import CacheConfig
 from tierkv.eviction import POLICIES, eviction_order, fingerprint, get_policy
 from tierkv.eviction.hitdensity import HitDensity
+from tierkv.eviction.tiers import tier_orders
 from tierkv.hicache import HiRadixCache
 from tierkv.pools import DeviceKVPool, KVSpec
 from tierkv.radix import RadixKey, RadixTree
@@ -253,3 +254,18 @@ def test_bad_tier_mode_and_admission_are_rejected():
         CacheConfig(tier_mode="both")
     with pytest.raises(ValueError, match="l2_admission"):
         CacheConfig(l2_admission="yes")
+
+
+def test_exclusive_orders_drop_copies_the_other_tier_holds_first():
+    policy = get_policy("lru")
+    device_order, host_order = tier_orders(policy, "exclusive")
+    tree = RadixTree()
+    old, recent = (tree.insert(RadixKey([i, 10]), [0, 0]).new_node for i in (1, 2))
+    tree.match(RadixKey([2, 10]))
+    recent.host_value = [0, 0]  # L2 holds a copy of the more recent one
+    assert _order(device_order, {"o": old, "r": recent}) == "ro"  # L1 drops the duplicate first
+    assert _order(policy, {"o": old, "r": recent}) == "or"
+    assert tier_orders(policy, "inclusive") == (policy, policy)
+    old.host_value = [0, 0]
+    tree.clear_device_value(old)  # host-only now: L2 keeps it over the duplicate
+    assert _order(host_order, {"o": old, "r": recent}) == "ro"

@@ -10,7 +10,7 @@ from tierkv.hicache import HiRadixCache
 
 def test_defaults_are_valid():
     cfg = CacheConfig()
-    assert cfg.eviction_policy == "lru" and cfg.write_threshold == 1
+    assert cfg.eviction_policy == "gdsf" and cfg.write_threshold == 1
     assert CacheConfig(write_policy="write_through_selective").write_threshold == 2
     assert CacheConfig(write_policy="write_back").write_threshold is None
 

@@ -12,7 +12,7 @@ import sys
 
 from rich.console import Console
 
-from tierkv.config import WRITE_POLICIES
+from tierkv.config import TIER_MODES, WRITE_POLICIES
 from tierkv.eviction import POLICIES
 
 DEFAULT_L1_TOKENS = "500k"  # ~61 GiB of Llama-3-8B KV: what one 80 GB GPU keeps for KV
@@ -33,8 +33,14 @@ def _replay_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--l2-tokens", type=token_count, default=DEFAULT_L2_TOKENS, help="L2 (host) capacity; 0 for no L2")
     p.add_argument("--l3", default="none", help="none | file:DIR | redis://HOST:PORT[/DB] | other store spec")
     p.add_argument("--page-size", type=int, default=16, help="tokens per cache page (the trace's blocks are 512)")
-    p.add_argument("--policy", default="lru", choices=sorted(POLICIES), help="eviction policy")
+    p.add_argument("--policy", default="gdsf", choices=sorted(POLICIES),
+                   help="eviction policy (README: 'Eviction policies and tiers' compares them)")
     p.add_argument("--write-policy", default="write_through", choices=sorted(WRITE_POLICIES))
+    p.add_argument("--tier-mode", default="inclusive", choices=TIER_MODES,
+                   help="inclusive: L2 copies L1 (write policy); exclusive: L2 keeps what L1 dropped")
+    p.add_argument("--l2-admission", action="store_true",
+                   help="copy a node to L2 only if the policy admits it (e.g. tinylfu: used twice)")
+    p.add_argument("--l3-tokens", default=None, help="a bounded L3's capacity, for MIN's bound (default: unbounded)")
     p.add_argument("--model", default="llama-3-8b", choices=sorted(MODELS), help="model for the TTFT model")
     p.add_argument("--kv-bytes-per-token", type=int, default=None,
                    help="KV bytes per token for transfer times and bytes moved (default: the model's)")
@@ -48,6 +54,10 @@ def _replay_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--plot", metavar="OUT.png", help="plot hits and TTFT (or the sweep, with --sweep)")
     p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     p.add_argument("--sweep", metavar="SIZES", help="also sweep total capacity, e.g. 250k,1M,3M,10M")
+    p.add_argument("--sweep-policies", metavar="NAMES", default="",
+                   help="compare these policies too in the sweep, e.g. lru,gdsf,s3fifo (or 'all')")
+    p.add_argument("--sweep-engine", default="replay", choices=("replay", "sim"),
+                   help="sweep with the full replay or the page-level simulator (same tree and policies)")
     p.add_argument("--include-output", action="store_true", help="insert generated tokens too")
     p.add_argument("--skip-bad", action="store_true", help="skip (and count) bad trace lines")
     p.add_argument("--no-baselines", action="store_true", help="skip the L1-only replay")
@@ -105,6 +115,15 @@ def _model_from_args(args: argparse.Namespace):
                      Link(args.l3_gbps * 1e9, args.l3_latency_us * 1e-6))
 
 
+def _sweep_policies(args: argparse.Namespace) -> list[str]:
+    names = sorted(POLICIES) if args.sweep_policies == "all" else [
+        n.strip() for n in args.sweep_policies.split(",") if n.strip()]
+    for name in names:
+        if name not in POLICIES:
+            raise ValueError(f"--sweep-policies: unknown eviction policy {name!r}; valid: {', '.join(sorted(POLICIES))}")
+    return names
+
+
 def replay_main(args: argparse.Namespace) -> int:
     import torch
 
@@ -116,7 +135,9 @@ def replay_main(args: argparse.Namespace) -> int:
     l2 = parse_size(args.l2_tokens)
     config = ReplayConfig(l1_tokens=parse_size(args.l1_tokens), l2_tokens=l2 or None, page_size=args.page_size,
                           eviction_policy=args.policy, write_policy=args.write_policy, l3=args.l3,
-                          include_output=args.include_output, verify=args.verify)
+                          include_output=args.include_output, verify=args.verify, tier_mode=args.tier_mode,
+                          l2_admission=args.l2_admission,
+                          l3_tokens=None if args.l3_tokens is None else parse_size(args.l3_tokens))
     if args.l3 != "none":
         from tierkv.storage.factory import parse_spec
 
@@ -133,7 +154,8 @@ def replay_main(args: argparse.Namespace) -> int:
     run = run_all(trace, config, baselines=not args.no_baselines, console=err, parallel=not args.serial)
     report = build_report(run, model, args.trace)
     if sizes:
-        report["sweep"] = run_sweep(trace, config, sizes, console=err)
+        report["sweep"] = run_sweep(trace, config, sizes, console=err, policies=_sweep_policies(args),
+                                    engine=args.sweep_engine)
     print_report(report)
     if args.json:
         write_json(report, args.json)

@@ -10,6 +10,9 @@ from tierkv.transfer import IO_BACKENDS
 from tierkv.validate import check_bool, check_choice, check_int, check_number
 
 WRITE_POLICIES = {"write_through": 1, "write_through_selective": 2, "write_back": None}
+# inclusive: L2 keeps a copy of what L1 holds (per write_policy); exclusive: L2 keeps what L1 dropped
+# (copied on L1 eviction, freed when loaded back), so L1 + L2 hold about as much as one tier of their size
+TIER_MODES = ("inclusive", "exclusive")
 
 
 @dataclass(frozen=True)
@@ -20,7 +23,7 @@ class CacheConfig:
     """
 
     page_size: int = 1
-    eviction_policy: str = "lru"
+    eviction_policy: str = "gdsf"  # chosen by measurement: README, "Eviction policies"
     write_policy: str = "write_through"
     io_backend: str = "kernel"
     host_layout: str = "layer_first"
@@ -29,11 +32,15 @@ class CacheConfig:
     load_back_threshold: int = 10
     bigram: bool = False
     enable_host: bool = True
+    tier_mode: str = "inclusive"
+    l2_admission: bool = False  # ask the eviction policy (Policy.admit) before copying a node to L2
 
     def __post_init__(self) -> None:
         check_int("page_size", self.page_size, minimum=1)
         check_choice("eviction_policy", self.eviction_policy, sorted(POLICIES))
         check_choice("write_policy", self.write_policy, sorted(WRITE_POLICIES))
+        check_choice("tier_mode", self.tier_mode, TIER_MODES)
+        check_bool("l2_admission", self.l2_admission)
         check_choice("io_backend", self.io_backend, IO_BACKENDS)
         check_choice("host_layout", self.host_layout, HOST_LAYOUTS)
         check_number("hicache_ratio", self.hicache_ratio, minimum=0, exclusive_minimum=True)
@@ -45,5 +52,10 @@ class CacheConfig:
 
     @property
     def write_threshold(self) -> int | None:
-        """Hits after which a node is backed up to L2; None for write_back (only on eviction)."""
-        return WRITE_POLICIES[self.write_policy]
+        """Hits after which a node is backed up to L2; None for write_back and exclusive (only on eviction)."""
+        return None if self.tier_mode == "exclusive" else WRITE_POLICIES[self.write_policy]
+
+    @property
+    def writes_on_evict(self) -> bool:
+        """An L1 eviction copies a node without an L2 copy to L2 first (write_back, or exclusive tiers)."""
+        return self.write_threshold is None

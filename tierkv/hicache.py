@@ -20,6 +20,7 @@ from tierkv.cache_records import (CacheStats, LoadResult, MatchResult, PendingLo
                                   _WriteBackBatch)
 from tierkv.config import CacheConfig
 from tierkv.eviction import eviction_order, get_policy
+from tierkv.eviction.tiers import promote_loaded, tier_orders
 from tierkv.failed_loads import FailedLoads
 from tierkv.hicache_l3 import StorageTierMethods
 from tierkv.layer_load import DeferredLoads, LayerLoads
@@ -50,6 +51,7 @@ class HiRadixCache(StorageTierMethods):
         self.device_pool = device_pool
         self.tree = RadixTree(self.config.page_size, bigram=self.config.bigram)
         self.priority = get_policy(self.config.eviction_policy)
+        self._device_order, self._host_order = tier_orders(self.priority, self.config.tier_mode)
         self.tp = tp or TPGroup.single()
         self.stats = CacheStats()
         self.host_pool = host_pool
@@ -160,16 +162,20 @@ class HiRadixCache(StorageTierMethods):
             key, device_slots = self.failed_loads.cut_key(key, device_slots)
         result = self.tree.insert(key, device_slots, priority)
         self._free_duplicates(device_slots, result.shared)
-        threshold = self.config.write_threshold
-        if threshold is None or chunked:
+        if chunked:
             return result.prefix_len + (len(result.new_node) if result.new_node else 0)
         revived = {id(n) for n in result.revived}
+        threshold = self.config.write_threshold
         for node in result.path:
             if id(node) not in revived:
-                node.hit_count += 1
-        if self.transfer is not None:
+                self.priority.on_access(node)  # the policy counts uses itself (Policy.uses)
+                if threshold is not None:  # the seed's hit_count counts for write-through only
+                    node.hit_count += 1
+        if result.new_node is not None:
+            self.priority.on_insert(result.new_node)
+        if self.transfer is not None and threshold is not None:
             hot = [n for n in result.path if n.host_value is None and n.hit_count >= threshold]
-            if hot:
+            if hot and self._admit(hot[-1]):
                 self.write_backup(hot[-1])
         return result.prefix_len + (len(result.new_node) if result.new_node else 0)
 
@@ -297,6 +303,13 @@ class HiRadixCache(StorageTierMethods):
         if handle.error is not None:
             self.stats.failed_copies += 1
             self.failed_loads.mark(pending)
+        elif self.config.tier_mode == "exclusive":  # promote: L1 has it now, so L2 need not
+            freed = promote_loaded(self.tree, pending.node, len(pending.device_slots))
+            if freed:
+                self.host_pool.free(torch.cat(freed))
+
+    def _admit(self, node: TreeNode) -> bool:
+        return not self.config.l2_admission or self.priority.admit(node)
 
     def _note_failed_loads(self) -> None:
         """Mark the nodes of loads seen failed invalid at once, before their retirement."""
@@ -378,18 +391,19 @@ class HiRadixCache(StorageTierMethods):
         write_back copied to L2 first (one batch copy, waited for). Lock contract: skips locked nodes.
         """
         freed, batch = 0, _WriteBackBatch()
-        write_back = self.config.write_policy == "write_back" and self.transfer is not None
-        order = eviction_order(self.tree.device_leaves(), self.priority, self._next_device_candidate)
+        write_back = self.config.writes_on_evict and self.transfer is not None
+        order = eviction_order(self.tree.device_leaves(), self._device_order, self._next_device_candidate)
         for node in order:
             if freed >= num_tokens:
                 break
-            if write_back and node.host_value is None:
+            if write_back and node.host_value is None and self._admit(node):
                 self._reserve_write_back(node, batch)
             freed += len(node)
             # freed only after the batch copy: a write-back may still read these slots
             batch.evicted_slots.append(self.tree.clear_device_value(node))
             if node.host_value is None:
                 self.tree.remove_leaf(node)
+            self.priority.on_evict(node, removed=node.host_value is None)
         self._finish_write_back(batch)
         if batch.evicted_slots:
             self.device_pool.free(torch.cat(batch.evicted_slots))
@@ -444,7 +458,7 @@ class HiRadixCache(StorageTierMethods):
         nodes with host_ref (in-flight writes, loads, backups) and locked host-only nodes.
         """
         freed, evicted_slots = 0, []
-        order = eviction_order(self.tree.host_leaves(), self.priority, self._next_host_candidate)
+        order = eviction_order(self.tree.host_leaves(), self._host_order, self._next_host_candidate)
         for node in order:
             if freed >= num_tokens:
                 break
@@ -453,6 +467,7 @@ class HiRadixCache(StorageTierMethods):
             node.host_value = None
             if node.device_value is None:
                 self.tree.remove_leaf(node)
+            self.priority.on_evict(node, removed=node.device_value is None)
         if evicted_slots:  # one free: each call validates its slots, which dominates for small nodes
             self.host_pool.free(torch.cat(evicted_slots))
         self.stats.evicted_host_tokens += freed

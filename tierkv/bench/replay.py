@@ -43,12 +43,15 @@ class ReplayConfig:
     l1_tokens: int
     l2_tokens: int | None = None
     page_size: int = 16
-    eviction_policy: str = "lru"
+    eviction_policy: str = "gdsf"
     write_policy: str = "write_through"
     l3: str = "none"
     include_output: bool = False
     verify: bool = False
     load_back_threshold: int = 10
+    tier_mode: str = "inclusive"
+    l2_admission: bool = False
+    l3_tokens: int | None = None  # a bounded L3's capacity, for MIN's bound (None: unbounded)
 
     def __post_init__(self) -> None:
         check_int("page_size", self.page_size, minimum=1)
@@ -60,13 +63,15 @@ class ReplayConfig:
         check_text("l3", self.l3, allow_empty=False, secret=True)
         if self.l3 != "none" and self.l2_tokens is None:
             raise ValueError(f"l3 {redact_spec(self.l3)!r} needs an L2 tier (l2_tokens), got l2_tokens=None")
-        CacheConfig(page_size=self.page_size, eviction_policy=self.eviction_policy,
-                    write_policy=self.write_policy, load_back_threshold=self.load_back_threshold)
+        if self.l3_tokens is not None:
+            check_int("l3_tokens", self.l3_tokens, minimum=0)
+        self.cache_config()
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(page_size=self.page_size, eviction_policy=self.eviction_policy,
                            write_policy=self.write_policy, load_back_threshold=self.load_back_threshold,
-                           enable_host=self.l2_tokens is not None)
+                           enable_host=self.l2_tokens is not None, tier_mode=self.tier_mode,
+                           l2_admission=self.l2_admission)
 
     @property
     def total_tokens(self) -> int:

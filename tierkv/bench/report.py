@@ -6,8 +6,9 @@ Baselines, all on the same requests:
   ``l1_tokens + l2_tokens``: all the memory the tiered run has in L1 and L2 together, as if it were one
   tier. It shows what the tiers give up in hit ratio for putting most of the capacity in cheaper memory;
 - optimal: Belady's MIN (:mod:`tierkv.bench.optimal`) at the same total capacity ``l1_tokens +
-  l2_tokens``, or unbounded when an L3 tier is attached (L3 stores have no capacity limit here). No
-  cache of that capacity replaying this trace can hit more tokens.
+  l2_tokens``; with an L3 tier, at ``l1_tokens + l2_tokens + l3_tokens`` for a bounded L3 (unbounded
+  when ``l3_tokens`` is None), plus MIN at L1 + L2 alone so each tier's distance from its own optimum
+  shows. No cache of that capacity replaying this trace can hit more tokens.
 
 Byte counts use the modelled KV size (``kv_bytes_per_token``, by default the named model's), not the
 replay's tiny pools: they say what the run would move on a real server.
@@ -86,6 +87,7 @@ class RunOutcome:
     optimal: OptimalResult
     ideal: OptimalResult
     wall_s: float
+    optimal_l1_l2: OptimalResult | None = None  # with L3: MIN at the L1 + L2 capacity alone
 
 
 _worker_progress = None  # a shared counter in the baseline process (set by its initializer)
@@ -102,17 +104,25 @@ def _count_request(_: int) -> None:
         _worker_progress.value += 1
 
 
+def optimal_capacity(config: ReplayConfig) -> int | None:
+    """MIN's capacity for ``config``: L1 + L2, plus L3 when it is bounded; None for an unbounded L3."""
+    if config.l3 == "none":
+        return config.total_tokens
+    return None if config.l3_tokens is None else config.total_tokens + config.l3_tokens
+
+
 def _baselines(requests: list, config: ReplayConfig, with_l1_only: bool
-               ) -> tuple[ReplayResult | None, OptimalResult, OptimalResult]:
+               ) -> tuple[ReplayResult | None, OptimalResult, OptimalResult, OptimalResult | None]:
     """The L1-only replay and MIN, run in a second process while the tiered replay runs in the first."""
     l1_only = None
     if with_l1_only:
         flat = replace(config, l1_tokens=config.total_tokens, l2_tokens=None, l3="none")
         l1_only = replay(requests, flat, _count_request if _worker_progress is not None else None)
-    capacity = None if config.l3 != "none" else config.total_tokens
+    capacity = optimal_capacity(config)
     optimal = belady_min(requests, capacity, config.page_size)
     ideal = optimal if capacity is None else belady_min(requests, None, config.page_size)
-    return l1_only, optimal, ideal
+    l1_l2 = belady_min(requests, config.total_tokens, config.page_size) if config.l3 != "none" else None
+    return l1_only, optimal, ideal, l1_l2
 
 
 def run_all(trace: Trace, config: ReplayConfig, baselines: bool = True, console: Console | None = None,
@@ -130,8 +140,8 @@ def run_all(trace: Trace, config: ReplayConfig, baselines: bool = True, console:
         flat_task = bar.add_task("L1-only", total=len(requests)) if baselines else None
         if not parallel:
             tiered = replay(requests, config, lambda i: bar.advance(tiered_task))
-            l1_only, optimal, ideal = _baselines(requests, config, baselines)
-            return RunOutcome(trace, tiered, l1_only, optimal, ideal, time.perf_counter() - start)
+            l1_only, optimal, ideal, l1_l2 = _baselines(requests, config, baselines)
+            return RunOutcome(trace, tiered, l1_only, optimal, ideal, time.perf_counter() - start, l1_l2)
         ctx = multiprocessing.get_context("spawn")
         counter = ctx.Value("q", 0)
         with ProcessPoolExecutor(1, mp_context=ctx, initializer=_init_worker, initargs=(counter,)) as pool:
@@ -147,8 +157,8 @@ def run_all(trace: Trace, config: ReplayConfig, baselines: bool = True, console:
                 if flat_task is not None:
                     bar.update(flat_task, completed=counter.value)
                 time.sleep(0.1)
-            l1_only, optimal, ideal = future.result()
-    return RunOutcome(trace, tiered, l1_only, optimal, ideal, time.perf_counter() - start)
+            l1_only, optimal, ideal, l1_l2 = future.result()
+    return RunOutcome(trace, tiered, l1_only, optimal, ideal, time.perf_counter() - start, l1_l2)
 
 
 def _ttfts(model: TTFTModel, result: ReplayResult) -> list[float]:
@@ -170,6 +180,7 @@ def build_report(run: RunOutcome, model: TTFTModel, trace_path: str = "") -> dic
         "hit_ratio": tiered.hit_ratio,
         "optimal_hit_ratio": run.optimal.hit_ratio,
         "optimal_capacity_tokens": run.optimal.capacity_tokens,
+        "fraction_of_min": tiered.hit_ratio / run.optimal.hit_ratio if run.optimal.hit_ratio else 0.0,
         "ideal_hit_ratio": run.ideal.hit_ratio,
         "no_cache_ttft_s": summarise(no_cache)["mean"],
         "ttft_s": summarise(_ttfts(model, tiered)),
@@ -195,6 +206,13 @@ def build_report(run: RunOutcome, model: TTFTModel, trace_path: str = "") -> dic
         "hit_tokens": run.optimal.hit_tokens,
         "ttft_s": summarise([model.ttft_s(r.input_length, h) for r, h in
                              zip(reqs, run.optimal.per_request_hit_tokens)])}
+    if run.optimal_l1_l2 is not None:  # each tier against its own optimum
+        l1_l2_hits = (hits["l1"] + hits["l2"]) / tiered.prompt_tokens if tiered.prompt_tokens else 0.0
+        opt = run.optimal_l1_l2.hit_ratio
+        report["baselines"]["optimal_l1_l2"] = {
+            "capacity_tokens": run.optimal_l1_l2.capacity_tokens, "hit_ratio": opt,
+            "hit_tokens": run.optimal_l1_l2.hit_tokens, "l1_l2_hit_ratio": l1_l2_hits,
+            "l1_l2_fraction_of_min": l1_l2_hits / opt if opt else 0.0}
     return report
 
 
@@ -265,33 +283,63 @@ def sweep_config(config: ReplayConfig, total_tokens: int) -> ReplayConfig:
     return replace(config, l1_tokens=l1, l2_tokens=l2, l3="none")
 
 
-def run_sweep(trace: Trace, config: ReplayConfig, sizes: list[int], console: Console | None = None
-              ) -> list[dict]:
-    """Hit ratio against total capacity: tiered (same L1:L2 split), L1-only and MIN at each size."""
+def _sweep_hit_ratios(requests: list, config: ReplayConfig, engine: str, on_request) -> tuple[float, float]:
+    """Hit ratios of the tiered cache and of one tier of its total size, by replay or by simulator."""
+    flat = replace(config, l1_tokens=config.total_tokens, l2_tokens=None)
+    if engine == "sim":
+        from tierkv.bench.sim import from_cache_config, simulate
+
+        return tuple(simulate(requests, from_cache_config(c.cache_config(), c.l1_tokens, c.l2_tokens)).hit_ratio
+                     for c in (config, flat))
+    return tuple(replay(requests, c, on_request).hit_ratio for c in (config, flat))
+
+
+def run_sweep(trace: Trace, config: ReplayConfig, sizes: list[int], console: Console | None = None,
+              policies: list[str] | None = None, engine: str = "replay") -> list[dict]:
+    """Hit ratio against total capacity: tiered (same L1:L2 split), L1-only and MIN at each size, for
+    ``config``'s policy and each of ``policies``; ``engine`` "sim" uses the page-level simulator
+    (:mod:`tierkv.bench.sim`, the same tree and policies without KV pools) instead of the replay."""
+    if engine not in ("replay", "sim"):
+        raise ValueError(f"sweep engine {engine!r} is not one of ['replay', 'sim']")
+    names = list(dict.fromkeys([config.eviction_policy] + list(policies or [])))
     points = []
     requests = trace.requests
     with Progress(TextColumn("{task.description:<16}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console or Console(stderr=True), transient=True) as bar:
         for total in sizes:
             tiered_cfg = sweep_config(config, total)
-            task = bar.add_task(f"sweep {total:,}", total=2 * len(requests))
-            tiered = replay(requests, tiered_cfg, lambda i: bar.advance(task))
-            flat = replay(requests, replace(tiered_cfg, l1_tokens=tiered_cfg.total_tokens, l2_tokens=None),
-                          lambda i: bar.advance(task))
-            opt = belady_min(requests, tiered_cfg.total_tokens, config.page_size)
+            opt = belady_min(requests, tiered_cfg.total_tokens, config.page_size).hit_ratio
+            task = bar.add_task(f"sweep {total:,}", total=2 * len(requests) * len(names))
+            per_policy = {}
+            for name in names:
+                tiered, flat = _sweep_hit_ratios(requests, replace(tiered_cfg, eviction_policy=name), engine,
+                                                 lambda i: bar.advance(task))
+                per_policy[name] = {"tiered_hit_ratio": tiered, "l1_only_hit_ratio": flat,
+                                    "fraction_of_min": tiered / opt if opt else 0.0,
+                                    "l1_only_fraction_of_min": flat / opt if opt else 0.0}
+            main = per_policy[config.eviction_policy]
             points.append({"capacity_tokens": tiered_cfg.total_tokens, "l1_tokens": tiered_cfg.l1_tokens,
-                           "l2_tokens": tiered_cfg.l2_tokens, "tiered_hit_ratio": tiered.hit_ratio,
-                           "l1_only_hit_ratio": flat.hit_ratio, "optimal_hit_ratio": opt.hit_ratio})
+                           "l2_tokens": tiered_cfg.l2_tokens, "tiered_hit_ratio": main["tiered_hit_ratio"],
+                           "l1_only_hit_ratio": main["l1_only_hit_ratio"], "optimal_hit_ratio": opt,
+                           "fraction_of_min": main["fraction_of_min"], "policies": per_policy,
+                           "engine": engine})
     return points
 
 
 def print_sweep(points: list[dict], console: Console | None = None) -> None:
-    table = Table(title="hit ratio vs total capacity (L1 + L2, no L3)", title_justify="left")
-    for col in ("capacity (tokens)", "L1", "L2", "tiered", "L1-only", "optimal (MIN)"):
+    table = Table(title="hit ratio vs total capacity (L1 + L2, no L3); (fraction of MIN)", title_justify="left")
+    names = list(points[0]["policies"]) if points and "policies" in points[0] else []
+    for col in ["capacity (tokens)", "L1", "L2", "optimal (MIN)"] + [
+            f"{n} {kind}" for n in names for kind in ("tiered", "L1-only")]:
         table.add_column(col, justify="right")
     for p in points:
-        table.add_row(f"{p['capacity_tokens']:,}", f"{p['l1_tokens']:,}", f"{p['l2_tokens'] or 0:,}",
-                      _pct(p["tiered_hit_ratio"]), _pct(p["l1_only_hit_ratio"]), _pct(p["optimal_hit_ratio"]))
+        cells = [f"{p['capacity_tokens']:,}", f"{p['l1_tokens']:,}", f"{p['l2_tokens'] or 0:,}",
+                 _pct(p["optimal_hit_ratio"])]
+        for n in names:
+            q = p["policies"][n]
+            cells += [f"{_pct(q['tiered_hit_ratio'])} ({q['fraction_of_min']:.2f})",
+                      f"{_pct(q['l1_only_hit_ratio'])} ({q['l1_only_fraction_of_min']:.2f})"]
+        table.add_row(*cells)
     (console or _stdout_console()).print(table)
 
 
@@ -306,14 +354,15 @@ def _pyplot():
 
 
 def plot_sweep(points: list[dict], path: str | Path) -> None:
-    """Hit ratio against capacity (log x) for tiered, L1-only and MIN."""
+    """Hit ratio against capacity (log x): MIN, and tiered and L1-only for each policy swept."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     xs = [p["capacity_tokens"] for p in points]
-    for key, label, style in (("optimal_hit_ratio", "optimal (Belady MIN)", "k--"),
-                              ("l1_only_hit_ratio", "L1-only radix cache", "o-"),
-                              ("tiered_hit_ratio", "tiered L1+L2 (tierkv)", "s-")):
-        ax.plot(xs, [100 * p[key] for p in points], style, label=label)
+    ax.plot(xs, [100 * p["optimal_hit_ratio"] for p in points], "k--", label="optimal (Belady MIN)")
+    for i, name in enumerate(points[0]["policies"] if points else []):
+        for key, label, style in (("l1_only_hit_ratio", "L1-only", ":o"), ("tiered_hit_ratio", "tiered", "-s")):
+            ax.plot(xs, [100 * p["policies"][name][key] for p in points], style, color=f"C{i}",
+                    label=f"{name} {label}")
     ax.set_xscale("log")
     ax.set_xlabel("total cache capacity (tokens)")
     ax.set_ylabel("hit ratio (% of prompt tokens)")

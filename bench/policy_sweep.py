@@ -1,0 +1,105 @@
+"""Eviction policies against Belady's MIN: hit ratio and fraction of MIN per trace, capacity and tiers.
+
+Runs the page-level simulator (tierkv.bench.sim: the real tree and policy objects, slot counts instead
+of pools; it matches the full replay exactly on LRU) for every policy at every total capacity, as:
+- ``l1``: one tier of the whole capacity (the L1-only radix cache);
+- ``inclusive``: L1 = capacity / 9, L2 the rest, write-through (today's default tiers);
+- ``exclusive``: the same split, L2 holds what L1 dropped (``CacheConfig(tier_mode="exclusive")``).
+MIN is the offline optimum of one tier of the whole capacity (tierkv.bench.optimal).
+
+Run:  /work/venv/bin/python bench/policy_sweep.py TRACE [TRACE...] [--sizes 1M,4.5M,10M]
+          [--policies lru,gdsf,...] [--modes l1,inclusive,exclusive] [--json OUT] [--jobs 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+from tierkv.bench.optimal import belady_min
+from tierkv.bench.report import parse_sizes
+from tierkv.bench.sim import SimConfig, simulate
+from tierkv.bench.trace import load_trace
+from tierkv.eviction import POLICIES
+
+MODES = ("l1", "inclusive", "exclusive")
+_TRACES: dict[str, list] = {}
+
+
+def sim_config(mode: str, total_tokens: int, policy: str, page_size: int, admission: bool = False) -> SimConfig:
+    """The simulated cache of ``mode`` at ``total_tokens`` (L1 a ninth of it when tiered)."""
+    if mode == "l1":
+        return SimConfig(l1_tokens=total_tokens, page_size=page_size, eviction_policy=policy)
+    l1 = total_tokens // 9 // page_size * page_size
+    return SimConfig(l1_tokens=l1, l2_tokens=total_tokens - l1, page_size=page_size, eviction_policy=policy,
+                     tier_mode=mode, admission=admission)
+
+
+def _run(job: tuple) -> dict:
+    path, mode, total, policy, page_size, admission = job
+    requests = _TRACES.setdefault(path, load_trace(path).requests)
+    start = time.process_time()
+    result = simulate(requests, sim_config(mode, total, policy, page_size, admission))
+    return {"trace": path, "mode": mode, "capacity_tokens": total, "policy": policy, "admission": admission,
+            "hit_ratio": result.hit_ratio, "written_tokens": result.written_tokens,
+            "cpu_s": time.process_time() - start}
+
+
+def sweep(traces: list[str], sizes: list[int], policies: list[str], modes: list[str], page_size: int = 16,
+          jobs: int = 2, admission: bool = False) -> list[dict]:
+    """Every (trace, mode, size, policy) point, each with MIN and its fraction of MIN."""
+    optimum = {(t, s): belady_min(load_trace(t).requests, s, page_size).hit_ratio for t in traces for s in sizes}
+    work = [(t, m, s, p, page_size, admission) for t in traces for m in modes for s in sizes for p in policies]
+    points = []
+    with ProcessPoolExecutor(jobs) as pool:
+        for p in pool.map(_run, work):
+            p["optimal_hit_ratio"] = optimum[(p["trace"], p["capacity_tokens"])]
+            p["fraction_of_min"] = p["hit_ratio"] / p["optimal_hit_ratio"] if p["optimal_hit_ratio"] else 0.0
+            print(json.dumps(p), file=sys.stderr, flush=True)  # progress, one point a line
+            points.append(p)
+    return points
+
+
+def markdown(points: list[dict]) -> str:
+    """One table per trace and mode: a row per policy, hit ratio (fraction of MIN) per capacity."""
+    lines = []
+    for trace in dict.fromkeys(p["trace"] for p in points):
+        for mode in dict.fromkeys(p["mode"] for p in points):
+            rows = [p for p in points if p["trace"] == trace and p["mode"] == mode]
+            sizes = sorted({p["capacity_tokens"] for p in rows})
+            lines += [f"\n{Path(trace).name}, {mode}:", "",
+                      "| policy | " + " | ".join(f"{s / 1e6:g}M" for s in sizes) + " |",
+                      "|---" * (len(sizes) + 1) + "|"]
+            mins = {p["capacity_tokens"]: p["optimal_hit_ratio"] for p in rows}
+            lines.append("| MIN | " + " | ".join(f"{100 * mins[s]:.1f} %" for s in sizes) + " |")
+            for policy in dict.fromkeys(p["policy"] for p in rows):
+                cells = {p["capacity_tokens"]: p for p in rows if p["policy"] == policy}
+                lines.append(f"| {policy} | " + " | ".join(
+                    f"{100 * cells[s]['hit_ratio']:.1f} % ({cells[s]['fraction_of_min']:.2f})" for s in sizes) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("traces", nargs="+")
+    ap.add_argument("--sizes", default="1M,4.5M,10M")
+    ap.add_argument("--policies", default=",".join(p for p in POLICIES if p not in ("priority", "mru")))
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--admission", action="store_true", help="tiers ask the policy before copying to L2")
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--json", metavar="OUT")
+    args = ap.parse_args()
+    points = sweep(args.traces, parse_sizes(args.sizes), args.policies.split(","), args.modes.split(","),
+                   args.page_size, args.jobs, args.admission)
+    print(markdown(points))
+    if args.json:
+        Path(args.json).write_text(json.dumps(points, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

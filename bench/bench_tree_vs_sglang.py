@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from tierkv.bench.trace import load_trace
+from tierkv.replay.trace import load_trace
 from tierkv.radix import RadixKey, RadixTree
 
 ROOT = Path(__file__).resolve().parents[1]

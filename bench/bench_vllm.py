@@ -39,7 +39,7 @@ TRACE = REPO / "tests" / "fixtures" / "conversation_200.jsonl"
 
 def workload(num_requests: int, block_tokens: int, max_prompt: int) -> list[list[int]]:
     """Prompts from the trace: every trace block id maps to its own seeded run of byte tokens."""
-    from tierkv.bench.trace import BLOCK_TOKENS
+    from tierkv.replay.trace import BLOCK_TOKENS
     lines = [json.loads(line) for line in TRACE.read_text().splitlines() if line.strip()]
     lines.sort(key=lambda r: r["timestamp"])
     prompts = []

@@ -1,11 +1,11 @@
 """Eviction policies against Belady's MIN: hit ratio and fraction of MIN per trace, capacity and tiers.
 
-Runs the page-level simulator (tierkv.bench.sim: the real tree and policy objects, slot counts instead
+Runs the page-level simulator (tierkv.replay.sim: the real tree and policy objects, slot counts instead
 of pools; it matches the full replay exactly on LRU) for every policy at every total capacity, as:
 - ``l1``: one tier of the whole capacity (the L1-only radix cache);
 - ``inclusive``: L1 = capacity / 9, L2 the rest, write-through (today's default tiers);
 - ``exclusive``: the same split, L2 holds what L1 dropped (``CacheConfig(tier_mode="exclusive")``).
-MIN is the offline optimum of one tier of the whole capacity (tierkv.bench.optimal).
+MIN is the offline optimum of one tier of the whole capacity (tierkv.replay.optimal).
 
 Run:  /work/venv/bin/python bench/policy_sweep.py TRACE [TRACE...] [--sizes 1M,4.5M,10M]
           [--policies lru,gdsf,...] [--modes l1,inclusive,exclusive] [--json OUT] [--jobs 2]
@@ -20,10 +20,10 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from tierkv.bench.optimal import belady_min
-from tierkv.bench.report import parse_sizes
-from tierkv.bench.sim import SimConfig, simulate
-from tierkv.bench.trace import load_trace
+from tierkv.replay.optimal import belady_min
+from tierkv.replay.report import parse_sizes
+from tierkv.replay.sim import SimConfig, simulate
+from tierkv.replay.trace import load_trace
 from tierkv.eviction import POLICIES
 
 MODES = ("l1", "inclusive", "exclusive")

@@ -253,7 +253,7 @@ def test_l1_l2_copy_failures_degrade_to_recompute():
 
 
 def test_faults_come_from_the_storage_extra_config_json():
-    from tierkv.storage.controller import open_storage
+    from tierkv.cache.l3 import open_storage
 
     cache = HiRadixCache(DeviceKVPool(WORK_SPEC, 64, WORK_PAGE, "cpu"), CacheConfig(page_size=WORK_PAGE))
     with pytest.raises(ValueError, match="eror_rate"):
@@ -270,12 +270,12 @@ def test_real_replay_with_faults_keeps_exact_kv_and_accounting(tmp_path, monkeyp
     import json
     from pathlib import Path
 
-    import tierkv.bench.replay as replay_module
-    from tierkv.bench.replay import ReplayConfig, replay
-    from tierkv.bench.trace import load_trace
+    import tierkv.replay.replay as replay_module
+    from tierkv.replay.replay import ReplayConfig, replay
+    from tierkv.replay.trace import load_trace
     from tests.test_replay import reference_hits
 
-    from tierkv.storage.controller import open_storage
+    from tierkv.cache.l3 import open_storage
 
     stores = []
 

@@ -256,7 +256,7 @@ trace_lines = st.one_of(trace_objects.map(json.dumps), json_values.map(json.dump
 @FUZZ
 @given(text=trace_lines)
 def test_trace_lines_parse_or_name_their_line(text):
-    from tierkv.bench.trace import TraceError, parse_line
+    from tierkv.replay.trace import TraceError, parse_line
 
     try:
         request = parse_line(text, 7, 0)

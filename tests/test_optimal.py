@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierkv.bench.optimal import belady_min
-from tierkv.bench.trace import TraceRequest, load_trace
+from tierkv.replay.optimal import belady_min
+from tierkv.replay.trace import TraceRequest, load_trace
 
 FIXTURE = Path(__file__).parent / "fixtures" / "conversation_200.jsonl"
 

@@ -1,12 +1,12 @@
 """The policies of the eviction package: victim order on tiny trees, hooks, admission, sharing with the
-simulator (tierkv.bench.sim), and exclusive tiers in the real cache."""
+simulator (tierkv.replay.sim), and exclusive tiers in the real cache."""
 
 import pytest
 import torch
 
-from tierkv.bench.replay import ReplayConfig, replay
-from tierkv.bench.sim import from_cache_config, simulate
-from tierkv.bench.trace import load_trace
+from tierkv.replay.replay import ReplayConfig, replay
+from tierkv.replay.sim import from_cache_config, simulate
+from tierkv.replay.trace import load_trace
 from tierkv.config import CacheConfig
 from tierkv.eviction import POLICIES, eviction_order, fingerprint, get_policy
 from tierkv.eviction.hitdensity import HitDensity

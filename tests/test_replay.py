@@ -2,9 +2,9 @@ from pathlib import Path
 
 import pytest
 
-from tierkv.bench.optimal import belady_min
-from tierkv.bench.replay import ReplayConfig, TraceReplayer, replay
-from tierkv.bench.trace import TraceRequest, load_trace
+from tierkv.replay.optimal import belady_min
+from tierkv.replay.replay import ReplayConfig, TraceReplayer, replay
+from tierkv.replay.trace import TraceRequest, load_trace
 
 FIXTURE = Path(__file__).parent / "fixtures" / "conversation_200.jsonl"
 

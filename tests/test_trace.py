@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from tierkv.bench.trace import BLOCK_TOKENS, MAX_INPUT_TOKENS, TraceError, load_trace, parse_line, parse_lines
+from tierkv.replay.trace import BLOCK_TOKENS, MAX_INPUT_TOKENS, TraceError, load_trace, parse_line, parse_lines
 
 FIXTURE = Path(__file__).parent / "fixtures" / "conversation_200.jsonl"
 

@@ -20,7 +20,7 @@ DEFAULT_L2_TOKENS = "4M"  # 8x L1: ~0.5 TiB of host memory
 
 
 def _replay_parser(sub: argparse._SubParsersAction) -> None:
-    from tierkv.bench.ttft import GPU_PEAK_FLOPS, MODELS
+    from tierkv.replay.ttft import GPU_PEAK_FLOPS, MODELS
 
     p = sub.add_parser("replay", help="replay a Mooncake-format trace through L1/L2/L3 with baselines",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -67,7 +67,7 @@ def _replay_parser(sub: argparse._SubParsersAction) -> None:
 
 def token_count(text: str) -> int:
     """argparse type: a token count such as 500000, 500k or 1.5M (argparse names the flag in its error)."""
-    from tierkv.bench.report import parse_size
+    from tierkv.replay.report import parse_size
 
     try:
         return parse_size(text)
@@ -106,7 +106,7 @@ def _dispatch(func_name: str, argv: list[str], what: str) -> int:
 
 
 def _model_from_args(args: argparse.Namespace):
-    from tierkv.bench.ttft import GPU_PEAK_FLOPS, Link, TTFTModel, get_model
+    from tierkv.replay.ttft import GPU_PEAK_FLOPS, Link, TTFTModel, get_model
 
     if not 0 < args.mfu <= 1:
         raise ValueError(f"--mfu must be in (0, 1], got {args.mfu!r}")
@@ -127,10 +127,10 @@ def _sweep_policies(args: argparse.Namespace) -> list[str]:
 def replay_main(args: argparse.Namespace) -> int:
     import torch
 
-    from tierkv.bench.replay import ReplayConfig
-    from tierkv.bench.report import (build_report, parse_size, parse_sizes, plot_report, plot_sweep,
+    from tierkv.replay.replay import ReplayConfig
+    from tierkv.replay.report import (build_report, parse_size, parse_sizes, plot_report, plot_sweep,
                                      print_report, run_all, run_sweep, write_json)
-    from tierkv.bench.trace import load_trace
+    from tierkv.replay.trace import load_trace
 
     l2 = parse_size(args.l2_tokens)
     config = ReplayConfig(l1_tokens=parse_size(args.l1_tokens), l2_tokens=l2 or None, page_size=args.page_size,

@@ -22,12 +22,12 @@ from tierkv.config import CacheConfig
 from tierkv.eviction import eviction_order, get_policy
 from tierkv.eviction.tiers import promote_loaded, tier_orders
 from tierkv.failed_loads import FailedLoads
-from tierkv.hicache_l3 import StorageTierMethods
+from tierkv.cache.l3_methods import StorageTierMethods
 from tierkv.layer_load import DeferredLoads, LayerLoads
 from tierkv.pools.kv import DeviceKVPool, HostKVPool, host_pool_tokens
 from tierkv.radix import MatchPath, RadixKey, RadixTree, TreeNode
 from tierkv.retire import Retirements
-from tierkv.storage.controller import StorageController
+from tierkv.cache.l3 import StorageController
 from tierkv.tp import TPGroup
 from tierkv.transfer import CopyHandle, TransferController, resolve_host_layout
 
@@ -39,7 +39,7 @@ _EMPTY = torch.empty(0, dtype=torch.int64)
 class HiRadixCache(StorageTierMethods):
     """Prefix cache over L1 (device) and L2 (host) tiers; see the module docstring for contracts.
 
-    The L3 tier's methods (attach_storage, prefetch_from_storage, ...) come from :mod:`tierkv.hicache_l3`.
+    The L3 tier's methods (attach_storage, prefetch_from_storage, ...) come from :mod:`tierkv.cache.l3_methods`.
     """
 
     def __init__(self, device_pool: DeviceKVPool, config: CacheConfig | None = None,

@@ -1,1 +1,1 @@
-"""L3 storage tier: page stores keyed by chained page hashes, and the prefetch/backup workers."""
+"""L3 storage tier: page stores keyed by chained page hashes (the L3 policy over tree nodes is tierkv.cache)."""

@@ -3,7 +3,7 @@
 It runs the real :class:`tierkv.radix.RadixTree` and the real policy objects (:mod:`tierkv.eviction`),
 keyed by page (one key element per ``page_size`` tokens: the first token id of the page, which names the
 page and, in Mooncake-format traces, its whole prefix), with slot counts instead of KV pools. Per
-request it does what :class:`tierkv.bench.replay.TraceReplayer` does: match, load the host part back
+request it does what :class:`tierkv.replay.replay.TraceReplayer` does: match, load the host part back
 (when it is at least ``load_back_threshold`` tokens and L1 has room), evict for the new suffix with
 the prefix locked, insert, count a use on every node of the path, then write to L2 per the tier mode.
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-from tierkv.bench.trace import TraceRequest
+from tierkv.replay.trace import TraceRequest
 from tierkv.config import CacheConfig
 from tierkv.eviction import Policy, eviction_order, get_policy
 from tierkv.eviction.tiers import promote_loaded, tier_orders

@@ -25,7 +25,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-from tierkv.bench.trace import BLOCK_TOKENS, TraceRequest
+from tierkv.replay.trace import BLOCK_TOKENS, TraceRequest
 
 _NEVER = 1 << 62
 

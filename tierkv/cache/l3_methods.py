@@ -1,7 +1,7 @@
 """The L3-facing methods of :class:`tierkv.hicache.HiRadixCache`, which delegate to its StorageController.
 
 Kept beside hicache.py so that module holds the L1/L2 policy only; the L3 policy itself lives in
-:mod:`tierkv.storage.controller`.
+:mod:`tierkv.cache.l3`.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from tierkv.hashing import HashNamespace
 from tierkv.radix import RadixKey, TreeNode
 from tierkv.storage.base import PageStore
 from tierkv.storage.config import StorageConfig
-from tierkv.storage.controller import StorageController
+from tierkv.cache.l3 import StorageController
 from tierkv.transfer import TransferController
 
 

@@ -24,12 +24,12 @@ from typing import Callable
 
 import torch
 
-from tierkv.bench.trace import TraceRequest
+from tierkv.replay.trace import TraceRequest
 from tierkv.config import CacheConfig
 from tierkv.hicache import HiRadixCache, MatchResult
 from tierkv.pools import DeviceKVPool, HostKVPool, KVSpec
 from tierkv.radix import RadixKey
-from tierkv.storage.controller import open_storage
+from tierkv.cache.l3 import open_storage
 from tierkv.storage.factory import redact_spec
 from tierkv.validate import check_bool, check_int, check_text
 

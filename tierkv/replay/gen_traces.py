@@ -16,8 +16,8 @@ rag: each request = a shared system prompt (one of 3, 300-800 tokens) + ``docs_p
   popularity, most relevant first + a unique question (30-200 tokens). Reuse: shallow (system prompt, and
   the first chunk or two when the same popular chunks rank first), long reuse distances for the tail.
 
-Run:  python -m tierkv.bench.gen_traces agent OUT.jsonl [--requests 4000] [--seed 0]
-      python -m tierkv.bench.gen_traces rag OUT.jsonl [--requests 4000] [--seed 0]
+Run:  python -m tierkv.replay.gen_traces agent OUT.jsonl [--requests 4000] [--seed 0]
+      python -m tierkv.replay.gen_traces rag OUT.jsonl [--requests 4000] [--seed 0]
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import json
 import random
 from pathlib import Path
 
-from tierkv.bench.trace import BLOCK_TOKENS
+from tierkv.replay.trace import BLOCK_TOKENS
 
 Piece = tuple[int, int]  # (piece id, tokens)
 

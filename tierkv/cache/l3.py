@@ -35,11 +35,11 @@ import torch
 from tierkv.hashing import HashNamespace, page_hashes
 from tierkv.radix import RadixKey, TreeNode
 from tierkv.retire import Retirements
-from tierkv.storage.backup import Backup
+from tierkv.cache.l3_backup import Backup
 from tierkv.storage.base import PageStore
 from tierkv.storage.config import StorageConfig
 from tierkv.storage.factory import BACKEND_OPTIONS, open_store, parse_spec
-from tierkv.storage.prefetch import NUM_MAX_COUNTS, NUM_MIN_COUNTS, Prefetch
+from tierkv.cache.l3_prefetch import NUM_MAX_COUNTS, NUM_MIN_COUNTS, Prefetch
 from tierkv.storage.worker import IOWorker, stop_workers
 
 if TYPE_CHECKING:

@@ -5,7 +5,7 @@ Baselines, all on the same requests:
 - L1-only: a plain radix cache (the same HiRadixCache with no host tier) whose L1 holds
   ``l1_tokens + l2_tokens``: all the memory the tiered run has in L1 and L2 together, as if it were one
   tier. It shows what the tiers give up in hit ratio for putting most of the capacity in cheaper memory;
-- optimal: Belady's MIN (:mod:`tierkv.bench.optimal`) at the same total capacity ``l1_tokens +
+- optimal: Belady's MIN (:mod:`tierkv.replay.optimal`) at the same total capacity ``l1_tokens +
   l2_tokens``; with an L3 tier, at ``l1_tokens + l2_tokens + l3_tokens`` for a bounded L3 (unbounded
   when ``l3_tokens`` is None), plus MIN at L1 + L2 alone so each tier's distance from its own optimum
   shows. No cache of that capacity replaying this trace can hit more tokens.
@@ -29,10 +29,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from tierkv.bench.optimal import OptimalResult, belady_min
-from tierkv.bench.replay import ReplayConfig, ReplayResult, replay
-from tierkv.bench.trace import Trace
-from tierkv.bench.ttft import TTFTModel
+from tierkv.replay.optimal import OptimalResult, belady_min
+from tierkv.replay.replay import ReplayConfig, ReplayResult, replay
+from tierkv.replay.trace import Trace
+from tierkv.replay.ttft import TTFTModel
 from tierkv.storage.factory import redact_spec
 
 _SIZE_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9}
@@ -287,7 +287,7 @@ def _sweep_hit_ratios(requests: list, config: ReplayConfig, engine: str, on_requ
     """Hit ratios of the tiered cache and of one tier of its total size, by replay or by simulator."""
     flat = replace(config, l1_tokens=config.total_tokens, l2_tokens=None)
     if engine == "sim":
-        from tierkv.bench.sim import from_cache_config, simulate
+        from tierkv.replay.sim import from_cache_config, simulate
 
         return tuple(simulate(requests, from_cache_config(c.cache_config(), c.l1_tokens, c.l2_tokens)).hit_ratio
                      for c in (config, flat))
@@ -298,7 +298,7 @@ def run_sweep(trace: Trace, config: ReplayConfig, sizes: list[int], console: Con
               policies: list[str] | None = None, engine: str = "replay") -> list[dict]:
     """Hit ratio against total capacity: tiered (same L1:L2 split), L1-only and MIN at each size, for
     ``config``'s policy and each of ``policies``; ``engine`` "sim" uses the page-level simulator
-    (:mod:`tierkv.bench.sim`, the same tree and policies without KV pools) instead of the replay."""
+    (:mod:`tierkv.replay.sim`, the same tree and policies without KV pools) instead of the replay."""
     if engine not in ("replay", "sim"):
         raise ValueError(f"sweep engine {engine!r} is not one of ['replay', 'sim']")
     names = list(dict.fromkeys([config.eviction_policy] + list(policies or [])))

@@ -62,3 +62,11 @@ def test_password_is_masked_in_config_errors(tmp_path, capsys):
     assert rc == 2
     err = capsys.readouterr().err
     assert "needs an L2 tier" in err and SECRET not in err and "***" in err
+
+
+def test_a_db_index_the_server_refuses_is_a_one_line_error(tmp_path, capsys):
+    with running(RedisServer.start) as server:
+        url = server.url.rsplit("/", 1)[0] + "/99999"  # redis-server has 16 dbs by default
+        assert _replay(url, tmp_path / "r.json") == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "redis db 99999" in err and "Traceback" not in err

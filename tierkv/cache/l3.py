@@ -84,6 +84,7 @@ def open_storage(cache: "HiRadixCache", spec: str, extra_config: str | None,
     config = StorageConfig.from_json(extra_config, backend_keys=BACKEND_OPTIONS[backend])
     ns = resolve_namespace(namespace, config.hash_algorithm)
     store = open_store(spec, ns.name(), cache.host_pool.page_nbytes, dict(config.backend_config))
+    store.check_config()  # opening is lazy; a refused setting is an error now, not a silent miss later
     cache.attach_storage(store, config, ns)
     return cache.storage
 

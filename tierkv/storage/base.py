@@ -227,6 +227,10 @@ class PageStore(ABC):
     def clear(self) -> None:
         """Remove every page of this store's namespace/prefix."""
 
+    def check_config(self) -> None:
+        """Raise ValueError for a setting the backend refuses (a Redis db index out of range). A backend
+        that is down or slow is no error here: that only costs hits. Default: nothing to check."""
+
     def close(self) -> None:
         """Release connections and files."""
 

@@ -66,6 +66,18 @@ class RedisStore(PageStore):
                            socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
                            retry=Retry(NoBackoff(), 0), retry_on_error=[], health_check_interval=0)
 
+    def check_config(self) -> None:
+        """One PING: a db index the server refuses is a configuration error (raised); anything else (the
+        server down, slow, or not Redis) is left to the backoff, which turns it into misses."""
+        try:
+            self.client.ping()
+        except redis.ResponseError as exc:
+            if "DB index" in str(exc):
+                raise ValueError(f"redis db {self.address.rsplit('/', 1)[1]} is refused by the server at "
+                                 f"{self.address}: {exc}") from None
+        except (redis.RedisError, OSError):
+            pass
+
     def redis_key(self, key: str) -> str:
         return self.key_prefix + check_key(key)
 

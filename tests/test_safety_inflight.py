@@ -246,7 +246,7 @@ def test_seed_cache_is_bounded_and_evicted_seeds_recompute_alike(monkeypatch):
     for i in range(12):  # one tenant per extra key, each backed up to L3
         kvs[i] = compute_and_insert(cache, RadixKey(tokens, f"tenant-{i}"), seed=100 + i)
         cache.flush()
-        assert len(cache.storage._seeds) <= 4
+        assert cache.storage._seed.cache_info().currsize <= 4
     drop_l1_l2(cache)
     for i in (0, 11):  # tenant 0's seed was evicted long ago: recomputed, it names the same pages
         _, got = fetch_and_load(cache, RadixKey(tokens, f"tenant-{i}"), request_id=f"r{i}")

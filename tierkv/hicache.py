@@ -16,18 +16,18 @@ import logging
 import numpy as np
 import torch
 
+from tierkv.cache.l3 import StorageController
+from tierkv.cache.l3_methods import StorageTierMethods
 from tierkv.cache_records import (CacheStats, LoadResult, MatchResult, PendingLoad, PendingWrite,  # noqa: F401
                                   _WriteBackBatch)
 from tierkv.config import CacheConfig
 from tierkv.eviction import eviction_order, get_policy
 from tierkv.eviction.tiers import promote_loaded, tier_orders
 from tierkv.failed_loads import FailedLoads
-from tierkv.cache.l3_methods import StorageTierMethods
 from tierkv.layer_load import DeferredLoads, LayerLoads
 from tierkv.pools.kv import DeviceKVPool, HostKVPool, host_pool_tokens
 from tierkv.radix import MatchPath, RadixKey, RadixTree, TreeNode
 from tierkv.retire import Retirements
-from tierkv.cache.l3 import StorageController
 from tierkv.tp import TPGroup
 from tierkv.transfer import CopyHandle, TransferController, resolve_host_layout
 
@@ -162,8 +162,9 @@ class HiRadixCache(StorageTierMethods):
             key, device_slots = self.failed_loads.cut_key(key, device_slots)
         result = self.tree.insert(key, device_slots, priority)
         self._free_duplicates(device_slots, result.shared)
+        owned = result.prefix_len + (len(result.new_node) if result.new_node else 0)
         if chunked:
-            return result.prefix_len + (len(result.new_node) if result.new_node else 0)
+            return owned
         revived = {id(n) for n in result.revived}
         threshold = self.config.write_threshold
         for node in result.path:
@@ -177,7 +178,7 @@ class HiRadixCache(StorageTierMethods):
             hot = [n for n in result.path if n.host_value is None and n.hit_count >= threshold]
             if hot and self._admit(hot[-1]):
                 self.write_backup(hot[-1])
-        return result.prefix_len + (len(result.new_node) if result.new_node else 0)
+        return owned
 
     def _free_duplicates(self, device_slots: torch.Tensor, shared: list[tuple[TreeNode, int, int]]) -> None:
         """Free the caller's slots that duplicate KV already held by ``shared`` nodes, in one batch
@@ -318,13 +319,17 @@ class HiRadixCache(StorageTierMethods):
 
     def flush(self) -> None:
         """Wait for every copy in flight (and L3 I/O, bounded) and retire it. Lock contract: releases their locks."""
+        self._finish_copies()
+        if self.storage is not None:  # the writes just retired may have started backups to L3
+            self.storage.flush()
+            self.step()
+
+    def _finish_copies(self) -> None:
+        """Start the deferred loads, wait for every L1<->L2 copy and retire what finished."""
         if self.transfer is not None:
             self.deferred_loads.start()
             self.transfer.synchronize()
         self.step()
-        if self.storage is not None:  # the writes just retired may have started backups to L3
-            self.storage.flush()
-            self.step()
 
     # ---- load back ---------------------------------------------------------------------------
     def init_load_back(self, last_node: TreeNode, mem_quota: int | None = None, defer: bool = False) -> LoadResult:
@@ -530,10 +535,7 @@ class HiRadixCache(StorageTierMethods):
     def close(self) -> None:
         """Finish in-flight copies and stop background threads; L3 workers get one ``io_wait_timeout_s``
         in all (a flush first would spend a second one waiting for them)."""
-        if self.transfer is not None:
-            self.deferred_loads.start()
-            self.transfer.synchronize()
-        self.step()
+        self._finish_copies()
         if self.storage is not None:
             self.storage.close()
         if self.transfer is not None:

@@ -112,6 +112,15 @@ def copy_layer(src: PagedKVBuffer, src_pages: torch.Tensor, dst: PagedKVBuffer, 
     dst_layer.index_copy_(1, dst_pages.to(dst.device), data.to(dst.device, non_blocking=True))
 
 
+def _page_mapping(kind: str, src: PagedKVBuffer, src_slots: torch.Tensor, dst: PagedKVBuffer,
+                  dst_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The source and destination pages of a copy; ValueError when their counts differ."""
+    src_pages, dst_pages = src.allocator.slots_to_pages(src_slots), dst.allocator.slots_to_pages(dst_slots)
+    if len(src_pages) != len(dst_pages):
+        raise ValueError(f"{kind}: {len(src_slots)} source slots vs {len(dst_slots)} destination slots")
+    return src_pages, dst_pages
+
+
 # CPU copies up to this size run on the submitting thread: a hand-off to the worker (queue, event,
 # GIL switches) costs ~100 us, more than copying this many bytes.
 _INLINE_COPY_MAX_BYTES = 256 * 1024
@@ -201,9 +210,7 @@ class TransferController:
         """Queue an L2 -> L1 copy that moves one layer at a time, each layer signalled on its own (see
         :meth:`CopyHandle.wait_layer`); one ack per payload, all sharing the handle."""
         src, dst = self.host_pool, self.device_pool
-        src_pages, dst_pages = src.allocator.slots_to_pages(host_slots), dst.allocator.slots_to_pages(device_slots)
-        if len(src_pages) != len(dst_pages):
-            raise ValueError(f"load: {len(host_slots)} source slots vs {len(device_slots)} destination slots")
+        src_pages, dst_pages = _page_mapping("load", src, host_slots, dst, device_slots)
         handle, num_layers = CopyHandle(), dst.spec.num_layers
         if self.use_cuda:
             self._load_stream.wait_stream(torch.cuda.current_stream(dst.device))
@@ -283,10 +290,7 @@ class TransferController:
 
     def _submit(self, kind: str, src: PagedKVBuffer, src_slots: torch.Tensor, dst: PagedKVBuffer,
                 dst_slots: torch.Tensor) -> CopyHandle:
-        src_pages = src.allocator.slots_to_pages(src_slots)
-        dst_pages = dst.allocator.slots_to_pages(dst_slots)
-        if len(src_pages) != len(dst_pages):
-            raise ValueError(f"{kind}: {len(src_slots)} source slots vs {len(dst_slots)} destination slots")
+        src_pages, dst_pages = _page_mapping(kind, src, src_slots, dst, dst_slots)
         handle = CopyHandle()
         if self.use_cuda:
             stream = self._write_stream if kind == "write" else self._load_stream

@@ -23,9 +23,10 @@ MLA: the latent KV is the same on every rank, so its pages are named without the
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
@@ -107,7 +108,7 @@ class StorageController:
         self.prefetches: dict[str, Prefetch] = {}  # by request id, in start order: running or revoked
         self.draining: list[Prefetch | Backup] = []  # let go while their worker may still touch their slots
         self.backups: deque[Backup] = deque()
-        self._seeds: OrderedDict[str | None, str] = OrderedDict()
+        self._seed = functools.lru_cache(maxsize=MAX_CACHED_SEEDS)(self.namespace.seed)  # one per tenant, bounded
         tp = cache.tp
         # HiCache's backup_skip: one copy of MLA KV, written by rank 0 (reads still agree across ranks)
         self.skip_backup_writes = cache.device_pool.spec.attention == "mla" and tp.rank != 0
@@ -121,16 +122,6 @@ class StorageController:
         self._backup_worker = IOWorker("tierkv-backup")
 
     # ---- hashes -------------------------------------------------------------------------------
-    def _seed(self, extra_key: str | None) -> str:
-        seed = self._seeds.get(extra_key)
-        if seed is not None:
-            self._seeds.move_to_end(extra_key)
-            return seed
-        seed = self._seeds[extra_key] = self.namespace.seed(extra_key)
-        while len(self._seeds) > MAX_CACHED_SEEDS:
-            self._seeds.popitem(last=False)
-        return seed
-
     def path_hashes(self, node: TreeNode) -> list[str]:
         """Page hashes of ``node``'s whole path, attaching them to nodes that lack them."""
         hashes: list[str] = []
@@ -296,7 +287,8 @@ class StorageController:
         slots = torch.cat([n.host_value for n in path])
         pages = self.host_pool.allocator.slots_to_pages(slots).tolist()
         self.tree.inc_host_ref(node)
-        backup = Backup(node, hashes, pages, slots, self.page_size, pass_prefix_keys=self.pass_prefix_keys)
+        backup = Backup(node, hashes, pages, slots, self.page_size,
+                        prefix_hashes=[] if self.pass_prefix_keys else None)
         self.backups.append(backup)
         self.stats.backup_started += 1
         if self.skip_backup_writes:  # rank 0 writes the one copy; retired in queue order like any other

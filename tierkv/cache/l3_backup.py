@@ -10,7 +10,7 @@ import torch
 
 from tierkv.pools.kv import HostKVPool
 from tierkv.radix import TreeNode
-from tierkv.storage.base import PageStore
+from tierkv.storage.base import PageStore, prefix_keys_arg
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class Backup:
     written_pages: int = 0
     failed_pages: int = 0
     agreed_finished: bool = False  # scheduler thread only, once draining
-    pass_prefix_keys: bool = False  # hand each batch the hashes before it (a store that wants them)
+    prefix_hashes: list[str] | None = None  # [] for a store that wants each batch's prefix keys (from the root)
 
     @property
     def num_tokens(self) -> int:
@@ -57,7 +57,7 @@ class Backup:
         return self.done.wait(timeout_s)
 
     def _prefix_keys(self, start: int) -> dict[str, list[str]]:
-        return {"prefix_keys": self.hashes[:start]} if self.pass_prefix_keys else {}
+        return prefix_keys_arg(self.prefix_hashes, self.hashes, start)
 
     def run(self, store: PageStore, host_pool: HostKVPool, batch_pages: int) -> None:
         """Skip the leading run already stored and write the rest (host-pool page views where possible)."""

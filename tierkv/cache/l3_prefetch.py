@@ -26,7 +26,7 @@ import torch
 
 from tierkv.pools.kv import HostKVPool
 from tierkv.radix import RadixKey, TreeNode
-from tierkv.storage.base import PageStore
+from tierkv.storage.base import PageStore, prefix_keys_arg
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +128,9 @@ class Prefetch:
         return True
 
     # ---- worker thread ------------------------------------------------------------------------
+    def _prefix_keys(self, start: int) -> dict[str, list[str]]:
+        return prefix_keys_arg(self.prefix_hashes, self.hashes, start)
+
     def run(self, store: PageStore, host_pool: HostKVPool, batch_pages: int) -> None:
         """Query the leading run of present pages and read it into the host slots, batch by batch."""
         try:
@@ -160,10 +163,6 @@ class Prefetch:
                     return 0
             found = min(self.agreed_found, found)
         return found if found >= self.min_found_pages else 0  # too short to be worth it: revoked
-
-    def _prefix_keys(self, start: int) -> dict[str, list[str]]:
-        """``prefix_keys=`` for a batch starting at page ``start``, or nothing (see PageStore)."""
-        return {} if self.prefix_hashes is None else {"prefix_keys": self.prefix_hashes + self.hashes[:start]}
 
     def _read(self, store: PageStore, host_pool: HostKVPool, start: int, end: int) -> bool:
         pages = self.host_pages[start:end]

@@ -19,6 +19,7 @@ from tierkv.engine.request import Request
 from tierkv.engine.runner import ModelRunner, WorkItem
 from tierkv.hicache import HiRadixCache
 from tierkv.radix import RadixKey
+from tierkv.validate import check_bool, check_int
 
 log = logging.getLogger(__name__)
 
@@ -40,12 +41,9 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_running_requests", "chunk_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            check_int(name, getattr(self, name), minimum=1)
         for name in ("use_prefix_cache", "layerwise_load"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+            check_bool(name, getattr(self, name))
 
 
 @dataclass

@@ -113,6 +113,12 @@ class RateLimitedLog:
         self.logger.warning(msg, *args)
 
 
+def prefix_keys_arg(prefix_hashes: list[str] | None, hashes: list[str], start: int) -> dict[str, list[str]]:
+    """``prefix_keys=`` for a batch of ``hashes`` from ``start`` (see PageStore.accepts_prefix_keys): the
+    hashes before the batch, ``prefix_hashes`` first; nothing when ``prefix_hashes`` is None."""
+    return {} if prefix_hashes is None else {"prefix_keys": prefix_hashes + hashes[:start]}
+
+
 class LruIndex:
     """Sizes of stored pages in recency order: the capacity bookkeeping of a bounded store.
 

@@ -21,7 +21,8 @@ from tierkv.cache.l3_methods import StorageTierMethods
 from tierkv.cache_records import (CacheStats, LoadResult, MatchResult, PendingLoad, PendingWrite,  # noqa: F401
                                   _WriteBackBatch)
 from tierkv.config import CacheConfig
-from tierkv.eviction import eviction_order, get_policy
+from tierkv.eviction import get_policy
+from tierkv.eviction.heap import EvictionHeap
 from tierkv.eviction.tiers import promote_loaded, tier_orders
 from tierkv.failed_loads import FailedLoads
 from tierkv.layer_load import DeferredLoads, LayerLoads
@@ -51,7 +52,9 @@ class HiRadixCache(StorageTierMethods):
         self.device_pool = device_pool
         self.tree = RadixTree(self.config.page_size, bigram=self.config.bigram)
         self.priority = get_policy(self.config.eviction_policy)
-        self._device_order, self._host_order = tier_orders(self.priority, self.config.tier_mode)
+        device_order, host_order = tier_orders(self.priority, self.config.tier_mode)
+        self._device_heap = EvictionHeap(self.tree, "device", device_order)
+        self._host_heap = EvictionHeap(self.tree, "host", host_order)
         self.tp = tp or TPGroup.single()
         self.stats = CacheStats()
         self.host_pool = host_pool
@@ -397,10 +400,7 @@ class HiRadixCache(StorageTierMethods):
         """
         freed, batch = 0, _WriteBackBatch()
         write_back = self.config.writes_on_evict and self.transfer is not None
-        order = eviction_order(self.tree.device_leaves(), self._device_order, self._next_device_candidate)
-        for node in order:
-            if freed >= num_tokens:
-                break
+        for node in self._device_heap.victims() if num_tokens > 0 else ():
             if write_back and node.host_value is None and self._admit(node):
                 self._reserve_write_back(node, batch)
             freed += len(node)
@@ -409,15 +409,13 @@ class HiRadixCache(StorageTierMethods):
             if node.host_value is None:
                 self.tree.remove_leaf(node)
             self.priority.on_evict(node, removed=node.host_value is None)
+            if freed >= num_tokens:
+                break
         self._finish_write_back(batch)
         if batch.evicted_slots:
             self.device_pool.free(torch.cat(batch.evicted_slots))
         self.stats.evicted_device_tokens += freed
         return freed
-
-    def _next_device_candidate(self, node: TreeNode) -> TreeNode | None:
-        parent = node.parent
-        return parent if parent is not None and self.tree.is_device_leaf(parent) else None
 
     def _reserve_write_back(self, node: TreeNode, batch: "_WriteBackBatch") -> None:
         """Give ``node`` and its ancestors not yet in L2 host slots, protected until the batch copy ends."""
@@ -463,24 +461,19 @@ class HiRadixCache(StorageTierMethods):
         nodes with host_ref (in-flight writes, loads, backups) and locked host-only nodes.
         """
         freed, evicted_slots = 0, []
-        order = eviction_order(self.tree.host_leaves(), self._host_order, self._next_host_candidate)
-        for node in order:
-            if freed >= num_tokens:
-                break
+        for node in self._host_heap.victims() if num_tokens > 0 else ():
             freed += len(node)
             evicted_slots.append(node.host_value)
             node.host_value = None
             if node.device_value is None:
                 self.tree.remove_leaf(node)
             self.priority.on_evict(node, removed=node.device_value is None)
+            if freed >= num_tokens:
+                break
         if evicted_slots:  # one free: each call validates its slots, which dominates for small nodes
             self.host_pool.free(torch.cat(evicted_slots))
         self.stats.evicted_host_tokens += freed
         return freed
-
-    def _next_host_candidate(self, node: TreeNode) -> TreeNode | None:
-        parent = node.parent
-        return parent if parent is not None and self.tree.is_host_leaf(parent) else None
 
     def _alloc_device(self, num_tokens: int) -> torch.Tensor | None:
         slots = self.device_pool.alloc(num_tokens)

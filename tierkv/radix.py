@@ -85,15 +85,20 @@ def _token_id(index: int, value: object) -> int:
 class _Frontiers:
     """Per tree: nodes that may be leaves of the device / host subtrees, so eviction need not scan.
 
-    Kept as supersets: a node is added whenever it may have become a leaf (it got a value, or a child
-    lost one) and dropped lazily once seen not to be a leaf any more.
+    ``device`` and ``host`` are supersets of the leaves: a node is added whenever it may have become a
+    leaf (it got a value, or a child lost one) and dropped lazily once seen not to be a leaf any more.
+    ``device_changed`` and ``host_changed`` hold the nodes whose eviction candidacy or key may have
+    changed since an :class:`tierkv.eviction.heap.EvictionHeap` last drained them: those events plus
+    touches, unlocks and (exclusive tiers rank by it) the other tier's value coming or going.
     """
 
-    __slots__ = ("device", "host")
+    __slots__ = ("device", "host", "device_changed", "host_changed")
 
     def __init__(self) -> None:
         self.device: set[TreeNode] = set()
         self.host: set[TreeNode] = set()
+        self.device_changed: set[TreeNode] = set()
+        self.host_changed: set[TreeNode] = set()
 
 
 class TreeNode:
@@ -134,10 +139,14 @@ class TreeNode:
     @device_value.setter
     def device_value(self, value: Any) -> None:
         self._device_value = value
+        frontiers = self._frontiers
+        frontiers.host_changed.add(self)
         if value is not None:
-            self._frontiers.device.add(self)
+            frontiers.device.add(self)
+            frontiers.device_changed.add(self)
         elif self.parent is not None:
-            self._frontiers.device.add(self.parent)  # it may have lost its last device child
+            frontiers.device.add(self.parent)  # it may have lost its last device child
+            frontiers.device_changed.add(self.parent)
 
     @property
     def host_value(self) -> Any:
@@ -146,10 +155,14 @@ class TreeNode:
     @host_value.setter
     def host_value(self, value: Any) -> None:
         self._host_value = value
+        frontiers = self._frontiers
+        frontiers.device_changed.add(self)
         if value is not None:
-            self._frontiers.host.add(self)
+            frontiers.host.add(self)
+            frontiers.host_changed.add(self)
         elif self.parent is not None:
-            self._frontiers.host.add(self.parent)  # it may have lost its last host child
+            frontiers.host.add(self.parent)  # it may have lost its last host child
+            frontiers.host_changed.add(self.parent)
 
     @property
     def evicted(self) -> bool:
@@ -288,6 +301,9 @@ class RadixTree:
                 child.last_access_time = tick
             path.append(child)
             node, pos = child, pos + n
+        if tick is not None:  # touched: an eviction heap re-ranks them
+            self.root._frontiers.device_changed.update(path)
+            self.root._frontiers.host_changed.update(path)
         return MatchPath(path, pos)
 
     def insert(self, key: RadixKey, value: Any, priority: int = 0) -> InsertResult:
@@ -328,6 +344,8 @@ class RadixTree:
             self.set_device_value(leaf, value[pos:])
             result.new_node = leaf
             result.path.append(leaf)
+        self.root._frontiers.device_changed.update(result.path)  # touched: re-ranked by eviction heaps
+        self.root._frontiers.host_changed.update(result.path)
         return result
 
     def add_leaf(self, parent: TreeNode, elems: list, extra_key: str | None) -> TreeNode:
@@ -405,9 +423,12 @@ class RadixTree:
         while node is not self.root and node is not None:
             if node.lock_ref <= 0:
                 raise RuntimeError(f"dec_lock_ref on unlocked node {node.id}")
-            if node.lock_ref == 1 and node.device_value is not None:
-                self.protected_size -= len(node.key)
-                self.evictable_size += len(node.key)
+            if node.lock_ref == 1:  # unlocked: a candidate again for eviction heaps
+                if node.device_value is not None:
+                    self.protected_size -= len(node.key)
+                    self.evictable_size += len(node.key)
+                node._frontiers.device_changed.add(node)
+                node._frontiers.host_changed.add(node)
             node.lock_ref -= 1
             node = node.parent
 
@@ -422,6 +443,8 @@ class RadixTree:
         while node is not self.root and node is not None:
             if node.host_ref <= 0:
                 raise RuntimeError(f"dec_host_ref on unprotected node {node.id}")
+            if node.host_ref == 1:
+                node._frontiers.host_changed.add(node)
             node.host_ref -= 1
             node = node.parent
 
@@ -432,8 +455,9 @@ class RadixTree:
         if node.lock_ref or node.host_ref:
             raise RuntimeError(f"node {node.id} is locked")
         del node.parent.children[self.child_key(node.key, node.extra_key)]
-        node._frontiers.device.discard(node)
-        node._frontiers.host.discard(node)
+        frontiers = node._frontiers
+        for nodes in (frontiers.device, frontiers.host, frontiers.device_changed, frontiers.host_changed):
+            nodes.discard(node)
 
     # ---- traversal ----------------------------------------------------------------------------------
     def nodes(self) -> Iterator[TreeNode]:
@@ -482,9 +506,14 @@ class RadixTree:
 
     def reset(self) -> None:
         self.root.children.clear()
-        self.root._frontiers.device.clear()
-        self.root._frontiers.host.clear()
+        self.root._frontiers = _Frontiers()  # a new object: eviction heaps see the reset and start over
         self.evictable_size = self.protected_size = 0
+
+    def changed_nodes(self, tier: str) -> set[TreeNode]:
+        """Nodes whose eviction candidacy or rank in ``tier`` ("device" or "host") may have changed since
+        the set was last cleared; its one consumer (an eviction heap) clears it. See :class:`_Frontiers`."""
+        frontiers = self.root._frontiers
+        return frontiers.device_changed if tier == "device" else frontiers.host_changed
 
     # ---- integrity ----------------------------------------------------------------------------------
     def check_integrity(self) -> None:

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tierkv.eviction import eviction_order, get_policy
+from tierkv.eviction import get_policy
+from tierkv.eviction.heap import EvictionHeap
 from tierkv.hashing import page_hashes
 from tierkv.integrations.vllm_config import ConnectorConfig, KVGeometry
 from tierkv.pools.allocator import SlotAllocator
@@ -130,6 +131,7 @@ class SchedulerTiers:
         self.tree = RadixTree(self.page_size)
         self.allocator = SlotAllocator(geometry.host_pages * self.page_size, self.page_size)
         self.priority = get_policy(config.eviction_policy)
+        self._host_heap = EvictionHeap(self.tree, "host", self.priority)
         self.namespace = geometry.hash_namespace()
         self.store = store
         self.stats = ConnectorStats()
@@ -290,21 +292,16 @@ class SchedulerTiers:
 
     def _evict(self, num_tokens: int) -> None:
         freed, slots = 0, []
-        order = eviction_order(self.tree.host_leaves(), self.priority, self._next_leaf)
-        for node in order:
-            if freed >= num_tokens:
-                break
+        for node in self._host_heap.victims() if num_tokens > 0 else ():
             freed += len(node)
             slots.append(node.host_value)
             node.host_value = None
             self.tree.remove_leaf(node)
+            if freed >= num_tokens:
+                break
         if slots:
             self.allocator.free(torch.cat(slots))
         self.stats.evicted_tokens += freed
-
-    def _next_leaf(self, node: TreeNode) -> TreeNode | None:
-        parent = node.parent
-        return parent if parent is not None and self.tree.is_host_leaf(parent) else None
 
     # ---- completion --------------------------------------------------------------------------------
     def take_plan(self) -> StepPlan:

@@ -13,20 +13,19 @@ Tier modes (``CacheConfig.tier_mode``):
 - ``exclusive``: L2 holds what L1 dropped: a node is copied to L2 when L1 evicts it (if the policy
   admits it), and loading it back into L1 frees its L2 copy (unless a child still needs it in L2).
 
-Eviction keeps one lazily re-keyed heap per tier (a popped entry whose key moved is pushed again with
-its new key), so a call costs what it evicts, not the size of the frontier. For policies whose keys
-move without the node being touched (``static`` False: ARC) the order is then approximate.
+Eviction keeps one heap per tier across calls (:class:`tierkv.eviction.heap.EvictionHeap`, as the
+cache does), so a call costs what it evicts, not the size of the frontier.
 Checked against the full replay at one point in tests/test_sim.py.
 """
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
 
 from tierkv.replay.trace import TraceRequest
 from tierkv.config import CacheConfig
-from tierkv.eviction import Policy, eviction_order, get_policy
+from tierkv.eviction import get_policy
+from tierkv.eviction.heap import EvictionHeap
 from tierkv.eviction.tiers import promote_loaded, tier_orders
 from tierkv.radix import RadixKey, RadixTree, TreeNode
 
@@ -65,42 +64,6 @@ class SimResult:
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
-class _TierHeap:
-    """Eviction candidates of one tier: a heap of (key, id, node), re-keyed lazily when popped."""
-
-    def __init__(self, policy: Policy, is_leaf, tier: str) -> None:
-        self.policy, self.is_leaf, self.tier, self.heap = policy, is_leaf, tier, []
-        self.deferred: dict[int, TreeNode] = {}  # leaves locked or protected now: back after this pass
-
-    def push(self, node: TreeNode) -> None:
-        heapq.heappush(self.heap, (self.policy(node), node.id, node))
-
-    def restore(self) -> None:
-        for node in self.deferred.values():
-            self.push(node)
-        self.deferred.clear()
-
-    def _locked_leaf(self, node: TreeNode) -> bool:
-        tier = self.tier
-        return ((node.lock_ref or node.host_ref) and getattr(node, tier) is not None
-                and not any(getattr(c, tier) is not None for c in node.children.values()))
-
-    def pop(self) -> TreeNode | None:
-        heap = self.heap
-        while heap:
-            key, _, node = heapq.heappop(heap)
-            if not self.is_leaf(node):
-                if self._locked_leaf(node):
-                    self.deferred[node.id] = node
-                continue  # otherwise pushed again when it becomes a leaf or is touched
-            now = self.policy(node)
-            if now != key:
-                heapq.heappush(heap, (now, node.id, node))
-                continue
-            return node
-        return None
-
-
 class PageSim:
     """One simulated cache; :meth:`serve` one request at a time, read :attr:`result` at the end."""
 
@@ -114,8 +77,8 @@ class PageSim:
         self.l2_pages = (config.l2_tokens or 0) // self.page
         self.l2_used = 0
         device_order, host_order = tier_orders(self.policy, config.tier_mode)
-        self.l1_heap = _TierHeap(device_order, self.tree.is_device_leaf, "device_value")
-        self.l2_heap = _TierHeap(host_order, self.tree.is_host_leaf, "host_value")
+        self.l1_heap = EvictionHeap(self.tree, "device", device_order)
+        self.l2_heap = EvictionHeap(self.tree, "host", host_order)
         self.result = SimResult(config)
 
     @property
@@ -155,9 +118,6 @@ class PageSim:
                 self.policy.on_access(node)
                 if self.config.write_threshold is not None:
                     node.hit_count += 1
-            self.l1_heap.push(node)
-            if node.host_value is not None:
-                self.l2_heap.push(node)
         if result.new_node is not None:
             self.policy.on_insert(result.new_node)
         if self.l2_pages and self.config.tier_mode == "inclusive" and self.config.write_threshold is not None:
@@ -176,42 +136,19 @@ class PageSim:
             return False
         for n in host_part:
             self.tree.set_device_value(n, range(len(n)))
-            self.l1_heap.push(n)
         if self.config.tier_mode == "exclusive":  # promote: the L2 copy is no longer needed
             freed = promote_loaded(self.tree, host_part[-1], num)
             self.l2_used -= sum(len(v) for v in freed)
-            top = host_part[-1]
-            for _ in freed:
-                top = top.parent
-            if top is not self.tree.root and top.host_value is not None:
-                self.l2_heap.push(top)
         return True
 
     def _make_room_l1(self, num_pages: int) -> bool:
         if self.l1_used + num_pages <= self.l1_pages:
             return True
-        for victim in self._victims(self.l1_heap, self.tree.device_leaves):
+        for victim in self.l1_heap.victims():
             self._evict_l1(victim)
             if self.l1_used + num_pages <= self.l1_pages:
                 return True
         return False
-
-    def _victims(self, heap: _TierHeap, frontier):
-        """Leaves in eviction order: from the persistent heap, or (keys that move with time) a heap
-        built over the frontier now, as the cache does."""
-        if self.policy.static:
-            try:
-                while (victim := heap.pop()) is not None:
-                    yield victim
-            finally:
-                heap.restore()
-            return
-
-        def next_leaf(node: TreeNode) -> TreeNode | None:
-            parent = node.parent
-            return parent if parent is not self.tree.root and heap.is_leaf(parent) else None
-
-        yield from eviction_order(frontier(), heap.policy, next_leaf)
 
     def _evict_l1(self, node: TreeNode) -> None:
         on_evict = self.config.tier_mode == "exclusive" or self.config.write_threshold is None
@@ -223,9 +160,6 @@ class PageSim:
         if removed:
             self.tree.remove_leaf(node)
         self.policy.on_evict(node, removed)
-        parent = node.parent
-        if parent is not self.tree.root and parent.device_value is not None:
-            self.l1_heap.push(parent)  # it may be a leaf now (or once unlocked): checked when popped
 
     def _copy_to_l2(self, node: TreeNode) -> bool:
         """Give ``node`` and its ancestors without one an L2 copy, evicting from L2 for room."""
@@ -237,7 +171,7 @@ class PageSim:
         num = sum(len(n) for n in path)
         self.tree.inc_host_ref(node)
         if self.l2_used + num > self.l2_pages:
-            for victim in self._victims(self.l2_heap, self.tree.host_leaves):
+            for victim in self.l2_heap.victims():
                 self._evict_l2(victim)
                 if self.l2_used + num <= self.l2_pages:
                     break
@@ -246,9 +180,6 @@ class PageSim:
             return False
         for n in path:
             n.host_value = range(len(n))
-            self.l2_heap.push(n)
-            if n.device_value is not None:
-                self.l1_heap.push(n)  # its L1 key may have dropped (exclusive: now a duplicate)
         self.l2_used += num
         self.result.written_tokens += num * self.page
         return True
@@ -256,9 +187,6 @@ class PageSim:
     def _drop_host(self, node: TreeNode) -> None:
         node.host_value = None
         self.l2_used -= len(node)
-        parent = node.parent
-        if parent is not self.tree.root and parent.host_value is not None:
-            self.l2_heap.push(parent)
 
     def _evict_l2(self, node: TreeNode) -> None:
         self._drop_host(node)

@@ -1,0 +1,153 @@
+"""The persistent eviction heap evicts in the order a fresh heap over the whole frontier gives.
+
+Two trees get the same random operations; one evicts through :class:`EvictionHeap`, the other through
+the per-call :func:`eviction_order` over the frontier (the way every eviction worked before). Every
+policy, both tier modes; locks, host copies, touches and key rises without an event (hit counts) mixed in.
+"""
+
+import random
+
+import pytest
+
+from tierkv.eviction import POLICIES, eviction_order, get_policy
+from tierkv.eviction.heap import EvictionHeap
+from tierkv.eviction.tiers import tier_orders
+from tierkv.radix import RadixKey, RadixTree
+
+
+def _prefix(tree, node) -> tuple:
+    return tuple(e for n in tree.path_to_root(node) for e in n.key)
+
+
+class _Side:
+    """One tree and its policy; ``persistent`` picks the eviction mechanism."""
+
+    def __init__(self, policy: str, tier_mode: str, persistent: bool) -> None:
+        self.tree = RadixTree(2)
+        self.policy = get_policy(policy)
+        self.orders = dict(zip(("device", "host"), tier_orders(self.policy, tier_mode)))
+        self.heaps = {t: EvictionHeap(self.tree, t, o) for t, o in self.orders.items()} if persistent else None
+        self.locked = []
+
+    def victims(self, tier: str):
+        if self.heaps is not None:
+            return self.heaps[tier].victims()
+        tree = self.tree
+        is_candidate = tree.is_device_leaf if tier == "device" else tree.is_host_leaf
+        frontier = tree.device_leaves() if tier == "device" else tree.host_leaves()
+
+        def next_leaf(node):
+            return node.parent if is_candidate(node.parent) else None
+        return eviction_order(frontier, self.orders[tier], next_leaf)
+
+    def insert(self, ids: list[int]) -> None:
+        result = self.tree.insert(RadixKey(ids), list(range(len(ids))))
+        revived = {id(n) for n in result.revived}
+        for node in result.path:
+            if id(node) not in revived:
+                self.policy.on_access(node)
+        if result.new_node is not None:
+            self.policy.on_insert(result.new_node)
+
+    def node_at(self, ids: list[int]):
+        return self.tree.match(RadixKey(ids), touch=False).last_node
+
+    def copy_to_host(self, ids: list[int]) -> None:
+        node = self.node_at(ids)
+        while node is not None and node is not self.tree.root and node.host_value is None:
+            node.host_value = list(range(len(node)))
+            node = node.parent
+
+    def evict(self, tier: str, num_tokens: int) -> list[tuple]:
+        out, freed = [], 0
+        for node in self.victims(tier) if num_tokens > 0 else ():
+            out.append(_prefix(self.tree, node))
+            freed += len(node)
+            if tier == "device":
+                self.tree.clear_device_value(node)
+                removed = node.host_value is None
+            else:
+                node.host_value = None
+                removed = node.device_value is None
+            if removed:
+                self.tree.remove_leaf(node)
+            self.policy.on_evict(node, removed)
+            if freed >= num_tokens:
+                break
+        return out
+
+
+def _step(rng: random.Random, sides: list[_Side], keys: list[list[int]]) -> None:
+    ids = rng.choice(keys)
+    op = rng.random()
+    if op < 0.35:
+        for s in sides:
+            s.insert(ids)
+    elif op < 0.5:
+        for s in sides:
+            s.tree.match(RadixKey(ids))
+    elif op < 0.6:
+        nodes = [s.node_at(ids) for s in sides]  # every side: a match may split
+        if all(n is not None and n.device_value is not None for n in nodes):
+            for s, node in zip(sides, nodes):
+                s.tree.inc_lock_ref(node)
+                s.locked.append(node)
+    elif op < 0.7:
+        if sides[0].locked:
+            i = rng.randrange(len(sides[0].locked))
+            for s in sides:
+                s.tree.dec_lock_ref(s.locked.pop(i))
+    elif op < 0.8:
+        for s in sides:
+            s.copy_to_host(ids)
+    elif op < 0.85:
+        bump = rng.randrange(1, 6)
+        for s in sides:
+            node = s.node_at(ids)
+            if node is not None:  # keys that rise with no tree event
+                node.hit_count += bump
+                node.priority += bump
+    else:
+        tier, num = rng.choice(["device", "host"]), rng.randrange(1, 12)
+        orders = [s.evict(tier, num) for s in sides]
+        assert orders[0] == orders[1], (tier, num, orders)
+    for s in sides:
+        s.tree.check_integrity()
+
+
+@pytest.mark.parametrize("tier_mode", ["inclusive", "exclusive"])
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_heap_order_matches_a_fresh_heap_over_the_frontier(policy, tier_mode):
+    for seed in range(4):
+        rng = random.Random(seed)
+        stems = [[rng.randrange(4) for _ in range(2 * rng.randrange(1, 4))] for _ in range(5)]
+        keys = [stem + [rng.randrange(4) for _ in range(2 * rng.randrange(0, 3))] for stem in stems for _ in range(3)]
+        sides = [_Side(policy, tier_mode, persistent=True), _Side(policy, tier_mode, persistent=False)]
+        for _ in range(300):
+            _step(rng, sides, keys)
+
+
+def test_stopping_early_keeps_the_rest_for_the_next_call():
+    tree = RadixTree()
+    heap = EvictionHeap(tree, "device", get_policy("lru"))
+    nodes = [tree.insert(RadixKey([i]), [0]).new_node for i in range(4)]
+    first = next(heap.victims())
+    assert first is nodes[0]
+    tree.clear_device_value(first)
+    tree.remove_leaf(first)
+    assert [n.id for n in heap.victims()] == [n.id for n in nodes[1:]]
+
+
+def test_a_reset_tree_forgets_its_old_nodes():
+    tree = RadixTree()
+    heap = EvictionHeap(tree, "device", get_policy("lru"))
+    tree.insert(RadixKey([1]), [0])
+    assert len(list(heap.victims())) == 1  # seen, not evicted
+    tree.reset()
+    fresh = tree.insert(RadixKey([2]), [0]).new_node
+    assert [n.id for n in heap.victims()] == [fresh.id]
+
+
+def test_bad_tier_is_refused():
+    with pytest.raises(ValueError, match="'disk'"):
+        EvictionHeap(RadixTree(), "disk", get_policy("lru"))

@@ -1,0 +1,94 @@
+"""Eviction candidates of one tier kept across calls, so an eviction costs what it evicts.
+
+Rebuilding a heap over the whole leaf frontier on every call costs O(leaves) to free a node or two. Here
+one heap per tier lives as long as the tree. The tree records the nodes whose candidacy or key may have
+changed since the heap last looked (:meth:`tierkv.radix.RadixTree.changed_nodes`: a value gained or lost,
+a child's value lost, an unlock, a touch by match or insert); each call first pushes those that are
+candidates now, then pops.
+
+Why the order is the one a fresh heap over the frontier would give: every event that can *lower* a
+node's key (a touch, the other tier's copy gained under exclusive tiers) marks the node, so it is
+pushed again with its new key; a key that only *rose* (uses counted, priority raised) leaves an entry
+that is too small, which is popped early, found stale by recomputing the key, and pushed again. An
+entry for a node that is not a candidate when popped (locked, not a leaf, gone) is dropped: the event
+that makes it one again marks it. Policies whose keys move without any node event (``static`` False:
+they age every node at once) keep the old per-call heap over the frontier.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from typing import Any, Callable, Iterator
+
+from tierkv.eviction.base import eviction_order
+
+_COMPACT_SLACK = 1024  # stale entries tolerated beyond twice the live ones before the heap is rebuilt
+
+
+class EvictionHeap:
+    """Candidates of ``tier`` ("device" or "host") of ``tree`` in ``order`` (a policy, or any callable
+    with a ``static`` flag). One heap per tier per tree: it consumes the tree's change set."""
+
+    def __init__(self, tree: Any, tier: str, order: Callable[[Any], tuple]) -> None:
+        if tier not in ("device", "host"):
+            raise ValueError(f"tier must be 'device' or 'host', got {tier!r}")
+        self.tree, self.tier, self.order = tree, tier, order
+        self._is_candidate = tree.is_device_leaf if tier == "device" else tree.is_host_leaf
+        self._frontier = tree.device_leaves if tier == "device" else tree.host_leaves
+        self._changed: set | None = None
+        self._heap: list[tuple] = []
+        self._live: dict[int, int] = {}  # node id -> sequence number of its one valid entry
+        self._seq = itertools.count()
+
+    def victims(self) -> Iterator:
+        """Candidates in eviction order. The caller evicts each node yielded before asking for the next
+        (its parent may join then); stopping early keeps the rest for the next call."""
+        changed = self.tree.changed_nodes(self.tier)
+        if changed is not self._changed:  # first call, or the tree was reset: forget the old nodes
+            self._changed, self._heap, self._live = changed, [], {}
+            changed.update(self._frontier())
+        if not getattr(self.order, "static", True):
+            changed.clear()  # keys move with time: ranked afresh on every call, as before
+            return eviction_order(self._frontier(), self.order, self._next_leaf)
+        return self._pop_all()
+
+    def _next_leaf(self, node: Any) -> Any:
+        parent = node.parent
+        return parent if parent is not None and self._is_candidate(parent) else None
+
+    def _pop_all(self) -> Iterator:
+        heap, live, order, is_candidate = self._heap, self._live, self.order, self._is_candidate
+        self._drain()
+        while heap:
+            key, node_id, seq, node = heapq.heappop(heap)
+            if live.get(node_id) != seq:
+                continue  # superseded by a newer entry
+            del live[node_id]
+            if not is_candidate(node):
+                continue
+            now = order(node)
+            if now != key:  # the key rose since the push: take its place again
+                self._push(node, now)
+                continue
+            yield node
+            self._drain()
+
+    def _drain(self) -> None:
+        changed = self._changed
+        if not changed:
+            return
+        is_candidate, order = self._is_candidate, self.order
+        for node in changed:
+            if is_candidate(node):
+                self._push(node, order(node))
+        changed.clear()
+        if len(self._heap) > 2 * len(self._live) + _COMPACT_SLACK:
+            live = self._live
+            self._heap[:] = [e for e in self._heap if live.get(e[1]) == e[2]]  # in place: a pop loop holds it
+            heapq.heapify(self._heap)
+
+    def _push(self, node: Any, key: tuple) -> None:
+        seq = next(self._seq)
+        self._live[node.id] = seq
+        heapq.heappush(self._heap, (key, node.id, seq, node))

@@ -1,19 +1,27 @@
 """Radix tree microbenchmark: tierkv's RadixTree against SGLang's own Python RadixCache, side by side.
 
-Both trees get the same sequence: for each request, match its key, then insert it with a value tensor of
-slot ids (a scheduler's pattern: one key object per request, used for both). Workloads:
+Both trees get the same sequence, token ids as ``array('q')`` as SGLang's scheduler holds them (its
+tokenizer manager builds one per request). Per request: build the key, match it, evict what the
+uncached suffix needs beyond the capacity, insert it with a value tensor of slot ids. Phases:
+- ``cold``: no capacity limit (the tree grows), then one ``evict all`` of the whole tree;
+- ``steady``: capacity = ``--capacity-fraction`` of the tokens the cold build held (LRU eviction).
+Each op (match, insert, evict) is timed on its own in CPU time (``time.thread_time``); a repeat runs
+both trees back to back, repeats alternate which goes first, and each ratio (SGLang time / tierkv time,
+above 1: tierkv faster) is reported as min and median over the repeats. Workloads:
 - ``trace``: the first N prompts of conversation_trace.jsonl (12k tokens on average), page size 16;
 - ``chat``: short multi-turn keys (64-1024 tokens, shared system prompts), page size 1.
 
 SGLang needs its own environment; `bash scripts/setup_sglang_venv.sh` builds it (.venv-sglang, sharing
 tierkv's torch; a torchvision stand-in is written to a temp dir when ``torchvision`` is missing). Run:
-    PYTHONPATH=. .venv-sglang/bin/python bench/bench_tree_vs_sglang.py
+    PYTHONPATH=. .venv-sglang/bin/python bench/bench_tree_vs_sglang.py [--repeats 5]
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import statistics
+from array import array
 import sys
 import tempfile
 import time
@@ -21,8 +29,10 @@ from pathlib import Path
 
 import torch
 
-from tierkv.replay.trace import load_trace
+from tierkv.eviction import get_policy
+from tierkv.eviction.heap import EvictionHeap
 from tierkv.radix import RadixKey, RadixTree
+from tierkv.replay.trace import load_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT / "data" / "traces" / "conversation_trace.jsonl.gz"  # shipped with the repository
@@ -65,9 +75,9 @@ def import_sglang():
 
     logging.disable(logging.WARNING)
     from sglang.srt.mem_cache import radix_cache
-    from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
 
-    return radix_cache, InsertParams, MatchPrefixParams
+    return radix_cache, InsertParams, MatchPrefixParams, EvictParams
 
 
 def trace_workload(path: str, n: int) -> list[list[int]]:
@@ -92,71 +102,157 @@ def chat_workload(n: int, seed: int = 0) -> list[list[int]]:
     return out
 
 
-def run_tierkv(seqs: list[list[int]], page_size: int) -> tuple[float, float]:
-    tree = RadixTree(page_size)
+OPS = ("match", "insert", "evict")
+
+
+class _Timer:
+    """Seconds of thread CPU time per op."""
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(OPS + ("evict all",), 0.0)
+
+
+class TierkvSide:
+    name = "tierkv"
+
+    def __init__(self, page_size: int) -> None:
+        self.tree = RadixTree(page_size)
+        self.heap = EvictionHeap(self.tree, "device", get_policy("lru"))
+
+    def key(self, ids: array):
+        return RadixKey(ids)
+
+    def match(self, key) -> int:
+        return self.tree.match(key).num_tokens
+
+    def insert(self, key, value) -> None:
+        self.tree.insert(key, value)
+
+    def size(self) -> int:
+        return self.tree.evictable_size + self.tree.protected_size
+
+    def evict(self, num_tokens: int) -> None:
+        freed, tree = 0, self.tree
+        for node in self.heap.victims():
+            freed += len(node)
+            tree.clear_device_value(node)
+            tree.remove_leaf(node)
+            if freed >= num_tokens:
+                break
+
+
+class _NoAllocator:
+    """What SGLang's simulated cache needs of an allocator to evict: a device and a free that frees."""
+
+    device = "cpu"
+
+    def free_segment(self, indices, start_pos: int = 0) -> None:
+        pass
+
+
+class SglangSide:
+    name = "sglang"
+
+    def __init__(self, page_size: int, sgl) -> None:
+        self.radix_cache, self.InsertParams, self.MatchPrefixParams, self.EvictParams = sgl
+        self.cache = self.radix_cache.RadixCache.create_simulated(page_size=page_size,
+                                                                  mock_allocator=_NoAllocator())
+
+    def key(self, ids: array):
+        return self.radix_cache.RadixKey(ids)
+
+    def match(self, key) -> int:
+        return self.cache.match_prefix(self.MatchPrefixParams(key=key)).device_prefix_len
+
+    def insert(self, key, value) -> None:
+        self.cache.insert(self.InsertParams(key=key, value=value))
+
+    def size(self) -> int:
+        return self.cache.evictable_size() + self.cache.protected_size()
+
+    def evict(self, num_tokens: int) -> None:
+        self.cache.evict(self.EvictParams(num_tokens=num_tokens))
+
+
+def run(side, seqs: list[array], values: list[torch.Tensor], page_size: int, capacity: int | None) -> dict:
+    """One pass of the sequence through ``side``; seconds per op."""
+    clock, timer = time.thread_time, _Timer()
+    spent = timer.seconds
+    for ids, value in zip(seqs, values):
+        t0 = clock()
+        key = side.key(ids)
+        hit = side.match(key)
+        t1 = clock()
+        spent["match"] += t1 - t0
+        if capacity is not None:
+            need = side.size() + len(ids) // page_size * page_size - hit - capacity
+            if need > 0:
+                side.evict(need)
+            t2 = clock()
+            spent["evict"] += t2 - t1
+            t1 = t2
+        side.insert(key, value)
+        spent["insert"] += clock() - t1
+    if capacity is None:
+        t0 = clock()
+        side.evict(side.size())
+        spent["evict all"] += clock() - t0
+    return spent
+
+
+def compare(sides, seqs: list[list[int]], page_size: int, capacity: int | None, repeats: int) -> dict:
+    """Per op: the SGLang / tierkv time ratio of each repeat (the two run back to back, order alternating)."""
+    arrays = [array("q", s) for s in seqs]
     values = [torch.arange(len(s), dtype=torch.int64) for s in seqs]
-    match_s = insert_s = 0.0
-    for seq, value in zip(seqs, values):
-        key = RadixKey(seq)
-        t0 = time.perf_counter()
-        tree.match(key)
-        t1 = time.perf_counter()
-        tree.insert(key, value)
-        insert_s += time.perf_counter() - t1
-        match_s += t1 - t0
-    return match_s, insert_s
+    ratios: dict[str, list[float]] = {}
+    for r in range(repeats):
+        times = {}
+        for make in (sides if r % 2 == 0 else sides[::-1]):
+            side = make()
+            times[side.name] = run(side, arrays, values, page_size, capacity)
+        for op, tk in times["tierkv"].items():
+            if tk > 0:
+                ratios.setdefault(op, []).append((times["sglang"][op] / tk, times["sglang"][op], tk))
+    return ratios
 
 
-def run_sglang(seqs: list[list[int]], page_size: int, sgl) -> tuple[float, float]:
-    radix_cache, InsertParams, MatchPrefixParams = sgl
-    cache = radix_cache.RadixCache.create_simulated(page_size=page_size)
-    values = [torch.arange(len(s), dtype=torch.int64) for s in seqs]
-    match_s = insert_s = 0.0
-    for seq, value in zip(seqs, values):
-        key = radix_cache.RadixKey(seq)
-        t0 = time.perf_counter()
-        cache.match_prefix(MatchPrefixParams(key=key))
-        t1 = time.perf_counter()
-        cache.insert(InsertParams(key=key, value=value))
-        insert_s += time.perf_counter() - t1
-        match_s += t1 - t0
-    return match_s, insert_s
-
-
-def best_of_interleaved(fns, repeats: int) -> list[tuple[float, float]]:
-    """Each function ``repeats`` times, alternating, so a busy spell of the machine hits both alike;
-    per function the shortest (match, insert) seconds."""
-    runs = [[] for _ in fns]
-    for _ in range(repeats):
-        for fn, out in zip(fns, runs):
-            out.append(fn())
-    return [(min(r[0] for r in out), min(r[1] for r in out)) for out in runs]
+def cold_size(seqs: list[list[int]], page_size: int) -> int:
+    side = TierkvSide(page_size)
+    for s in seqs:
+        side.insert(side.key(array("q", s)), range(len(s)))
+    return side.size()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trace", default=str(TRACE))
-    parser.add_argument("--trace-requests", type=int, default=1000)
-    parser.add_argument("--chat-requests", type=int, default=20000)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--trace-requests", type=int, default=400)
+    parser.add_argument("--chat-requests", type=int, default=8000)
+    parser.add_argument("--capacity-fraction", type=float, default=0.25)
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     torch.set_num_threads(1)
     sgl = import_sglang()
     import sglang
 
-    rows = []
+    print(f"tierkv RadixTree ({tree_impl()}) vs SGLang {sglang.__version__} RadixCache, array('q') keys, "
+          f"CPU time, {args.repeats} interleaved repeats; ratio = SGLang time / tierkv time")
+    print(f"{'workload':<10} {'phase':<7} {'op':<10} {'sglang s':>9} {'tierkv s':>9} {'ratio min':>10} {'median':>7}")
     for name, seqs, page in (("trace p16", trace_workload(args.trace, args.trace_requests), 16),
                              ("chat p1", chat_workload(args.chat_requests), 1)):
-        tk, sg = best_of_interleaved([lambda: run_tierkv(seqs, page), lambda: run_sglang(seqs, page, sgl)],
-                                     args.repeats)
-        n = len(seqs)
-        for op, i in (("match", 0), ("insert", 1)):
-            rows.append((name, op, n / sg[i], n / tk[i], sg[i] / tk[i]))
-        rows.append((name, "match+insert", n / sum(sg), n / sum(tk), sum(sg) / sum(tk)))
-    print(f"tierkv RadixTree vs SGLang {sglang.__version__} RadixCache (same sequence, best of {args.repeats} interleaved)")
-    print(f"{'workload':<11} {'op':<13} {'sglang ops/s':>13} {'tierkv ops/s':>13} {'ratio':>7}")
-    for name, op, sg_ops, tk_ops, ratio in rows:
-        print(f"{name:<11} {op:<13} {sg_ops:>13,.0f} {tk_ops:>13,.0f} {ratio:>6.2f}x")
+        sides = [lambda: TierkvSide(page), lambda: SglangSide(page, sgl)]
+        capacity = int(cold_size(seqs, page) * args.capacity_fraction)
+        for phase, cap in (("cold", None), ("steady", capacity)):
+            for op, runs in compare(sides, seqs, page, cap, args.repeats).items():
+                rs = [r[0] for r in runs]
+                print(f"{name:<10} {phase:<7} {op:<10} {statistics.median(r[1] for r in runs):>9.3f} "
+                      f"{statistics.median(r[2] for r in runs):>9.3f} {min(rs):>9.2f}x {statistics.median(rs):>6.2f}x")
+
+
+def tree_impl() -> str:
+    import tierkv.radix as radix
+
+    return getattr(radix, "IMPLEMENTATION", "python")
 
 
 if __name__ == "__main__":

@@ -17,9 +17,9 @@ GOOD = [
 
 
 @pytest.mark.parametrize("ids", GOOD, ids=lambda ids: type(ids).__name__)
-def test_accepted_forms_become_a_tuple_of_plain_ints(ids):
+def test_accepted_forms_become_an_int64_array(ids):
     key = RadixKey(ids)
-    assert key.token_ids == (5, 6, 7) and all(type(t) is int for t in key.token_ids)
+    assert key.token_ids == array("q", [5, 6, 7]) and all(type(t) is int for t in key.token_ids)
     tree = RadixTree()
     tree.insert(RadixKey([5, 6, 7]), [0, 1, 2])
     assert tree.match(key).num_tokens == 3

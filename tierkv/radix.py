@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 import operator
 import reprlib
-import struct
+from array import array
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterator, Sequence
 
@@ -27,16 +27,18 @@ class RadixKey:
     """A request's token ids plus an optional namespace; different ``extra_key`` never share nodes.
 
     ``token_ids``: a list, tuple, range or ``array`` of ints, or a numpy array / torch tensor of an integer
-    dtype; stored as a tuple of Python ints. ``extra_key``: None or a str that encodes as UTF-8 (it is
-    hashed into L3 keys). Anything else is a TypeError or ValueError naming the field and the value.
+    dtype; stored as a private ``array('q')`` (8 bytes a token; slices compare as memory, and an
+    ``array('q')``, what SGLang's scheduler holds, is copied in one memcpy). ``extra_key``: None or a str
+    that encodes as UTF-8 (it is hashed into L3 keys). Anything else is a TypeError or ValueError naming
+    the field and the value.
     """
 
     token_ids: Sequence[int]
     extra_key: str | None = None
 
     def __post_init__(self) -> None:
-        # frozen contents: the tree memoises a key's elements, so the ids must not change later
-        object.__setattr__(self, "token_ids", _token_tuple(self.token_ids))
+        # a private copy: the tree memoises a key's elements, so the ids must not change later
+        object.__setattr__(self, "token_ids", _token_array(self.token_ids))
         if self.extra_key is not None:
             if not isinstance(self.extra_key, str):
                 raise TypeError(f"extra_key must be a str or None, got {self.extra_key!r}")
@@ -45,31 +47,37 @@ class RadixKey:
             except UnicodeEncodeError:
                 raise ValueError(f"extra_key {self.extra_key!r} is not encodable as UTF-8") from None
 
+    def __hash__(self) -> int:
+        return hash((self.token_ids.tobytes(), self.extra_key))
+
     def __len__(self) -> int:
         return len(self.token_ids)
 
 
-def _token_tuple(ids: object) -> tuple[int, ...]:
-    """``ids`` as a tuple of 64-bit Python ints; TypeError naming what is not one."""
+def _token_array(ids: object) -> array:
+    """``ids`` as an ``array('q')``; TypeError naming what is not a 64-bit int id."""
+    if type(ids) is array and ids.typecode == "q":
+        return array("q", ids)  # one memcpy: the fast path for engines that hold arrays
     dtype = getattr(ids, "dtype", None)
     if dtype is not None and hasattr(ids, "tolist"):  # a numpy array or torch tensor
         name = str(dtype).removeprefix("torch.")
         if not name.startswith(("int", "uint")) or getattr(ids, "ndim", 1) != 1:
             raise TypeError(f"token_ids must be a 1-d integer array, got dtype {name} with "
                             f"{getattr(ids, 'ndim', '?')} dims")
-        ids = tuple(ids.tolist())  # plain ints, not 0-d tensors that hash by identity
+        ids = ids.tolist()  # plain ints
+    elif isinstance(ids, array):
+        if ids.typecode in "fdu":
+            raise TypeError(f"token_ids must be integers, got an array of typecode {ids.typecode!r}")
     elif isinstance(ids, Sequence) and not isinstance(ids, (str, bytes, bytearray)):
-        ids = tuple(ids)
         if set(map(type, ids)) - {int}:  # bools, floats, numpy scalars...: one at a time
-            ids = tuple(_token_id(i, x) for i, x in enumerate(ids))
+            ids = [_token_id(i, x) for i, x in enumerate(ids)]
     else:  # sets and dicts have no order; strings are not token ids
         raise TypeError(f"token_ids must be a sequence of ints (list, tuple, range, array, integer "
                         f"tensor), got {type(ids).__name__} {reprlib.repr(ids)}")
     try:
-        struct.pack(f"{len(ids)}q", *ids)  # C-speed check that every id fits in 64 bits
-    except struct.error as exc:
+        return array("q", ids)
+    except OverflowError as exc:
         raise TypeError(f"token ids must be 64-bit ints: {exc}") from None
-    return ids
 
 
 def _token_id(index: int, value: object) -> int:
@@ -260,16 +268,22 @@ class RadixTree:
         memo = key.__dict__.get("_elements")
         if memo is not None and memo[0] == shape:
             return memo[1]
-        ids = list(key.token_ids)
-        elems: list = list(zip(ids, ids[1:])) if self.bigram else ids
+        ids = key.token_ids
+        elems: Any = list(zip(ids, ids[1:])) if self.bigram else ids
         cut = len(elems) - len(elems) % self.page_size
         elems = elems if cut == len(elems) else elems[:cut]
         object.__setattr__(key, "_elements", (shape, elems))
         return elems
 
-    def child_key(self, elems: list, extra_key: str | None, offset: int = 0) -> Hashable:
-        """The children-dict key of the edge starting at ``elems[offset]``."""
-        first = elems[offset] if self.page_size == 1 else tuple(elems[offset: offset + self.page_size])
+    def child_key(self, elems: Any, extra_key: str | None, offset: int = 0) -> Hashable:
+        """The children-dict key of the edge starting at ``elems[offset]``: its first element, or its
+        first page (as bytes: one copy, hashed as memory; as a tuple of pairs in bigram mode)."""
+        if self.page_size == 1:
+            first = elems[offset]
+        elif self.bigram:
+            first = tuple(elems[offset: offset + self.page_size])
+        else:
+            first = elems[offset: offset + self.page_size].tobytes()
         return first if extra_key is None else (extra_key, first)
 
     def _aligned(self, n: int) -> int:
@@ -355,10 +369,11 @@ class RadixTree:
         """
         if not elems or len(elems) % self.page_size:
             raise ValueError(f"leaf key of {len(elems)} elements is not whole pages of {self.page_size}")
+        elems = list(elems) if self.bigram else array("q", elems)
         child_key = self.child_key(elems, extra_key)
         if child_key in parent.children:
             raise ValueError(f"node {parent.id} already has a child starting with {child_key!r}")
-        leaf = TreeNode(list(elems), extra_key, parent, self._touch())
+        leaf = TreeNode(elems, extra_key, parent, self._touch())
         parent.children[child_key] = leaf
         return leaf
 

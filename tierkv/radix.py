@@ -286,9 +286,6 @@ class RadixTree:
             first = elems[offset: offset + self.page_size].tobytes()
         return first if extra_key is None else (extra_key, first)
 
-    def _aligned(self, n: int) -> int:
-        return n - n % self.page_size
-
     def _touch(self) -> int:
         self._tick += 1
         return self._tick
@@ -302,11 +299,13 @@ class RadixTree:
         elems = self.elements(key)
         tick = self._touch() if touch else None
         node, pos, path = self.root, 0, []
-        while pos < len(elems):
-            child = node.children.get(self.child_key(elems, key.extra_key, pos))
+        num_elems, page_size, extra_key = len(elems), self.page_size, key.extra_key
+        while pos < num_elems:
+            child = node.children.get(self.child_key(elems, extra_key, pos))
             if child is None:
                 break
-            n = self._aligned(_common_prefix_len(child.key, elems, pos))
+            n = _common_prefix_len(child.key, elems, pos)
+            n -= n % page_size
             if n == 0:
                 break
             if n < len(child.key):
@@ -326,40 +325,46 @@ class RadixTree:
         Lock contract: takes no lock; nodes revived or created are unlocked (counted evictable).
         """
         elems = self.elements(key)
-        if len(value) < len(elems):  # checked before any change: a failed insert leaves the tree as it was
-            raise ValueError(f"value of length {len(value)} is shorter than the key's {len(elems)} elements")
-        value = value[: len(elems)]
+        num_elems, num_values = len(elems), len(value)  # len() once: a tensor's is a Python call
+        if num_values < num_elems:  # checked before any change: a failed insert leaves the tree as it was
+            raise ValueError(f"value of length {num_values} is shorter than the key's {num_elems} elements")
+        if num_values > num_elems:
+            value = value[:num_elems]
         tick = self._touch()
-        node, pos = self.root, 0
+        node, pos, page_size, extra_key = self.root, 0, self.page_size, key.extra_key
         result = InsertResult(prefix_len=0)
-        while pos < len(elems):
-            child = node.children.get(self.child_key(elems, key.extra_key, pos))
+        path = result.path
+        while pos < num_elems:
+            child = node.children.get(self.child_key(elems, extra_key, pos))
             if child is None:
                 break
-            n = self._aligned(_common_prefix_len(child.key, elems, pos))
+            n = _common_prefix_len(child.key, elems, pos)
+            n -= n % page_size
             if n == 0:
                 break
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access_time = tick
-            child.priority = max(child.priority, priority)
-            if child.device_value is None:
-                self.set_device_value(child, value[pos : pos + n])
+            if priority > child.priority:
+                child.priority = priority
+            if child._device_value is None:
+                self._attach(child, value[pos:pos + n])
                 result.revived.append(child)
             else:
                 result.shared.append((child, pos, pos + n))
-            result.path.append(child)
+            path.append(child)
             node, pos = child, pos + n
         result.prefix_len = pos
-        if pos < len(elems):
-            leaf = TreeNode(elems[pos:], key.extra_key, node, tick)
+        if pos < num_elems:
+            leaf = TreeNode(elems[pos:] if pos else elems, extra_key, node, tick)
             leaf.priority = priority
-            node.children[self.child_key(leaf.key, key.extra_key)] = leaf
-            self.set_device_value(leaf, value[pos:])
+            node.children[self.child_key(leaf.key, extra_key)] = leaf
+            self._attach(leaf, value[pos:] if pos else value)
             result.new_node = leaf
-            result.path.append(leaf)
-        self.root._frontiers.device_changed.update(result.path)  # touched: re-ranked by eviction heaps
-        self.root._frontiers.host_changed.update(result.path)
+            path.append(leaf)
+        frontiers = self.root._frontiers  # touched: re-ranked by eviction heaps
+        frontiers.device_changed.update(path)
+        frontiers.host_changed.update(path)
         return result
 
     def add_leaf(self, parent: TreeNode, elems: list, extra_key: str | None) -> TreeNode:
@@ -408,6 +413,14 @@ class RadixTree:
             raise ValueError(f"value length {len(value)} != key length {len(node.key)}")
         node.device_value = value
         self._account(node, len(value))
+
+    def _attach(self, node: TreeNode, value: Any) -> None:
+        """:meth:`set_device_value` for callers that know the node has none and the lengths agree."""
+        node.device_value = value
+        if node.lock_ref > 0:
+            self.protected_size += len(node.key)
+        else:
+            self.evictable_size += len(node.key)
 
     def clear_device_value(self, node: TreeNode) -> Any:
         """Detach and return the device slots. Lock contract: node must be unlocked."""

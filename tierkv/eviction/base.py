@@ -33,11 +33,14 @@ class Policy:
 
     ``static`` is True when a node's key changes only when the node itself is touched (accessed, hit,
     created): then a caller may keep keys in a persistent heap. Policies whose keys also depend on
-    global state that moves (an adaptive target) set it False.
+    global state that moves (an adaptive target) set it False. ``keys_rise_untouched`` is True when a
+    key may also rise with no tree event (uses counted by :meth:`on_access`, ``hit_count``,
+    ``priority``): a persistent heap then re-checks a key when it pops it.
     """
 
     name = "lru"
     static = True
+    keys_rise_untouched = True  # subclasses with other keys may read uses; LRU-like ones say False
     element_tokens = 1  # tokens per key element (the page simulator keys by page)
 
     def __init__(self) -> None:

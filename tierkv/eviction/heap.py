@@ -9,7 +9,8 @@ candidates now, then pops.
 Why the order is the one a fresh heap over the frontier would give: every event that can *lower* a
 node's key (a touch, the other tier's copy gained under exclusive tiers) marks the node, so it is
 pushed again with its new key; a key that only *rose* (uses counted, priority raised) leaves an entry
-that is too small, which is popped early, found stale by recomputing the key, and pushed again. An
+that is too small, which is popped early, found stale by recomputing the key, and pushed again (policies
+whose keys only touches move, ``keys_rise_untouched`` False, skip that check). An
 entry for a node that is not a candidate when popped (locked, not a leaf, gone) is dropped: the event
 that makes it one again marks it. Policies whose keys move without any node event (``static`` False:
 they age every node at once) keep the old per-call heap over the frontier.
@@ -59,6 +60,7 @@ class EvictionHeap:
 
     def _pop_all(self) -> Iterator:
         heap, live, order, is_candidate = self._heap, self._live, self.order, self._is_candidate
+        recheck = getattr(order, "keys_rise_untouched", True)
         self._drain()
         while heap:
             key, node_id, seq, node = heapq.heappop(heap)
@@ -67,10 +69,11 @@ class EvictionHeap:
             del live[node_id]
             if not is_candidate(node):
                 continue
-            now = order(node)
-            if now != key:  # the key rose since the push: take its place again
-                self._push(node, now)
-                continue
+            if recheck:
+                now = order(node)
+                if now != key:  # the key rose since the push: take its place again
+                    self._push(node, now)
+                    continue
             yield node
             self._drain()
 

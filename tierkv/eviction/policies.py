@@ -15,12 +15,14 @@ class LRU(Policy):
     """Least recently used first."""
 
     name = "lru"
+    keys_rise_untouched = False  # only touches move it
 
 
 class MRU(Policy):
     """Most recently used first (loops larger than the cache)."""
 
     name = "mru"
+    keys_rise_untouched = False  # only touches move it
 
     def key(self, node: PolicyNode) -> tuple:
         return (-node.last_access_time, -node.id)
@@ -30,6 +32,7 @@ class FIFO(Policy):
     """Oldest created first."""
 
     name = "fifo"
+    keys_rise_untouched = False  # only touches move it
 
     def key(self, node: PolicyNode) -> tuple:
         return (node.creation_time, node.id)
@@ -39,6 +42,7 @@ class FILO(Policy):
     """Newest created first (HiCache's ``filo``): what was cached longest ago stays."""
 
     name = "filo"
+    keys_rise_untouched = False  # only touches move it
 
     def key(self, node: PolicyNode) -> tuple:
         return (-node.creation_time, -node.id)

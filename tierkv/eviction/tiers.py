@@ -36,7 +36,7 @@ class ExclusiveOrder:
 
     def __init__(self, policy, other: str) -> None:
         self.policy, self.other = policy, other
-        self.static = policy.static
+        self.static, self.keys_rise_untouched = policy.static, policy.keys_rise_untouched
 
     def __call__(self, node: TreeNode) -> tuple:
         return (getattr(node, self.other) is None, self.policy(node))

@@ -8,6 +8,7 @@ policy, both tier modes; locks, host copies, touches and key rises without an ev
 import random
 
 import pytest
+import torch
 
 from tierkv.eviction import POLICIES, eviction_order, get_policy
 from tierkv.eviction.heap import EvictionHeap
@@ -151,3 +152,31 @@ def test_a_reset_tree_forgets_its_old_nodes():
 def test_bad_tier_is_refused():
     with pytest.raises(ValueError, match="'disk'"):
         EvictionHeap(RadixTree(), "disk", get_policy("lru"))
+
+
+def test_cache_eviction_checks_what_it_evicts_not_every_leaf(monkeypatch):
+    """Regression: every L1 eviction used to scan and re-rank the whole leaf frontier to free a node."""
+    import tierkv.radix as radix
+    from tierkv.config import CacheConfig
+    from tierkv.hicache import HiRadixCache
+    from tierkv.pools import DeviceKVPool, KVSpec
+
+    checks = []
+    for name, owner in (("_is_device_leaf_node", radix), ("is_device_leaf", radix.RadixTree)):
+        real = getattr(owner, name)
+        monkeypatch.setattr(owner, name, lambda *a, real=real: checks.append(1) or real(*a))
+    num_leaves = 400
+    pool = DeviceKVPool(KVSpec(num_layers=1, kv_heads=1, head_dim=4, dtype=torch.float16), 2 * num_leaves, 1, "cpu")
+    cache = HiRadixCache(pool, CacheConfig())
+    try:
+        for i in range(num_leaves):
+            cache.insert(RadixKey([i, i]), cache.alloc_device(2))
+        cache.flush()  # write-throughs done: the leaves are unlocked
+        cache.evict(2)  # the first call ranks every leaf once
+        checks.clear()
+        for _ in range(20):
+            assert cache.evict(2) == 2
+        assert len(checks) <= 20 * 4  # a few checks per node evicted, whatever the tree's size
+        cache.tree.check_integrity()
+    finally:
+        cache.close()

@@ -252,7 +252,7 @@ def main() -> None:
 def tree_impl() -> str:
     import tierkv.radix as radix
 
-    return getattr(radix, "IMPLEMENTATION", "python")
+    return f"{radix.implementation()} key comparison"
 
 
 if __name__ == "__main__":

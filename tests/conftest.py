@@ -32,3 +32,18 @@ def cpu_copy_impl(request, monkeypatch):
             pytest.fail("tierkv._rowcopy is not built (TIERKV_REQUIRE_NATIVE=1)")
         pytest.skip("tierkv._rowcopy is not built")
     return request.param
+
+
+@pytest.fixture(params=["c", "python"])
+def tree_impl(request, monkeypatch):
+    """Run a tree test against the compiled key comparison (tierkv/_radix.c) and the pure-Python
+    reference (trees built inside the test pick it up)."""
+    from tierkv import radix
+
+    if request.param == "python":
+        monkeypatch.setattr(radix, "native_common_prefix_len", None)
+    elif radix.native_common_prefix_len is None:
+        if os.environ.get("TIERKV_REQUIRE_NATIVE") == "1":
+            pytest.fail("tierkv._radix is not built (TIERKV_REQUIRE_NATIVE=1)")
+        pytest.skip("tierkv._radix is not built, or TIERKV_PURE_PYTHON_TREE=1")
+    return request.param

@@ -5,6 +5,8 @@ import pytest
 from tierkv.eviction import POLICIES, eviction_order, get_policy
 from tierkv.radix import RadixKey, RadixTree
 
+pytestmark = pytest.mark.usefixtures("tree_impl")  # every test: compiled and pure-Python tree
+
 
 def _tree_with_leaves():
     """Three leaves: a created first, b second, c third; then a touched, then c hit twice."""

@@ -9,7 +9,8 @@ import threading
 import torch
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
+                                 run_state_machine_as_test)
 
 from tierkv.config import CacheConfig
 from tierkv.hicache import HiRadixCache
@@ -255,6 +256,7 @@ class CacheMachine(RuleBasedStateMachine):
                 assert torch.equal(cache.host_pool.read_tokens(node.host_value), kv), "L2 KV"
 
 
-CacheMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=50, deadline=None,
-                                          suppress_health_check=[HealthCheck.too_slow])
-test_cache_state_machine = CacheMachine.TestCase
+def test_cache_state_machine(tree_impl):
+    """Once over the compiled key comparison, once over the pure-Python tree."""
+    run_state_machine_as_test(CacheMachine, settings=settings(
+        max_examples=60, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]))

@@ -4,6 +4,8 @@ import pytest
 
 from tierkv.radix import RadixKey, RadixTree
 
+pytestmark = pytest.mark.usefixtures("tree_impl")  # every test: compiled and pure-Python tree
+
 
 def _insert(tree: RadixTree, tokens, extra_key=None, start=1000):
     return tree.insert(RadixKey(tokens, extra_key), list(range(start, start + len(tokens))))
@@ -313,3 +315,38 @@ def test_check_integrity_catches_a_leaf_missing_from_the_frontier():
     tree.root._frontiers.device.discard(leaf)
     with pytest.raises(AssertionError, match="frontier"):
         tree.check_integrity()
+
+
+def test_native_and_python_comparisons_agree():
+    """The compiled common-prefix length against the reference, at every offset of random keys."""
+    import random
+    from array import array
+
+    from tierkv import radix
+
+    if radix.native_common_prefix_len is None:
+        pytest.skip("tierkv._radix is not built")
+    rng = random.Random(0)
+    for _ in range(200):
+        b = array("q", (rng.randrange(3) for _ in range(rng.randrange(0, 300))))
+        offset = rng.randrange(len(b) + 1)
+        a = b[offset:offset + rng.randrange(0, 400)]
+        if a and rng.random() < 0.7:
+            a[rng.randrange(len(a))] += 1
+        assert radix.native_common_prefix_len(a, b, offset) == radix._common_prefix_len(a, b, offset)
+
+
+def test_native_comparison_refuses_what_is_not_an_int64_array():
+    from array import array
+
+    from tierkv import radix
+
+    native = radix.native_common_prefix_len
+    if native is None:
+        pytest.skip("tierkv._radix is not built")
+    with pytest.raises(TypeError, match="list"):
+        native([1, 2], array("q", [1, 2]), 0)
+    with pytest.raises(TypeError, match="array"):
+        native(array("i", [1, 2]), array("q", [1, 2]), 0)
+    with pytest.raises(ValueError, match="offset 3"):
+        native(array("q", [1]), array("q", [1, 2]), 3)

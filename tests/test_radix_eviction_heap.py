@@ -15,6 +15,8 @@ from tierkv.eviction.heap import EvictionHeap
 from tierkv.eviction.tiers import tier_orders
 from tierkv.radix import RadixKey, RadixTree
 
+pytestmark = pytest.mark.usefixtures("tree_impl")  # every test: compiled and pure-Python tree
+
 
 def _prefix(tree, node) -> tuple:
     return tuple(e for n in tree.path_to_root(node) for e in n.key)

@@ -9,6 +9,8 @@ import torch
 
 from tierkv.radix import RadixKey, RadixTree
 
+pytestmark = pytest.mark.usefixtures("tree_impl")  # every test: compiled and pure-Python tree
+
 GOOD = [
     [5, 6, 7], (5, 6, 7), range(5, 8), array("q", [5, 6, 7]), array("i", [5, 6, 7]), np.array([5, 6, 7]),
     np.array([5, 6, 7], dtype=np.int32), np.array([5, 6, 7], dtype=np.uint16), torch.tensor([5, 6, 7]),

@@ -1,6 +1,10 @@
 """Regression: match must descend past the first level of the tree (it used to restart at the root)."""
 
+import pytest
+
 from tierkv.radix import RadixKey, RadixTree
+
+pytestmark = pytest.mark.usefixtures("tree_impl")  # every test: compiled and pure-Python tree
 
 
 def test_match_walks_nested_nodes():

@@ -13,81 +13,14 @@ Invariants kept by the tree (checked by :meth:`RadixTree.check_integrity`):
 from __future__ import annotations
 
 import itertools
-import operator
-import reprlib
+import os
 from array import array
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Iterator, Sequence
+from typing import Any, Callable, Hashable, Iterator
+
+from tierkv.radix_key import RadixKey
 
 _node_ids = itertools.count(1)
-
-
-@dataclass(frozen=True)
-class RadixKey:
-    """A request's token ids plus an optional namespace; different ``extra_key`` never share nodes.
-
-    ``token_ids``: a list, tuple, range or ``array`` of ints, or a numpy array / torch tensor of an integer
-    dtype; stored as a private ``array('q')`` (8 bytes a token; slices compare as memory, and an
-    ``array('q')``, what SGLang's scheduler holds, is copied in one memcpy). ``extra_key``: None or a str
-    that encodes as UTF-8 (it is hashed into L3 keys). Anything else is a TypeError or ValueError naming
-    the field and the value.
-    """
-
-    token_ids: Sequence[int]
-    extra_key: str | None = None
-
-    def __post_init__(self) -> None:
-        # a private copy: the tree memoises a key's elements, so the ids must not change later
-        object.__setattr__(self, "token_ids", _token_array(self.token_ids))
-        if self.extra_key is not None:
-            if not isinstance(self.extra_key, str):
-                raise TypeError(f"extra_key must be a str or None, got {self.extra_key!r}")
-            try:
-                self.extra_key.encode("utf-8")
-            except UnicodeEncodeError:
-                raise ValueError(f"extra_key {self.extra_key!r} is not encodable as UTF-8") from None
-
-    def __hash__(self) -> int:
-        return hash((self.token_ids.tobytes(), self.extra_key))
-
-    def __len__(self) -> int:
-        return len(self.token_ids)
-
-
-def _token_array(ids: object) -> array:
-    """``ids`` as an ``array('q')``; TypeError naming what is not a 64-bit int id."""
-    if type(ids) is array and ids.typecode == "q":
-        return array("q", ids)  # one memcpy: the fast path for engines that hold arrays
-    dtype = getattr(ids, "dtype", None)
-    if dtype is not None and hasattr(ids, "tolist"):  # a numpy array or torch tensor
-        name = str(dtype).removeprefix("torch.")
-        if not name.startswith(("int", "uint")) or getattr(ids, "ndim", 1) != 1:
-            raise TypeError(f"token_ids must be a 1-d integer array, got dtype {name} with "
-                            f"{getattr(ids, 'ndim', '?')} dims")
-        ids = ids.tolist()  # plain ints
-    elif isinstance(ids, array):
-        if ids.typecode in "fdu":
-            raise TypeError(f"token_ids must be integers, got an array of typecode {ids.typecode!r}")
-    elif isinstance(ids, Sequence) and not isinstance(ids, (str, bytes, bytearray)):
-        if set(map(type, ids)) - {int}:  # bools, floats, numpy scalars...: one at a time
-            ids = [_token_id(i, x) for i, x in enumerate(ids)]
-    else:  # sets and dicts have no order; strings are not token ids
-        raise TypeError(f"token_ids must be a sequence of ints (list, tuple, range, array, integer "
-                        f"tensor), got {type(ids).__name__} {reprlib.repr(ids)}")
-    try:
-        return array("q", ids)
-    except OverflowError as exc:
-        raise TypeError(f"token ids must be 64-bit ints: {exc}") from None
-
-
-def _token_id(index: int, value: object) -> int:
-    """One id that is not a plain int: integer types are converted, bools and the rest refused."""
-    if isinstance(value, bool) or type(value).__name__ in ("bool", "bool_"):
-        raise TypeError(f"token_ids[{index}] must be an int, got {value!r}")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"token_ids[{index}] must be an int, got {value!r}") from None
 
 
 class _Frontiers:
@@ -241,6 +174,27 @@ def _common_prefix_len(a: list, b: list, offset: int = 0) -> int:
     return lo
 
 
+def _load_native() -> Callable | None:
+    """The compiled comparison (tierkv/_radix.c), or None when it is not built or when
+    ``TIERKV_PURE_PYTHON_TREE=1`` asks for the pure-Python reference."""
+    if os.environ.get("TIERKV_PURE_PYTHON_TREE") == "1":
+        return None
+    try:
+        from tierkv._radix import common_prefix_len
+    except ImportError:
+        return None
+    return common_prefix_len
+
+
+# read when a tree is built; tests set it to None to run the same suite on the pure-Python reference
+native_common_prefix_len = _load_native()
+
+
+def implementation() -> str:
+    """Which key comparison new trees use: "c" or "python"."""
+    return "python" if native_common_prefix_len is None else "c"
+
+
 class RadixTree:
     """Prefix tree over page-aligned token keys. Not thread-safe: callers serialise access."""
 
@@ -249,6 +203,9 @@ class RadixTree:
             raise ValueError(f"page_size must be a positive int, got {page_size!r}")
         self.page_size = page_size
         self.bigram = bigram
+        # keys are int64 arrays except in bigram mode (lists of pairs): those compare in Python
+        native = native_common_prefix_len
+        self._prefix_len = native if native is not None and not bigram else _common_prefix_len
         self._tick = 0
         self.root = TreeNode([], None, None, 0)
         self.root.lock_ref = 1  # the root is never evicted
@@ -300,11 +257,12 @@ class RadixTree:
         tick = self._touch() if touch else None
         node, pos, path = self.root, 0, []
         num_elems, page_size, extra_key = len(elems), self.page_size, key.extra_key
+        prefix_len = self._prefix_len
         while pos < num_elems:
             child = node.children.get(self.child_key(elems, extra_key, pos))
             if child is None:
                 break
-            n = _common_prefix_len(child.key, elems, pos)
+            n = prefix_len(child.key, elems, pos)
             n -= n % page_size
             if n == 0:
                 break
@@ -332,13 +290,14 @@ class RadixTree:
             value = value[:num_elems]
         tick = self._touch()
         node, pos, page_size, extra_key = self.root, 0, self.page_size, key.extra_key
+        prefix_len = self._prefix_len
         result = InsertResult(prefix_len=0)
         path = result.path
         while pos < num_elems:
             child = node.children.get(self.child_key(elems, extra_key, pos))
             if child is None:
                 break
-            n = _common_prefix_len(child.key, elems, pos)
+            n = prefix_len(child.key, elems, pos)
             n -= n % page_size
             if n == 0:
                 break

@@ -1,0 +1,81 @@
+/* Native core of the radix tree's key comparison (tierkv/radix.py keeps the pure-Python reference).
+ *
+ * common_prefix_len(a, b, offset) is the number of equal leading elements of a and b[offset:], both
+ * int64 buffers (array('q')). The Python version slices both keys (copying up to one edge, 8 bytes a
+ * token, twice per node walked) before comparing; here the comparison reads the buffers in place:
+ * one memcmp for a whole match, memcmp over fixed chunks and then single elements to place a mismatch.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#define CHUNK_ELEMS 64
+
+static int int64_view(PyObject *obj, Py_buffer *view, const char *name) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_FORMAT) < 0) {
+        return -1;
+    }
+    if (view->itemsize != 8 || view->format == NULL || strcmp(view->format, "q") != 0) {
+        PyErr_Format(PyExc_TypeError, "%s must be an array('q'), got format %s", name,
+                     view->format ? view->format : "?");
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+static Py_ssize_t mismatch(const int64_t *a, const int64_t *b, Py_ssize_t n) {
+    if (memcmp(a, b, (size_t)n * sizeof(int64_t)) == 0) {
+        return n;
+    }
+    Py_ssize_t i = 0;
+    while (i + CHUNK_ELEMS <= n && memcmp(a + i, b + i, CHUNK_ELEMS * sizeof(int64_t)) == 0) {
+        i += CHUNK_ELEMS;
+    }
+    while (i < n && a[i] == b[i]) {
+        i++;
+    }
+    return i;
+}
+
+static PyObject *common_prefix_len(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "common_prefix_len takes (a, b, offset), got %zd arguments", nargs);
+        return NULL;
+    }
+    Py_ssize_t offset = PyLong_AsSsize_t(args[2]);
+    if (offset == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    Py_buffer va, vb;
+    if (int64_view(args[0], &va, "a") < 0) {
+        return NULL;
+    }
+    if (int64_view(args[1], &vb, "b") < 0) {
+        PyBuffer_Release(&va);
+        return NULL;
+    }
+    Py_ssize_t len_a = va.len / 8, len_b = vb.len / 8;
+    PyObject *result = NULL;
+    if (offset < 0 || offset > len_b) {
+        PyErr_Format(PyExc_ValueError, "offset %zd is outside b of %zd elements", offset, len_b);
+    } else {
+        Py_ssize_t n = len_a < len_b - offset ? len_a : len_b - offset;
+        result = PyLong_FromSsize_t(mismatch((const int64_t *)va.buf, (const int64_t *)vb.buf + offset, n));
+    }
+    PyBuffer_Release(&va);
+    PyBuffer_Release(&vb);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"common_prefix_len", (PyCFunction)(void (*)(void))common_prefix_len, METH_FASTCALL,
+     "common_prefix_len(a, b, offset) -> equal leading elements of int64 arrays a and b[offset:]"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "tierkv._radix", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__radix(void) { return PyModule_Create(&module); }

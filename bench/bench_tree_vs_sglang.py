@@ -230,6 +230,7 @@ def main() -> None:
     parser.add_argument("--chat-requests", type=int, default=8000)
     parser.add_argument("--capacity-fraction", type=float, default=0.25)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--workloads", default="trace,chat", help="comma-separated: trace, chat")
     args = parser.parse_args()
     torch.set_num_threads(1)
     sgl = import_sglang()
@@ -238,8 +239,9 @@ def main() -> None:
     print(f"tierkv RadixTree ({tree_impl()}) vs SGLang {sglang.__version__} RadixCache, array('q') keys, "
           f"CPU time, {args.repeats} interleaved repeats; ratio = SGLang time / tierkv time")
     print(f"{'workload':<10} {'phase':<7} {'op':<10} {'sglang s':>9} {'tierkv s':>9} {'ratio min':>10} {'median':>7}")
-    for name, seqs, page in (("trace p16", trace_workload(args.trace, args.trace_requests), 16),
-                             ("chat p1", chat_workload(args.chat_requests), 1)):
+    workloads = {"trace": lambda: ("trace p16", trace_workload(args.trace, args.trace_requests), 16),
+                 "chat": lambda: ("chat p1", chat_workload(args.chat_requests), 1)}
+    for name, seqs, page in (workloads[w]() for w in args.workloads.split(",")):
         sides = [lambda: TierkvSide(page), lambda: SglangSide(page, sgl)]
         capacity = int(cold_size(seqs, page) * args.capacity_fraction)
         for phase, cap in (("cold", None), ("steady", capacity)):

@@ -59,3 +59,15 @@ def test_extra_key_of_another_type_is_a_type_error(extra_key):
 @pytest.mark.parametrize("extra_key", [None, "", "tenant \u00e9", "\U0001f600"])
 def test_valid_extra_keys_are_kept(extra_key):
     assert RadixKey([1], extra_key).extra_key == extra_key
+
+
+def test_an_int64_array_is_adopted_but_the_tree_keeps_its_own_copy():
+    """SGLang's scheduler hands over array('q') keys: no copy of the prompt per key, yet no node may
+    share the caller's buffer."""
+    ids = array("q", [5, 6, 7, 8])
+    key = RadixKey(ids)
+    assert key.token_ids is ids
+    for page_size in (1, 2):
+        tree = RadixTree(page_size)
+        leaf = tree.insert(key, [0, 1, 2, 3]).new_node
+        assert leaf.key is not ids and leaf.key == ids

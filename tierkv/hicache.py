@@ -155,7 +155,7 @@ class HiRadixCache(StorageTierMethods):
             raise TypeError(f"priority must be an int, got {priority!r}")
         if not isinstance(chunked, bool):
             raise TypeError(f"chunked must be a bool, got {chunked!r}")
-        num_elems = len(self.tree.elements(key))
+        num_elems = self.tree.num_elements(key)
         if len(device_slots) < num_elems:
             raise ValueError(f"device_slots of length {len(device_slots)} is shorter than the key's {num_elems} "
                              "elements")

@@ -232,6 +232,24 @@ class RadixTree:
         object.__setattr__(key, "_elements", (shape, elems))
         return elems
 
+    def num_elements(self, key: RadixKey) -> int:
+        """``len(self.elements(key))`` without building the elements."""
+        if not isinstance(key, RadixKey):
+            raise TypeError(f"key must be a RadixKey, got {type(key).__name__}")
+        n = len(key.token_ids)
+        n = max(0, n - 1) if self.bigram else n
+        return n - n % self.page_size
+
+    def _walk_elements(self, key: RadixKey) -> tuple[Any, int]:
+        """Elements to walk and how many of them count (whole pages). Outside bigram mode: the key's
+        own token array, uncut (a cut copies the whole prompt); a match never reaches past the count,
+        since it ends on a page boundary and the uncounted tail is shorter than a page."""
+        if self.bigram or not isinstance(key, RadixKey):
+            elems = self.elements(key)
+            return elems, len(elems)
+        ids = key.token_ids
+        return ids, len(ids) - len(ids) % self.page_size
+
     def child_key(self, elems: Any, extra_key: str | None, offset: int = 0) -> Hashable:
         """The children-dict key of the edge starting at ``elems[offset]``: its first element, or its
         first page (as bytes: one copy, hashed as memory; as a tuple of pairs in bigram mode)."""
@@ -253,10 +271,10 @@ class RadixTree:
 
         Lock contract: takes no lock; splitting preserves the lock and host_ref counts of the node split.
         """
-        elems = self.elements(key)
+        elems, num_elems = self._walk_elements(key)
         tick = self._touch() if touch else None
         node, pos, path = self.root, 0, []
-        num_elems, page_size, extra_key = len(elems), self.page_size, key.extra_key
+        page_size, extra_key = self.page_size, key.extra_key
         prefix_len = self._prefix_len
         while pos < num_elems:
             child = node.children.get(self.child_key(elems, extra_key, pos))
@@ -282,8 +300,8 @@ class RadixTree:
 
         Lock contract: takes no lock; nodes revived or created are unlocked (counted evictable).
         """
-        elems = self.elements(key)
-        num_elems, num_values = len(elems), len(value)  # len() once: a tensor's is a Python call
+        elems, num_elems = self._walk_elements(key)
+        num_values = len(value)  # once: a tensor's len() is a Python call
         if num_values < num_elems:  # checked before any change: a failed insert leaves the tree as it was
             raise ValueError(f"value of length {num_values} is shorter than the key's {num_elems} elements")
         if num_values > num_elems:
@@ -315,7 +333,7 @@ class RadixTree:
             node, pos = child, pos + n
         result.prefix_len = pos
         if pos < num_elems:
-            leaf = TreeNode(elems[pos:] if pos else elems, extra_key, node, tick)
+            leaf = TreeNode(elems[pos:num_elems], extra_key, node, tick)  # a copy: the key's array is the caller's
             leaf.priority = priority
             node.children[self.child_key(leaf.key, extra_key)] = leaf
             self._attach(leaf, value[pos:] if pos else value)
@@ -437,7 +455,7 @@ class RadixTree:
 
     def remove_leaf(self, node: TreeNode) -> None:
         """Unlink a childless node with no values left. Lock contract: node must be unlocked."""
-        if node.children or node.device_value is not None or node.host_value is not None:
+        if node.children or node._device_value is not None or node._host_value is not None:
             raise RuntimeError(f"node {node.id} is not an empty leaf")
         if node.lock_ref or node.host_ref:
             raise RuntimeError(f"node {node.id} is locked")
@@ -469,16 +487,26 @@ class RadixTree:
         # every L2 eviction over the whole frontier)
         return [n for n in frontier if n.host_ref == 0 and (n._device_value is not None or n.lock_ref == 0)]
 
+    # the two checks below run once or twice per node an eviction heap ranks or pops: plain loops over
+    # the slots, no generator, no property
     def is_host_leaf(self, n: TreeNode) -> bool:
         """True when L2 may drop ``n``'s host slots now (a locked host-only node is kept)."""
-        return (n is not self.root and n.host_value is not None and n.host_ref == 0
-                and (n.device_value is not None or n.lock_ref == 0)
-                and not any(c.host_value is not None for c in n.children.values()))
+        if (n._host_value is None or n.host_ref or n is self.root
+                or (n._device_value is None and n.lock_ref)):
+            return False
+        for c in n.children.values():
+            if c._host_value is not None:
+                return False
+        return True
 
     def is_device_leaf(self, n: TreeNode) -> bool:
         """True when L1 may evict ``n`` now."""
-        return (n is not self.root and n.device_value is not None and n.lock_ref == 0
-                and not any(c.device_value is not None for c in n.children.values()))
+        if n._device_value is None or n.lock_ref or n is self.root:
+            return False
+        for c in n.children.values():
+            if c._device_value is not None:
+                return False
+        return True
 
     def total_tokens(self, tier: Callable[[TreeNode], Any]) -> int:
         return sum(len(v) for v in map(tier, self.nodes()) if v is not None)

@@ -18,17 +18,17 @@ class RadixKey:
     """A request's token ids plus an optional namespace; different ``extra_key`` never share nodes.
 
     ``token_ids``: a list, tuple, range or ``array`` of ints, or a numpy array / torch tensor of an integer
-    dtype; stored as a private ``array('q')`` (8 bytes a token; slices compare as memory, and an
-    ``array('q')``, what SGLang's scheduler holds, is copied in one memcpy). ``extra_key``: None or a str
-    that encodes as UTF-8 (it is hashed into L3 keys). Anything else is a TypeError or ValueError naming
-    the field and the value.
+    dtype, stored as an ``array('q')`` (8 bytes a token; slices compare as memory). An ``array('q')``
+    (what SGLang's scheduler holds) is adopted as is, not copied, as SGLang's own RadixKey does: the
+    caller hands it over and must not change it afterwards (the tree copies what it keeps). Every other
+    form is converted into a new array. ``extra_key``: None or a str that encodes as UTF-8 (it is hashed
+    into L3 keys). Anything else is a TypeError or ValueError naming the field and the value.
     """
 
     token_ids: Sequence[int]
     extra_key: str | None = None
 
     def __post_init__(self) -> None:
-        # a private copy: the tree memoises a key's elements, so the ids must not change later
         object.__setattr__(self, "token_ids", _token_array(self.token_ids))
         if self.extra_key is not None:
             if not isinstance(self.extra_key, str):
@@ -48,7 +48,7 @@ class RadixKey:
 def _token_array(ids: object) -> array:
     """``ids`` as an ``array('q')``; TypeError naming what is not a 64-bit int id."""
     if type(ids) is array and ids.typecode == "q":
-        return array("q", ids)  # one memcpy: the fast path for engines that hold arrays
+        return ids  # handed over: a copy of a long prompt costs more than the whole match
     dtype = getattr(ids, "dtype", None)
     if dtype is not None and hasattr(ids, "tolist"):  # a numpy array or torch tensor
         name = str(dtype).removeprefix("torch.")

@@ -47,8 +47,7 @@ class EvictionHeap:
         (its parent may join then); stopping early keeps the rest for the next call."""
         changed = self.tree.changed_nodes(self.tier)
         if changed is not self._changed:  # first call, or the tree was reset: forget the old nodes
-            self._changed, self._heap, self._live = changed, [], {}
-            changed.update(self._frontier())
+            self._changed, self._heap, self._live = changed, [], {}  # (the tree marked all it holds)
         if not getattr(self.order, "static", True):
             changed.clear()  # keys move with time: ranked afresh on every call, as before
             return eviction_order(self._frontier(), self.order, self._next_leaf)

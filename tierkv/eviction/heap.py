@@ -22,7 +22,7 @@ import heapq
 import itertools
 from typing import Any, Callable, Iterator
 
-from tierkv.eviction.base import eviction_order
+from tierkv.eviction.base import Policy, eviction_order
 
 _COMPACT_SLACK = 1024  # stale entries tolerated beyond twice the live ones before the heap is rebuilt
 
@@ -35,6 +35,7 @@ class EvictionHeap:
         if tier not in ("device", "host"):
             raise ValueError(f"tier must be 'device' or 'host', got {tier!r}")
         self.tree, self.tier, self.order = tree, tier, order
+        self._key = order.key if isinstance(order, Policy) else order  # one call less per node ranked
         self._is_candidate = tree.is_device_leaf if tier == "device" else tree.is_host_leaf
         self._frontier = tree.device_leaves if tier == "device" else tree.host_leaves
         self._changed: set | None = None
@@ -58,8 +59,8 @@ class EvictionHeap:
         return parent if parent is not None and self._is_candidate(parent) else None
 
     def _pop_all(self) -> Iterator:
-        heap, live, order, is_candidate = self._heap, self._live, self.order, self._is_candidate
-        recheck = getattr(order, "keys_rise_untouched", True)
+        heap, live, key_of, is_candidate = self._heap, self._live, self._key, self._is_candidate
+        recheck = getattr(self.order, "keys_rise_untouched", True)
         self._drain()
         while heap:
             key, node_id, seq, node = heapq.heappop(heap)
@@ -69,21 +70,24 @@ class EvictionHeap:
             if not is_candidate(node):
                 continue
             if recheck:
-                now = order(node)
+                now = key_of(node)
                 if now != key:  # the key rose since the push: take its place again
                     self._push(node, now)
                     continue
             yield node
-            self._drain()
+            if self._changed:
+                self._drain()
 
     def _drain(self) -> None:
         changed = self._changed
         if not changed:
             return
-        is_candidate, order = self._is_candidate, self.order
+        is_candidate, key_of, heap, live, seqs = self._is_candidate, self._key, self._heap, self._live, self._seq
         for node in changed:
-            if is_candidate(node):
-                self._push(node, order(node))
+            if is_candidate(node):  # _push, inlined: this loop sees every node touched since the last call
+                seq = next(seqs)
+                live[node.id] = seq
+                heapq.heappush(heap, (key_of(node), node.id, seq, node))
         changed.clear()
         if len(self._heap) > 2 * len(self._live) + _COMPACT_SLACK:
             live = self._live

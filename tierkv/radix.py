@@ -304,8 +304,6 @@ class RadixTree:
         num_values = len(value)  # once: a tensor's len() is a Python call
         if num_values < num_elems:  # checked before any change: a failed insert leaves the tree as it was
             raise ValueError(f"value of length {num_values} is shorter than the key's {num_elems} elements")
-        if num_values > num_elems:
-            value = value[:num_elems]
         tick = self._touch()
         node, pos, page_size, extra_key = self.root, 0, self.page_size, key.extra_key
         prefix_len = self._prefix_len
@@ -336,7 +334,7 @@ class RadixTree:
             leaf = TreeNode(elems[pos:num_elems], extra_key, node, tick)  # a copy: the key's array is the caller's
             leaf.priority = priority
             node.children[self.child_key(leaf.key, extra_key)] = leaf
-            self._attach(leaf, value[pos:] if pos else value)
+            self._attach(leaf, value[pos:num_elems] if pos or num_values > num_elems else value)  # one slice
             result.new_node = leaf
             path.append(leaf)
         frontiers = self.root._frontiers  # touched: re-ranked by eviction heaps

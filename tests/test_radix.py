@@ -350,3 +350,23 @@ def test_native_comparison_refuses_what_is_not_an_int64_array():
         native(array("i", [1, 2]), array("q", [1, 2]), 0)
     with pytest.raises(ValueError, match="offset 3"):
         native(array("q", [1]), array("q", [1, 2]), 3)
+
+
+@pytest.mark.parametrize("bigram", [False, True])
+@pytest.mark.parametrize("page_size", [1, 3, 4])
+def test_num_elements_is_the_length_of_the_elements(page_size, bigram):
+    tree = RadixTree(page_size, bigram=bigram)
+    for n in range(0, 11):
+        key = RadixKey(list(range(n)))
+        assert tree.num_elements(key) == len(tree.elements(key))
+
+
+def test_a_partial_last_page_that_matches_a_longer_edge_is_still_cut():
+    """The walk reads the key's own array uncut: a tail shorter than a page must never count."""
+    tree = RadixTree(4)
+    tree.insert(RadixKey(list(range(1, 9))), list(range(8)))
+    path = tree.match(RadixKey(list(range(1, 7))))  # 6 ids: one page, then 2 that match the edge
+    assert path.num_tokens == 4 and len(path.nodes[-1].key) == 4
+    result = tree.insert(RadixKey(list(range(1, 8))), list(range(7)))
+    assert result.prefix_len == 4 and result.new_node is None
+    tree.check_integrity()

@@ -71,3 +71,16 @@ def test_an_int64_array_is_adopted_but_the_tree_keeps_its_own_copy():
         tree = RadixTree(page_size)
         leaf = tree.insert(key, [0, 1, 2, 3]).new_node
         assert leaf.key is not ids and leaf.key == ids
+
+
+def test_native_packing_takes_plain_ints_only_and_leaves_the_rest_to_the_reference():
+    from tierkv import radix_key
+
+    pack = radix_key.native_pack_int64
+    if pack is None:
+        pytest.skip("tierkv._radix is not built")
+    ids = [0, 1, -1, 2**63 - 1, -(2**63), 31999]
+    assert array("q", pack(ids)) == array("q", ids) == array("q", pack(tuple(ids)))
+    for odd in ([1, True], [1, np.int64(2)], [1, 2.0], [2**63], [-(2**63) - 1], [1, None]):
+        assert pack(odd) is None
+    assert pack([]) == b""

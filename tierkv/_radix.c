@@ -1,4 +1,4 @@
-/* Native core of the radix tree's key comparison (tierkv/radix.py keeps the pure-Python reference).
+/* Native core of the radix tree's keys (tierkv/radix.py and radix_key.py keep the pure-Python reference).
  *
  * common_prefix_len(a, b, offset) is the number of equal leading elements of a and b[offset:], both
  * int64 buffers (array('q')). The Python version slices both keys (copying up to one edge, 8 bytes a
@@ -70,7 +70,41 @@ static PyObject *common_prefix_len(PyObject *self, PyObject *const *args, Py_ssi
     return result;
 }
 
+/* pack_int64(seq) -> bytes of native int64s, or None when an item is not an exact int (bools, numpy
+ * scalars, floats...) or does not fit in 64 bits: the caller's slow path then converts or names it.
+ * Why: RadixKey(list) checked every item's type and then packed it, two passes of Python-level work
+ * per token; this is one C loop. */
+static PyObject *pack_int64(PyObject *self, PyObject *seq) {
+    (void)self;
+    PyObject *fast = PySequence_Fast(seq, "pack_int64 takes a list or tuple");
+    if (fast == NULL) {
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(int64_t));
+    if (out == NULL) {
+        Py_DECREF(fast);
+        return NULL;
+    }
+    int64_t *dst = (int64_t *)PyBytes_AS_STRING(out);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int overflow = 0;
+        long long v = PyLong_CheckExact(items[i]) ? PyLong_AsLongLongAndOverflow(items[i], &overflow) : -1;
+        if (!PyLong_CheckExact(items[i]) || overflow) {
+            Py_DECREF(fast);
+            Py_DECREF(out);
+            Py_RETURN_NONE;
+        }
+        dst[i] = (int64_t)v;
+    }
+    Py_DECREF(fast);
+    return out;
+}
+
 static PyMethodDef methods[] = {
+    {"pack_int64", pack_int64, METH_O,
+     "pack_int64(seq) -> bytes of int64s, or None if an item is not an int that fits in 64 bits"},
     {"common_prefix_len", (PyCFunction)(void (*)(void))common_prefix_len, METH_FASTCALL,
      "common_prefix_len(a, b, offset) -> equal leading elements of int64 arrays a and b[offset:]"},
     {NULL, NULL, 0, NULL},

@@ -7,10 +7,25 @@ and engines that hold arrays (SGLang's scheduler does) hand them over in one mem
 from __future__ import annotations
 
 import operator
+import os
 import reprlib
 from array import array
 from dataclasses import dataclass
 from typing import Sequence
+
+
+def _load_native_pack():
+    """The compiled packer (tierkv/_radix.c), or None: not built, or ``TIERKV_PURE_PYTHON_TREE=1``."""
+    if os.environ.get("TIERKV_PURE_PYTHON_TREE") == "1":
+        return None
+    try:
+        from tierkv._radix import pack_int64
+    except ImportError:
+        return None
+    return pack_int64
+
+
+native_pack_int64 = _load_native_pack()  # tests set it to None to run on the pure-Python path
 
 
 @dataclass(frozen=True)
@@ -60,6 +75,11 @@ def _token_array(ids: object) -> array:
         if ids.typecode in "fdu":
             raise TypeError(f"token_ids must be integers, got an array of typecode {ids.typecode!r}")
     elif isinstance(ids, Sequence) and not isinstance(ids, (str, bytes, bytearray)):
+        packed = native_pack_int64(ids) if native_pack_int64 is not None and type(ids) in (list, tuple) else None
+        if packed is not None:  # every item a plain int that fits: packed in one C loop
+            out = array("q")
+            out.frombytes(packed)
+            return out
         if set(map(type, ids)) - {int}:  # bools, floats, numpy scalars...: one at a time
             ids = [_token_id(i, x) for i, x in enumerate(ids)]
     else:  # sets and dicts have no order; strings are not token ids

@@ -13,12 +13,11 @@ Invariants kept by the tree (checked by :meth:`RadixTree.check_integrity`):
 from __future__ import annotations
 
 import itertools
-import os
 from array import array
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterator
 
-from tierkv.radix_key import RadixKey
+from tierkv.radix_key import RadixKey, load_native
 
 _node_ids = itertools.count(1)
 
@@ -174,20 +173,8 @@ def _common_prefix_len(a: list, b: list, offset: int = 0) -> int:
     return lo
 
 
-def _load_native() -> Callable | None:
-    """The compiled comparison (tierkv/_radix.c), or None when it is not built or when
-    ``TIERKV_PURE_PYTHON_TREE=1`` asks for the pure-Python reference."""
-    if os.environ.get("TIERKV_PURE_PYTHON_TREE") == "1":
-        return None
-    try:
-        from tierkv._radix import common_prefix_len
-    except ImportError:
-        return None
-    return common_prefix_len
-
-
 # read when a tree is built; tests set it to None to run the same suite on the pure-Python reference
-native_common_prefix_len = _load_native()
+native_common_prefix_len = load_native("common_prefix_len")
 
 
 def implementation() -> str:

@@ -11,21 +11,22 @@ import os
 import reprlib
 from array import array
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 
-def _load_native_pack():
-    """The compiled packer (tierkv/_radix.c), or None: not built, or ``TIERKV_PURE_PYTHON_TREE=1``."""
+def load_native(name: str) -> Callable | None:
+    """A function of the compiled tree core (tierkv/_radix.c), or None when it is not built or when
+    ``TIERKV_PURE_PYTHON_TREE=1`` asks for the pure-Python reference."""
     if os.environ.get("TIERKV_PURE_PYTHON_TREE") == "1":
         return None
     try:
-        from tierkv._radix import pack_int64
+        from tierkv import _radix
     except ImportError:
         return None
-    return pack_int64
+    return getattr(_radix, name)
 
 
-native_pack_int64 = _load_native_pack()  # tests set it to None to run on the pure-Python path
+native_pack_int64 = load_native("pack_int64")  # tests set it to None to run on the pure-Python path
 
 
 @dataclass(frozen=True)

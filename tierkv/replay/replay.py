@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 
 from tierkv.replay.trace import TraceRequest
@@ -34,6 +35,12 @@ from tierkv.storage.factory import redact_spec
 from tierkv.validate import check_bool, check_int, check_text
 
 REPLAY_KV_SPEC = KVSpec(num_layers=1, kv_heads=1, head_dim=1, dtype=torch.float64)
+
+
+def prompt_key(tokens: np.ndarray) -> RadixKey:
+    """The cache key of a replayed prompt. An int64 array is the cheapest form RadixKey takes: it skips
+    the per-id type check a list needs (the ids were made here, in range)."""
+    return RadixKey(tokens)
 
 
 @dataclass(frozen=True)
@@ -138,8 +145,8 @@ class TraceReplayer:
     def serve(self, req: TraceRequest) -> RequestHits:
         """Replay one request. Lock contract: holds a lock on its prefix only while inserting."""
         cache = self.cache
-        prompt = req.prompt_tokens()
-        key = RadixKey(prompt)
+        prompt = req.prompt_array()  # built once per request; the key and the checks reuse it
+        key = prompt_key(prompt)
         match = cache.match_prefix(key)
         hits = RequestHits(req.input_length, l1=len(match.device_indices))
         l3_tokens = 0
@@ -153,19 +160,20 @@ class TraceReplayer:
         # a failed load's slots are dropped by the next step; its tokens are recomputed
         if self.config.verify:
             self._verify(prefix, prompt)
-        tokens = prompt + req.output_tokens() if self.config.include_output else prompt
+        if self.config.include_output:
+            prompt = np.concatenate([prompt, np.asarray(req.output_tokens(), dtype=np.int64)])
+            key = prompt_key(prompt)
         cache.inc_lock_ref(last_node)
         try:
-            hits.cached = self._insert(RadixKey(tokens) if self.config.include_output else key, prefix)
+            hits.cached = self._insert(key, prompt, prefix)
         finally:
             cache.dec_lock_ref(last_node)
         cache.flush()
         self.result.requests.append(hits)
         return hits
 
-    def _insert(self, key: RadixKey, prefix: torch.Tensor) -> bool:
+    def _insert(self, key: RadixKey, tokens: np.ndarray, prefix: torch.Tensor) -> bool:
         """Allocate and fill slots for the uncached suffix, then insert; False when L1 has no room."""
-        tokens = key.token_ids
         page = self.config.page_size
         num_new = len(tokens) - len(prefix)
         num_alloc = -(-num_new // page) * page
@@ -175,7 +183,7 @@ class TraceReplayer:
             return False
         if self.config.verify and num_alloc:
             values = torch.full((num_alloc,), -1.0, dtype=torch.float64)
-            values[:num_new] = torch.tensor(tokens[len(prefix):], dtype=torch.float64)
+            values[:num_new] = torch.from_numpy(tokens[len(prefix):])
             self.cache.device_pool.write_tokens(new_slots, values.view(1, 1, -1, 1, 1).expand(2, 1, -1, 1, 1))
         owned = self.cache.insert(key, torch.cat([prefix, new_slots]))
         leftover = new_slots[owned - len(prefix):]
@@ -183,11 +191,11 @@ class TraceReplayer:
             self.cache.device_pool.free(leftover)
         return True
 
-    def _verify(self, prefix: torch.Tensor, prompt: list[int]) -> None:
+    def _verify(self, prefix: torch.Tensor, prompt: np.ndarray) -> None:
         if not len(prefix):
             return
         kv = self.cache.device_pool.read_tokens(prefix)
-        expected = torch.tensor(prompt[:len(prefix)], dtype=torch.float64)
+        expected = torch.from_numpy(prompt[:len(prefix)]).to(torch.float64)
         if not (torch.equal(kv[0, 0, :, 0, 0], expected) and torch.equal(kv[1, 0, :, 0, 0], expected)):
             bad = torch.nonzero(kv[0, 0, :, 0, 0] != expected).flatten()[:4].tolist()
             raise AssertionError(f"reused KV differs from the prompt at positions {bad}")

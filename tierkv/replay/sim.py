@@ -45,6 +45,12 @@ class SimConfig:
     write_threshold: int | None = 1  # uses before an L2 copy; None: write_back (copy on L1 eviction)
     admission: bool = False  # ask the policy before copying a node to L2
     load_back_threshold: int = 10
+    # L2 eviction may drop the L2 copy of a node still in L1 (tierkv); False: only host-only leaves, as
+    # HiCache's evict_host does (README, "Differences from SGLang HiCache")
+    l2_evicts_l1_resident: bool = True
+    # write_back copies a node's ancestors that L2 lacks along with it (tierkv, HiCache); False: only the
+    # node, an ancestor being copied when L1 evicts it in turn (its L2 subtree dropped if that copy fails)
+    write_back_ancestors: bool = True
 
     def __post_init__(self) -> None:
         if self.tier_mode not in TIER_MODES:
@@ -115,8 +121,15 @@ class PageSim:
         self.l2_used = 0
         device_order, host_order = tier_orders(self.policy, config.tier_mode)
         self.l1_heap = _TierHeap(device_order, self.tree.is_device_leaf, "device_value")
-        self.l2_heap = _TierHeap(host_order, self.tree.is_host_leaf, "host_value")
+        self.l2_heap = _TierHeap(host_order, self._is_l2_victim, "host_value")
         self.result = SimResult(config)
+
+    def _is_l2_victim(self, node: TreeNode) -> bool:
+        return self.tree.is_host_leaf(node) and (self.config.l2_evicts_l1_resident or node.device_value is None)
+
+    def _l2_frontier(self) -> list[TreeNode]:
+        leaves = self.tree.host_leaves()
+        return leaves if self.config.l2_evicts_l1_resident else [n for n in leaves if n.device_value is None]
 
     @property
     def l1_used(self) -> int:
@@ -191,6 +204,8 @@ class PageSim:
         if self.l1_used + num_pages <= self.l1_pages:
             return True
         for victim in self._victims(self.l1_heap, self.tree.device_leaves):
+            if victim.device_value is None or victim.lock_ref:  # gone with a dropped L2 subtree
+                continue
             self._evict_l1(victim)
             if self.l1_used + num_pages <= self.l1_pages:
                 return True
@@ -217,27 +232,30 @@ class PageSim:
         on_evict = self.config.tier_mode == "exclusive" or self.config.write_threshold is None
         if on_evict and node.host_value is None and self.l2_pages:
             if not self.config.admission or self.policy.admit(node):
-                self._copy_to_l2(node)
+                self._copy_to_l2(node, ancestors=self.config.write_back_ancestors)
         self.tree.clear_device_value(node)
         removed = node.host_value is None
         if removed:
+            self._drop_subtree(node)  # host-only children (no ancestor copies): unreachable now
             self.tree.remove_leaf(node)
+        elif not self.config.l2_evicts_l1_resident:
+            self.l2_heap.push(node)  # host-only now: an L2 victim under HiCache's rule
         self.policy.on_evict(node, removed)
         parent = node.parent
         if parent is not self.tree.root and parent.device_value is not None:
             self.l1_heap.push(parent)  # it may be a leaf now (or once unlocked): checked when popped
 
-    def _copy_to_l2(self, node: TreeNode) -> bool:
-        """Give ``node`` and its ancestors without one an L2 copy, evicting from L2 for room."""
+    def _copy_to_l2(self, node: TreeNode, ancestors: bool = True) -> bool:
+        """Give ``node`` and (``ancestors``) its ancestors without one an L2 copy, evicting from L2 for room."""
         path = []
         n = node
-        while n is not self.tree.root and n.host_value is None:
+        while n is not self.tree.root and n.host_value is None and (ancestors or not path):
             path.append(n)
             n = n.parent
         num = sum(len(n) for n in path)
         self.tree.inc_host_ref(node)
         if self.l2_used + num > self.l2_pages:
-            for victim in self._victims(self.l2_heap, self.tree.host_leaves):
+            for victim in self._victims(self.l2_heap, self._l2_frontier):
                 self._evict_l2(victim)
                 if self.l2_used + num <= self.l2_pages:
                     break
@@ -259,6 +277,15 @@ class PageSim:
         parent = node.parent
         if parent is not self.tree.root and parent.host_value is not None:
             self.l2_heap.push(parent)
+
+    def _drop_subtree(self, node: TreeNode) -> None:
+        """Remove ``node``'s descendants, all host-only (``node`` is an L1 leaf): without
+        ``write_back_ancestors`` they lose their path when ``node`` leaves both tiers."""
+        for child in list(node.children.values()):
+            self._drop_subtree(child)
+            self._drop_host(child)
+            self.tree.remove_leaf(child)
+            self.policy.on_evict(child, True)
 
     def _evict_l2(self, node: TreeNode) -> None:
         self._drop_host(node)

@@ -121,15 +121,8 @@ class PageSim:
         self.l2_used = 0
         device_order, host_order = tier_orders(self.policy, config.tier_mode)
         self.l1_heap = _TierHeap(device_order, self.tree.is_device_leaf, "device_value")
-        self.l2_heap = _TierHeap(host_order, self._is_l2_victim, "host_value")
+        self.l2_heap = _TierHeap(host_order, self.tree.is_host_leaf, "host_value")
         self.result = SimResult(config)
-
-    def _is_l2_victim(self, node: TreeNode) -> bool:
-        return self.tree.is_host_leaf(node) and (self.config.l2_evicts_l1_resident or node.device_value is None)
-
-    def _l2_frontier(self) -> list[TreeNode]:
-        leaves = self.tree.host_leaves()
-        return leaves if self.config.l2_evicts_l1_resident else [n for n in leaves if n.device_value is None]
 
     @property
     def l1_used(self) -> int:
@@ -204,8 +197,6 @@ class PageSim:
         if self.l1_used + num_pages <= self.l1_pages:
             return True
         for victim in self._victims(self.l1_heap, self.tree.device_leaves):
-            if victim.device_value is None or victim.lock_ref:  # gone with a dropped L2 subtree
-                continue
             self._evict_l1(victim)
             if self.l1_used + num_pages <= self.l1_pages:
                 return True
@@ -255,7 +246,9 @@ class PageSim:
         num = sum(len(n) for n in path)
         self.tree.inc_host_ref(node)
         if self.l2_used + num > self.l2_pages:
-            for victim in self._victims(self.l2_heap, self._l2_frontier):
+            for victim in self._victims(self.l2_heap, self.tree.host_leaves):
+                if victim.device_value is not None and not self.config.l2_evicts_l1_resident:
+                    continue  # HiCache's rule: only host-only leaves leave L2
                 self._evict_l2(victim)
                 if self.l2_used + num <= self.l2_pages:
                     break

@@ -18,8 +18,8 @@ prompt's token ids, which catches any wrong KV delivered by a load back or an L3
 from __future__ import annotations
 
 import json
-from array import array
 import time
+from array import array
 from dataclasses import dataclass, field
 from typing import Callable
 

@@ -1,70 +1,104 @@
-"""Replay throughput (requests/s) on conversation_trace.jsonl, with the L1-only radix cache as baseline.
+"""`tierkv replay`'s CPU time against a minimal page-level LRU (bench/page_lru_sim.py) on the same trace.
 
-Each configuration replays the same requests through a fresh real cache in this process, one after the
-other; the ratio column is the tiered replay's cost relative to the plain L1 cache of the same total size.
+Each run is its own subprocess, so that each has its own peak RSS; runs are interleaved (baseline, tiered,
+tiered with --verify, then again, the order rotating per repeat) so that load from other processes falls on
+all of them alike. The ratio is the tiered replay's CPU time over the baseline's in the same repeat; min
+and median over repeats are printed. Timed: the replay alone (trace parsing and imports are not).
+The tiered replay runs with `tierkv replay`'s defaults (L1 500k + L2 4M tokens, page 16, gdsf,
+write_through, no L3); the baseline holds the same total (L1 + L2) in pages.
 
-Run:  /work/venv/bin/python bench/bench_replay.py [--limit 3000] [--page-size 16] [--l3 file:/tmp/x]
+Run:  python bench/bench_replay.py [--limit 3000] [--repeats 3]
 """
 
 from __future__ import annotations
 
 import argparse
-import tempfile
+import json
+import resource
+import statistics
+import subprocess
+import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
-import torch
-
-from tierkv.replay.optimal import belady_min
-from tierkv.replay.replay import ReplayConfig, replay
-from tierkv.replay.report import parse_size
-from tierkv.replay.trace import load_trace
-
 ROOT = Path(__file__).resolve().parents[1]
-TRACE = next((p for p in (ROOT.parent / "shared", ROOT.parent.parent / "shared")
-              if (p / "data" / "traces").is_dir()), ROOT.parent / "shared") / "data/traces/conversation_trace.jsonl"
+sys.path.insert(0, str(ROOT))
+TRACE = ROOT / "data" / "traces" / "conversation_trace.jsonl.gz"
+KINDS = ("lru", "tiered", "tiered --verify")
 
 
-def timed(fn):
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def worker(args: argparse.Namespace) -> None:
+    """Run one replay of ``args.worker`` kind and print one JSON line of its figures."""
+    from tierkv.replay.report import parse_size
+    from tierkv.replay.trace import load_trace
+
+    requests = load_trace(args.trace, limit=args.limit).requests
+    total_tokens = parse_size(args.l1_tokens) + parse_size(args.l2_tokens)
+    if args.worker == "lru":
+        from page_lru_sim import simulate  # type: ignore[import-not-found]
+
+        run = lambda: simulate(requests, total_tokens, args.page_size)  # noqa: E731
+    else:
+        import torch
+
+        from tierkv.replay.replay import ReplayConfig, replay
+
+        torch.set_num_threads(1)  # as `tierkv replay` does
+        config = ReplayConfig(parse_size(args.l1_tokens), parse_size(args.l2_tokens), page_size=args.page_size,
+                              eviction_policy=args.policy, verify=args.worker.endswith("--verify"))
+        run = lambda: replay(requests, config)  # noqa: E731
+    rss_before = _peak_rss_mib()
     wall, cpu = time.perf_counter(), time.process_time()
-    result = fn()
-    return result, time.perf_counter() - wall, time.process_time() - cpu
+    result = run()
+    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    hit_ratio = result[0] / result[1] if isinstance(result, tuple) else result.hit_ratio
+    print(json.dumps({"cpu_s": cpu, "wall_s": wall, "hit_ratio": hit_ratio, "rss_before_mib": rss_before,
+                      "peak_rss_mib": _peak_rss_mib()}))
+
+
+def run_one(kind: str, args: argparse.Namespace) -> dict:
+    cmd = [sys.executable, __file__, "--worker", kind, "--trace", str(args.trace), "--page-size", str(args.page_size),
+           "--l1-tokens", args.l1_tokens, "--l2-tokens", args.l2_tokens, "--policy", args.policy]
+    if args.limit is not None:
+        cmd += ["--limit", str(args.limit)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT).stdout
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trace", default=str(TRACE))
     parser.add_argument("--limit", type=int, default=None, help="first N requests (default: all)")
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--l1-tokens", default="500k")
     parser.add_argument("--l2-tokens", default="4M")
-    parser.add_argument("--l3", default="none", help="also replay with this L3 (e.g. file:/tmp/dir, memory)")
+    parser.add_argument("--policy", default="gdsf", help="the tiered replay's eviction policy")
+    parser.add_argument("--worker", choices=KINDS, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    trace = load_trace(args.trace, limit=args.limit)
-    n = len(trace.requests)
-    tiered = ReplayConfig(parse_size(args.l1_tokens), parse_size(args.l2_tokens), page_size=args.page_size)
-    configs = [("L1-only (baseline)", replace(tiered, l1_tokens=tiered.total_tokens, l2_tokens=None)),
-               ("L1+L2", tiered)]
-    if args.l3 != "none":
-        l3 = args.l3
-        if l3 == "file:":
-            l3 = f"file:{tempfile.mkdtemp(prefix='tierkv-bench-l3-')}"
-        configs.append((f"L1+L2+L3 {l3.split(':')[0]}", replace(tiered, l3=l3)))
-    rows = []
-    for name, config in configs:
-        result, wall_s, cpu_s = timed(lambda: replay(trace.requests, config))
-        rows.append((name, result.hit_ratio, n / wall_s, cpu_s * 1000 / n))
-    _, wall_s, cpu_s = timed(lambda: belady_min(trace.requests, tiered.total_tokens, args.page_size))
-    rows.append(("Belady MIN bound", float("nan"), n / wall_s, cpu_s * 1000 / n))
-    base = rows[0][2]
-    print(f"replay of {n} requests ({trace.prompt_tokens:,} prompt tokens), page {args.page_size}, "
-          f"L1 {tiered.l1_tokens:,} + L2 {tiered.l2_tokens:,} tokens")
-    print(f"{'configuration':<22} {'hit ratio':>9} {'requests/s':>11} {'CPU ms/req':>11} {'vs baseline':>12}")
-    for name, ratio, rps, cpu_ms in rows:
-        shown = "" if ratio != ratio else f"{100 * ratio:.2f} %"
-        print(f"{name:<22} {shown:>9} {rps:>11,.0f} {cpu_ms:>11.2f} {rps / base:>11.2f}x")
+    if args.worker:
+        worker(args)
+        return
+    runs: dict[str, list[dict]] = {k: [] for k in KINDS}
+    for r in range(args.repeats):
+        for i in range(len(KINDS)):
+            kind = KINDS[(i + r) % len(KINDS)]
+            runs[kind].append(run_one(kind, args))
+    base = runs["lru"]
+    print(f"trace {Path(args.trace).name}, {args.limit or 'all'} requests, page {args.page_size}, "
+          f"L1 {args.l1_tokens} + L2 {args.l2_tokens} tokens; {args.repeats} interleaved repeats")
+    print(f"{'run':<18} {'hit ratio':>9} {'CPU s min':>9} {'CPU s med':>9} {'ratio min':>9} {'ratio med':>9} "
+          f"{'RSS MiB before':>14} {'peak RSS MiB':>12}")
+    for kind in KINDS:
+        cpu = [x["cpu_s"] for x in runs[kind]]
+        ratios = [x["cpu_s"] / b["cpu_s"] for x, b in zip(runs[kind], base)]
+        print(f"{kind:<18} {100 * runs[kind][0]['hit_ratio']:>8.2f}% {min(cpu):>9.2f} {statistics.median(cpu):>9.2f} "
+              f"{min(ratios):>9.2f} {statistics.median(ratios):>9.2f} "
+              f"{max(x['rss_before_mib'] for x in runs[kind]):>14.0f} {max(x['peak_rss_mib'] for x in runs[kind]):>12.0f}")
 
 
 if __name__ == "__main__":

@@ -175,3 +175,47 @@ def test_layer_first_and_page_first_direct_share_page_bytes():
 def test_pools_start_zeroed():
     pool = HostKVPool(MHA, 8, 1, "page_first", pin_memory=False)
     assert int(pool.buffer.count_nonzero()) == 0
+
+
+def _reference_pages(slots: torch.Tensor, page_size: int) -> list[int] | None:
+    """Page ids of whole aligned pages, slot by slot (the plain definition); None when not whole pages."""
+    ids = slots.tolist()
+    if len(ids) % page_size:
+        return None
+    pages = []
+    for i in range(0, len(ids), page_size):
+        chunk = ids[i:i + page_size]
+        if chunk[0] % page_size or chunk != list(range(chunk[0], chunk[0] + page_size)):
+            return None
+        pages.append(chunk[0] // page_size)
+    return pages
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_slot_page_conversion_fast_paths_match_the_plain_definition(page_size):
+    """Runs of slots take a fast path, scattered pages the general one: both give the plain result."""
+    alloc = SlotAllocator(64 * page_size, page_size)
+    run = alloc.alloc(8 * page_size)
+    gaps = torch.cat([alloc.pages_to_slots(torch.tensor(p)) for p in ([20, 21], [30], [25, 26, 27])])
+    for slots in (run, gaps, run[page_size:3 * page_size], torch.cat([run[2 * page_size:], run[:page_size]])):
+        expected = _reference_pages(slots, page_size)
+        assert alloc.slots_to_pages(slots).tolist() == expected
+        assert alloc._slots_to_pages(slots, every_slot=True).tolist() == expected
+        assert alloc.pages_to_slots(torch.tensor(expected)).tolist() == slots.tolist()
+
+
+def test_misaligned_or_partial_pages_are_refused_by_every_check():
+    alloc = SlotAllocator(64, 4)
+    held = alloc.alloc(16)
+    shifted = held + 1
+    for every_slot in (True, False):
+        with pytest.raises(ValueError, match="aligned"):
+            alloc._slots_to_pages(shifted, every_slot)
+        with pytest.raises(ValueError, match="whole pages"):
+            alloc._slots_to_pages(held[:6], every_slot)
+    inner = held.clone()
+    inner[5] = 40  # a page whose first and last slot are right: only the full check sees it
+    with pytest.raises(ValueError, match="aligned"):
+        alloc.check_allocated(inner, "slots")
+    alloc.free(held)
+    assert alloc.num_free_slots == 64

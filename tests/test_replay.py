@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 
 from tierkv.replay.optimal import belady_min
-from tierkv.replay.replay import ReplayConfig, TraceReplayer, replay
+from tierkv.replay.replay import ReplayConfig, TraceReplayer, prompt_key, replay
 from tierkv.replay.trace import TraceRequest, load_trace
 
 FIXTURE = Path(__file__).parent / "fixtures" / "conversation_200.jsonl"
@@ -103,3 +103,20 @@ def test_config_errors_name_the_field():
         ReplayConfig(l1_tokens=1_024, l3="memory")
     with pytest.raises(ValueError, match="eviction.policy"):
         ReplayConfig(l1_tokens=1_024, eviction_policy="nope")
+
+
+@pytest.mark.parametrize("row", [0, 1])  # K, then V
+def test_verify_catches_wrong_kv_in_a_reused_prefix(row):
+    """verify writes each new token's id as its K and V and reads every reused prefix back: one wrong
+    value in either row of L1 fails the next request that reuses it."""
+    req = TraceRequest(0, 1, 0, 1_024, 0, (7, 8))
+    replayer = TraceReplayer(ReplayConfig(l1_tokens=4_096, l2_tokens=12_288, verify=True))
+    try:
+        replayer.serve(req)
+        slots = replayer.cache.match_prefix(prompt_key(req.prompt_array())).device_indices
+        assert len(slots) == 1_024
+        replayer.kv_rows[row, slots[600]] += 1
+        with pytest.raises(AssertionError, match=r"positions \[600\]"):
+            replayer.serve(req)
+    finally:
+        replayer.finish()

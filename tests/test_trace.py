@@ -113,3 +113,13 @@ def test_the_shipped_trace_is_the_mooncake_conversation_trace():
     notice = (shipped.parent / "README.md").read_text()
     assert hashlib.sha256(raw).hexdigest() in notice and "Apache License 2.0" in notice
     assert len(load_trace(shipped, limit=100).requests) == 100
+
+
+def test_prompt_array_equals_prompt_tokens_on_the_fixture():
+    """The replay's fast expansion (numpy) against the reference (Python list), partial blocks included."""
+    requests = load_trace(FIXTURE).requests
+    assert any(r.input_length % BLOCK_TOKENS for r in requests)
+    for req in requests:
+        array = req.prompt_array()
+        assert array.dtype.name == "int64"
+        assert array.tolist() == req.prompt_tokens()

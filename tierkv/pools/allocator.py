@@ -26,6 +26,7 @@ class SlotAllocator:
         self.num_slots = self.num_pages * page_size
         self._page_offsets = np.arange(page_size, dtype=np.int64)
         self._positions: np.ndarray | None = None  # scratch for check_allocated
+        self._ramp = np.arange(0, dtype=np.int64)  # 0, 1, 2, ...: grown on demand, for _is_run
         self.reset()
 
     def reset(self, keep: torch.Tensor | None = None) -> None:
@@ -97,7 +98,7 @@ class SlotAllocator:
         """Return whole pages of slots; freeing a slot that is already free is an error."""
         if slots.numel() == 0:
             return
-        pages = self._slots_to_pages(slots)
+        pages = self._slots_to_pages(slots, every_slot=False)
         was_free = self._is_free[pages]
         if was_free.any() or (len(pages) > 1 and not _all_distinct(pages)):
             bad = pages[was_free] if was_free.any() else _duplicates(pages)
@@ -110,8 +111,9 @@ class SlotAllocator:
         return torch.from_numpy(self._pages_to_slots(np.asarray(pages.numpy(), dtype=np.int64)))
 
     def slots_to_pages(self, slots: torch.Tensor) -> torch.Tensor:
-        """Page ids of whole-page slot runs; a partial or misaligned page is an error."""
-        return torch.from_numpy(self._slots_to_pages(slots))
+        """Page ids of whole-page slot runs; a partial or misaligned page is an error (each page's first
+        and last slot checked: the slots of copies are whole pages of allocated or inserted slots)."""
+        return torch.from_numpy(self._slots_to_pages(slots, every_slot=False))
 
     def owned_mask(self) -> torch.Tensor:
         """Per page: True when allocated. For integrity checks."""
@@ -120,23 +122,53 @@ class SlotAllocator:
     def _pages_to_slots(self, pages: np.ndarray) -> np.ndarray:
         if self.page_size == 1:
             return pages.copy()
+        if len(pages) > 1 and self._is_run(pages):  # the usual allocation: one stretch of free pages
+            first = int(pages[0]) * self.page_size
+            return np.arange(first, first + len(pages) * self.page_size, dtype=np.int64)
         return (pages[:, None] * self.page_size + self._page_offsets).reshape(-1)
 
-    def _slots_to_pages(self, slots: torch.Tensor) -> np.ndarray:
-        """A fresh int64 array of the page ids; raises ValueError unless ``slots`` are whole aligned pages."""
-        slots = np.asarray(slots.detach().cpu().reshape(-1).numpy(), dtype=np.int64)
-        if len(slots) % self.page_size:
-            raise ValueError(f"{len(slots)} slots are not whole pages of {self.page_size}")
-        if self.page_size == 1:
+    def _slots_to_pages(self, slots: torch.Tensor, every_slot: bool = True) -> np.ndarray:
+        """A fresh int64 array of the page ids; raises ValueError unless ``slots`` are whole aligned pages.
+
+        Every copy, free and insert validates its slots here, so the usual case (one run of consecutive
+        slots, as the allocator hands them out) is checked with one compare against a cached ramp.
+        ``every_slot=False`` checks only each page's first and last slot (O(pages), not O(slots)): for
+        slots that are whole-page slices of what :meth:`alloc` returned or :meth:`check_allocated` passed,
+        which is all that frees and copies see; a wrong length or a misaligned page is still an error.
+        """
+        if slots.device.type != "cpu" or slots.requires_grad:
+            slots = slots.detach().cpu()
+        slots = np.asarray(slots.numpy().reshape(-1), dtype=np.int64)
+        ps = self.page_size
+        if len(slots) % ps:
+            raise ValueError(f"{len(slots)} slots are not whole pages of {ps}")
+        if ps == 1:
             pages = slots.copy()
+        elif len(slots) and slots[0] % ps == 0 and self._is_run(slots):
+            first = int(slots[0]) // ps
+            pages = np.arange(first, first + len(slots) // ps, dtype=np.int64)
         else:
-            grid = slots.reshape(-1, self.page_size)
-            pages = grid[:, 0] // self.page_size
-            if not np.array_equal(grid, pages[:, None] * self.page_size + self._page_offsets):
+            grid = slots.reshape(-1, ps)
+            pages = grid[:, 0] // ps
+            if every_slot:
+                whole = np.array_equal(grid, pages[:, None] * ps + self._page_offsets)
+            else:
+                first, last = grid[:, 0], grid[:, -1]
+                whole = not (first % ps).any() and bool((last - first == ps - 1).all())
+            if not whole:
                 raise ValueError("slots are not whole aligned pages")
         if len(pages) and (pages.min() < 0 or pages.max() >= self.num_pages):
             raise ValueError(f"slot out of range [0, {self.num_slots})")
         return pages
+
+    def _is_run(self, values: np.ndarray) -> bool:
+        """True when ``values`` (int64, non-empty) are consecutive ascending integers."""
+        n = len(values)
+        if int(values[-1]) - int(values[0]) != n - 1:
+            return False
+        if len(self._ramp) < n:
+            self._ramp = np.arange(max(n, 2 * len(self._ramp)), dtype=np.int64)
+        return bool((values - values[0] == self._ramp[:n]).all())
 
     def _merge_released(self) -> None:
         if self._released:

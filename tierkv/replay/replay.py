@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import json
 import time
+from array import array
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 
 from tierkv.replay.trace import TraceRequest
@@ -34,6 +36,12 @@ from tierkv.storage.factory import redact_spec
 from tierkv.validate import check_bool, check_int, check_text
 
 REPLAY_KV_SPEC = KVSpec(num_layers=1, kv_heads=1, head_dim=1, dtype=torch.float64)
+
+
+def prompt_key(tokens: np.ndarray) -> RadixKey:
+    """The cache key of a replayed prompt (int64 ids): as an ``array('q')``, which RadixKey takes in
+    one memcpy (tree keys are ``array('q')``) instead of converting each id."""
+    return RadixKey(array("q", tokens.tobytes()))
 
 
 @dataclass(frozen=True)
@@ -130,6 +138,9 @@ class TraceReplayer:
         if config.l2_tokens is not None:
             host_pool = HostKVPool(REPLAY_KV_SPEC, config.l2_tokens, config.page_size, "page_first")
         self.cache = HiRadixCache(device_pool, config.cache_config(), host_pool=host_pool)
+        # L1's K and V rows, one float64 per token slot (REPLAY_KV_SPEC), as numpy: verify writes and
+        # reads them by slot index, one scatter or gather per request (torch's indexing costs more)
+        self.kv_rows = device_pool.buffer.view(REPLAY_KV_SPEC.num_kv, device_pool.num_slots).numpy()
         self.storage = None
         if config.l3 != "none":
             self.storage = L3Tier(self.cache, config.l3)
@@ -138,8 +149,8 @@ class TraceReplayer:
     def serve(self, req: TraceRequest) -> RequestHits:
         """Replay one request. Lock contract: holds a lock on its prefix only while inserting."""
         cache = self.cache
-        prompt = req.prompt_tokens()
-        key = RadixKey(prompt)
+        prompt = req.prompt_array()  # built once per request; the key and the checks reuse it
+        key = prompt_key(prompt)
         match = cache.match_prefix(key)
         hits = RequestHits(req.input_length, l1=len(match.device_indices))
         l3_tokens = 0
@@ -153,19 +164,20 @@ class TraceReplayer:
         # a failed load's slots are dropped by the next step; its tokens are recomputed
         if self.config.verify:
             self._verify(prefix, prompt)
-        tokens = prompt + req.output_tokens() if self.config.include_output else prompt
+        if self.config.include_output:
+            prompt = np.concatenate([prompt, np.asarray(req.output_tokens(), dtype=np.int64)])
+            key = prompt_key(prompt)
         cache.inc_lock_ref(last_node)
         try:
-            hits.cached = self._insert(RadixKey(tokens) if self.config.include_output else key, prefix)
+            hits.cached = self._insert(key, prompt, prefix)
         finally:
             cache.dec_lock_ref(last_node)
         cache.flush()
         self.result.requests.append(hits)
         return hits
 
-    def _insert(self, key: RadixKey, prefix: torch.Tensor) -> bool:
+    def _insert(self, key: RadixKey, tokens: np.ndarray, prefix: torch.Tensor) -> bool:
         """Allocate and fill slots for the uncached suffix, then insert; False when L1 has no room."""
-        tokens = key.token_ids
         page = self.config.page_size
         num_new = len(tokens) - len(prefix)
         num_alloc = -(-num_new // page) * page
@@ -174,22 +186,22 @@ class TraceReplayer:
             self.result.uncached_requests += 1
             return False
         if self.config.verify and num_alloc:
-            values = torch.full((num_alloc,), -1.0, dtype=torch.float64)
-            values[:num_new] = torch.tensor(tokens[len(prefix):], dtype=torch.float64)
-            self.cache.device_pool.write_tokens(new_slots, values.view(1, 1, -1, 1, 1).expand(2, 1, -1, 1, 1))
+            slots = new_slots.numpy()
+            self.kv_rows[:, slots[:num_new]] = tokens[len(prefix):]  # K and V of each new token: its id
+            self.kv_rows[:, slots[num_new:]] = -1.0  # the partial page's padding
         owned = self.cache.insert(key, torch.cat([prefix, new_slots]))
         leftover = new_slots[owned - len(prefix):]
         if len(leftover):
             self.cache.device_pool.free(leftover)
         return True
 
-    def _verify(self, prefix: torch.Tensor, prompt: list[int]) -> None:
+    def _verify(self, prefix: torch.Tensor, prompt: np.ndarray) -> None:
         if not len(prefix):
             return
-        kv = self.cache.device_pool.read_tokens(prefix)
-        expected = torch.tensor(prompt[:len(prefix)], dtype=torch.float64)
-        if not (torch.equal(kv[0, 0, :, 0, 0], expected) and torch.equal(kv[1, 0, :, 0, 0], expected)):
-            bad = torch.nonzero(kv[0, 0, :, 0, 0] != expected).flatten()[:4].tolist()
+        kv = self.kv_rows[:, prefix.numpy()]
+        wrong = kv != prompt[:len(prefix)]
+        if wrong.any():
+            bad = np.flatnonzero(wrong.any(0))[:4].tolist()
             raise AssertionError(f"reused KV differs from the prompt at positions {bad}")
 
     def finish(self) -> ReplayResult:

@@ -44,6 +44,12 @@ class SimConfig:
     write_threshold: int | None = 1  # uses before an L2 copy; None: write_back (copy on L1 eviction)
     admission: bool = False  # ask the policy before copying a node to L2
     load_back_threshold: int = 10
+    # L2 eviction may drop the L2 copy of a node still in L1 (tierkv); False: only host-only leaves, as
+    # HiCache's evict_host does (README, "Differences from SGLang HiCache")
+    l2_evicts_l1_resident: bool = True
+    # write_back copies a node's ancestors that L2 lacks along with it (tierkv, HiCache); False: only the
+    # node, an ancestor being copied when L1 evicts it in turn (its L2 subtree dropped if that copy fails)
+    write_back_ancestors: bool = True
 
     def __post_init__(self) -> None:
         if self.tier_mode not in TIER_MODES:
@@ -154,24 +160,27 @@ class PageSim:
         on_evict = self.config.tier_mode == "exclusive" or self.config.write_threshold is None
         if on_evict and node.host_value is None and self.l2_pages:
             if not self.config.admission or self.policy.admit(node):
-                self._copy_to_l2(node)
+                self._copy_to_l2(node, ancestors=self.config.write_back_ancestors)
         self.tree.clear_device_value(node)
         removed = node.host_value is None
         if removed:
+            self._drop_subtree(node)  # host-only children (no ancestor copies): unreachable now
             self.tree.remove_leaf(node)
         self.policy.on_evict(node, removed)
 
-    def _copy_to_l2(self, node: TreeNode) -> bool:
-        """Give ``node`` and its ancestors without one an L2 copy, evicting from L2 for room."""
+    def _copy_to_l2(self, node: TreeNode, ancestors: bool = True) -> bool:
+        """Give ``node`` and (``ancestors``) its ancestors without one an L2 copy, evicting from L2 for room."""
         path = []
         n = node
-        while n is not self.tree.root and n.host_value is None:
+        while n is not self.tree.root and n.host_value is None and (ancestors or not path):
             path.append(n)
             n = n.parent
         num = sum(len(n) for n in path)
         self.tree.inc_host_ref(node)
         if self.l2_used + num > self.l2_pages:
             for victim in self.l2_heap.victims():
+                if victim.device_value is not None and not self.config.l2_evicts_l1_resident:
+                    continue  # HiCache's rule: only host-only leaves leave L2 (re-marked when L1 drops it)
                 self._evict_l2(victim)
                 if self.l2_used + num <= self.l2_pages:
                     break
@@ -187,6 +196,15 @@ class PageSim:
     def _drop_host(self, node: TreeNode) -> None:
         node.host_value = None
         self.l2_used -= len(node)
+
+    def _drop_subtree(self, node: TreeNode) -> None:
+        """Remove ``node``'s descendants, all host-only (``node`` is an L1 leaf): without
+        ``write_back_ancestors`` they lose their path when ``node`` leaves both tiers."""
+        for child in list(node.children.values()):
+            self._drop_subtree(child)
+            self._drop_host(child)
+            self.tree.remove_leaf(child)
+            self.policy.on_evict(child, True)
 
     def _evict_l2(self, node: TreeNode) -> None:
         self._drop_host(node)

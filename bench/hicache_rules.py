@@ -1,0 +1,60 @@
+"""tierkv's L2 rules against HiCache's, by page simulation (issue 13 items 5 and 6).
+
+For each trace, policy, write policy and L1:L2 ratio, the simulator (tierkv.replay.sim) runs twice, one
+rule flipped: ``l2_evicts_l1_resident`` (tierkv: L2 eviction may drop the copy of a node still in L1;
+HiCache: only host-only leaves) and ``write_back_ancestors`` (tierkv: write-back copies the node's
+un-backed ancestors with it; HiCache: only the node, an ancestor when it is evicted in turn). Prints hit
+ratio, L2 hit ratio and tokens copied L1 -> L2 for both.
+
+Run:  python bench/hicache_rules.py data/traces/conversation_trace.jsonl.gz ../shared/data/traces/synthetic_trace.jsonl
+          [--l1-tokens 500k] [--ratios 1,2,8] [--policies lru,gdsf]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tierkv.replay.report import parse_size  # noqa: E402
+from tierkv.replay.sim import SimConfig, simulate  # noqa: E402
+from tierkv.replay.trace import load_trace  # noqa: E402
+
+# the rule, and the write policies (write_threshold: 1 write_through, 2 selective, None write_back) it acts in
+RULES = {"l2_evicts_l1_resident": (1, 2, None), "write_back_ancestors": (None,)}
+WRITE_POLICY = {1: "write_through", 2: "write_through_selective", None: "write_back"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("traces", nargs="+")
+    parser.add_argument("--l1-tokens", default="500k")
+    parser.add_argument("--ratios", default="1,2,8", help="L2 size as a multiple of L1")
+    parser.add_argument("--policies", default="lru,gdsf")
+    parser.add_argument("--limit", type=int, default=None)
+    args = parser.parse_args()
+    l1 = parse_size(args.l1_tokens)
+    print("| trace | policy | write policy | L1:L2 | rule | hit % tierkv | hit % HiCache | L2 hit % tierkv | "
+          "L2 hit % HiCache | copied tokens tierkv | copied tokens HiCache |")
+    print("|" + " --- |" * 11)
+    for path in args.traces:
+        requests = load_trace(path, limit=args.limit).requests
+        for policy in args.policies.split(","):
+            for rule, write_thresholds in RULES.items():
+                for threshold in write_thresholds:
+                    for ratio in (int(r) for r in args.ratios.split(",")):
+                        base = dict(l1_tokens=l1, l2_tokens=l1 * ratio, eviction_policy=policy,
+                                    write_threshold=threshold)
+                        ours, theirs = (simulate(requests, SimConfig(**base, **{rule: value}))
+                                        for value in (True, False))
+                        print(f"| {Path(path).name.split('.')[0]} | {policy} | {WRITE_POLICY[threshold]} | 1:{ratio} "
+                              f"| {rule} | {100 * ours.hit_ratio:.2f} | {100 * theirs.hit_ratio:.2f} "
+                              f"| {100 * ours.l2_hit_tokens / ours.prompt_tokens:.2f} "
+                              f"| {100 * theirs.l2_hit_tokens / theirs.prompt_tokens:.2f} "
+                              f"| {ours.written_tokens:,} | {theirs.written_tokens:,} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

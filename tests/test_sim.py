@@ -1,0 +1,81 @@
+"""The page simulator's HiCache-comparison options (issue 13 items 5 and 6) on tiny trees.
+
+One page per 512-token trace block (page_size 512), so each request's blocks are its pages.
+"""
+
+from tierkv.radix import RadixKey
+from tierkv.replay.sim import PageSim, SimConfig
+from tierkv.replay.trace import BLOCK_TOKENS, TraceRequest
+
+PAGE = BLOCK_TOKENS
+
+
+def _req(index: int, *blocks: int) -> TraceRequest:
+    return TraceRequest(index, index + 1, index, PAGE * len(blocks), 0, tuple(blocks))
+
+
+def _node(sim: PageSim, *blocks: int):
+    """The node whose key ends with the last of ``blocks`` (which must end a node: a match would split)."""
+    path = sim.tree.match(RadixKey(_req(0, *blocks).prompt_tokens()), touch=False)
+    assert path.num_tokens == PAGE * len(blocks)
+    return path.last_node
+
+
+def _sim(**kwargs) -> PageSim:
+    return PageSim(SimConfig(page_size=1, eviction_policy="lru", **kwargs))
+
+
+def _serve(sim: PageSim, *requests: tuple[int, ...]) -> list[int]:
+    return [sim.serve(_req(i, *blocks)) for i, blocks in enumerate(requests)]
+
+
+def test_l2_eviction_of_l1_resident_copies_tierkv_rule_vs_hicache_rule():
+    """L2 smaller than L1 (1 page vs 2). Writing B through needs room: tierkv's rule drops the L2 copy
+    of A, still in L1; HiCache's evicts only host-only leaves, finds none, and B stays unwritten (the
+    starvation of HiCache issue #33862). C then makes L1 evict A: tierkv deletes it, HiCache keeps it
+    host-only until C's own write evicts it from L2."""
+    l1, l2 = 2 * PAGE, PAGE
+    tierkv, hicache = _sim(l1_tokens=l1, l2_tokens=l2), _sim(l1_tokens=l1, l2_tokens=l2, l2_evicts_l1_resident=False)
+    for sim in (tierkv, hicache):
+        assert _serve(sim, (1,), (2,)) == [0, 0]
+    a, b = _node(tierkv, 1), _node(tierkv, 2)
+    assert a.device_value is not None and a.host_value is None and b.host_value is not None
+    a, b = _node(hicache, 1), _node(hicache, 2)
+    assert a.device_value is not None and a.host_value is not None and b.host_value is None
+    assert tierkv.result.written_tokens == 2 * PAGE and hicache.result.written_tokens == PAGE
+    assert [tierkv.serve(_req(2, 3)), hicache.serve(_req(2, 3))] == [0, 0]
+    for sim in (tierkv, hicache):
+        assert 1 * PAGE not in sim.tree.root.children and _node(sim, 3).host_value is not None
+    assert tierkv.result.written_tokens == 3 * PAGE and hicache.result.written_tokens == 2 * PAGE
+
+
+def test_write_back_copies_ancestors_with_the_leaf_or_when_they_are_evicted():
+    """Write-back of leaf L under parent P, both only in L1: the default copies P with L (2 pages at
+    once); without ancestors only L, and P when L1 evicts it in turn. The same pages are copied in the
+    end, and the same hits follow."""
+    figures = []
+    for ancestors in (True, False):
+        sim = _sim(l1_tokens=2 * PAGE, l2_tokens=4 * PAGE, write_threshold=None, write_back_ancestors=ancestors)
+        _serve(sim, (1,), (1, 2), (3,))  # C needs room: L1 evicts leaf L = (1, 2) and writes it back
+        parent, leaf = _node(sim, 1), _node(sim, 1, 2)
+        assert leaf.device_value is None and leaf.host_value is not None
+        assert (parent.host_value is not None) == ancestors and parent.device_value is not None
+        written_at_leaf = sim.result.written_tokens
+        hits = _serve(sim, (4,), (1, 2))  # D evicts P from L1; then P, L come back from L2
+        figures.append((written_at_leaf, sim.result.written_tokens, hits))
+    (eager_first, eager_total, eager_hits), (lazy_first, lazy_total, lazy_hits) = figures
+    assert (eager_first, lazy_first) == (2 * PAGE, PAGE)
+    assert eager_total == lazy_total and eager_hits == lazy_hits == [0, 2 * PAGE]
+
+
+def test_lazy_ancestors_lose_the_l2_leaf_when_the_ancestor_cannot_be_copied():
+    """Without ancestor copies, L2 may hold a leaf whose parent is only in L1; if L1 then evicts the
+    parent and L2 cannot hold it, the leaf's L2 copy is unreachable and goes too (the default copies
+    the parent with the leaf, or not at all, so L2 never holds a page it cannot load)."""
+    sim = _sim(l1_tokens=3 * PAGE, l2_tokens=PAGE, write_threshold=None, write_back_ancestors=False)
+    _serve(sim, (1, 5), (1, 5, 2), (3,))  # L = (1, 5, 2) written back into the only L2 page
+    assert _node(sim, 1, 5, 2).host_value is not None and _node(sim, 1, 5).host_value is None
+    _serve(sim, (4, 6, 7))  # L1 evicts P = (1, 5), 2 pages, more than L2 holds: P and L are gone;
+    assert 1 * PAGE not in sim.tree.root.children  # then C = (3,), whose copy takes the L2 page
+    assert sim.l2_used == PAGE and _node(sim, 3).host_value is not None
+    assert sim.result.written_tokens == 2 * PAGE

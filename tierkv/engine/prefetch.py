@@ -15,6 +15,10 @@ from tierkv.radix import RadixKey
 
 log = logging.getLogger(__name__)
 
+# An admission waits at most this long for a prefetch (less when L3 is timed faster): a prefetch that
+# finds nothing then costs its request an exists call, not a whole scheduler step.
+MAX_ADMISSION_WAIT_S = 0.05
+
 
 class Prefetcher:
     """Tracks which waiting requests have a prefetch in flight. Scheduler thread only."""
@@ -40,6 +44,14 @@ class Prefetcher:
         if self._started[request.rid] < 0:
             return True
         return bool(self.cache.check_prefetch_progress(request.rid))
+
+    def wait(self, request: Request, max_wait_s: float = MAX_ADMISSION_WAIT_S) -> bool:
+        """``request``'s prefetch was not ready: wait for it (bounded by its expected time), then agree
+        progress in one cache step, and say whether it is ready now. Every TP rank calls this alike
+        (readiness is agreed state), so the extra step's collective stays matched."""
+        self.cache.storage.wait_prefetch(request.rid, max_wait_s)
+        self.cache.step()
+        return self.ready(request)
 
     def storage_tokens(self, request: Request, hit_tokens: int) -> int:
         """Of ``hit_tokens`` cached tokens found at admission, how many came from L3."""

@@ -14,9 +14,11 @@ def l3_engine(model, store_dir, faults=None, prefill_tokens_per_s=None, cost_awa
     extra = {"prefetch_threshold": 8, "prefetch_stop_policy": "wait_complete"}
     if faults is not None:
         extra["faults"] = faults
+    costs = {} if cost_aware else {"cost_aware": False}
+    if prefill_tokens_per_s is not None:
+        costs["prefill_tokens_per_s"] = prefill_tokens_per_s
     return Engine(model, EngineConfig(mode="l1+l2+l3", l1_tokens=256, page_size=4, host_layout="page_first",
-                                      l3=f"file:{store_dir}", storage_extra=extra, cost_aware=cost_aware,
-                                      prefill_tokens_per_s=prefill_tokens_per_s))
+                                      l3=f"file:{store_dir}", storage_extra=extra, **costs))
 
 
 def stored_then_served(model, store_dir, prompts, **kwargs):

@@ -49,6 +49,8 @@ class Prefetch:
     ranks): the worker reads only the leading run of pages that every rank found, once agreed, and
     nothing when that run is under ``min_found_pages`` (the controller then revokes it). The timeout
     budget is ``timeout_base_s`` plus ``timeout_per_page_s`` per page found (agreed), HiCache's rule.
+    ``costs`` (the cache's cost model) gets every call's time and cuts the read to the pages that are
+    cheaper to fetch than to recompute; the rest are recomputed.
     """
 
     request_id: str

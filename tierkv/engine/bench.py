@@ -141,7 +141,13 @@ def engine_config(mode: str, workload: ChatWorkload, device: str, l3_dir: str, c
     l1 = max(workload.working_set_tokens // 4, 2 * workload.max_context_tokens)
     ratio = max(1.5, l2_fraction * workload.working_set_tokens / l1)
     l3 = mode == "l1+l2+l3"
-    extra = {"prefetch_threshold": 2 * PAGE_SIZE, "prefetch_stop_policy": "wait_complete"}
+    # HiCache's prefetch_threshold: a prompt that extends its L1+L2 hit by no more than one turn's new
+    # text (never stored anywhere) is not worth an L3 lookup, which would also hold L2 room meanwhile
+    threshold = -(-(workload.user_tokens + workload.output_tokens) // PAGE_SIZE) * PAGE_SIZE + PAGE_SIZE
+    # HiCache's rate limit (0.8 x (L2 - L1) in flight) would refuse a whole history here (L2 is 1.5x L1):
+    # two prompts' worth in flight at most
+    extra = {"prefetch_threshold": threshold, "prefetch_stop_policy": "wait_complete",
+             "prefetch_max_tokens_in_flight": 2 * workload.max_context_tokens}
     return EngineConfig(mode=mode, device=device, l1_tokens=l1 - l1 % PAGE_SIZE, page_size=PAGE_SIZE,
                         hicache_ratio=ratio, chunk_tokens=chunk_tokens,
                         host_layout="page_first" if l3 else "layer_first",

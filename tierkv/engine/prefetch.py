@@ -2,7 +2,9 @@
 
 A waiting request whose prompt extends past its L1+L2 hit starts a prefetch from storage into L2 as
 soon as it is seen; it is admitted once the cache's stop policy says the prefetch may end (the
-fetched pages are then host nodes of the tree, and admission loads them back like any L2 hit).
+fetched pages are then host nodes of the tree, and admission loads them back like any L2 hit). The
+scheduler waits for a prefetch that is not ready at most its expected time (once per step), then admits
+the requests behind it; the cache's cost model decides what is worth reading at all.
 """
 
 from __future__ import annotations
@@ -55,8 +57,13 @@ class Prefetcher:
 
     def storage_tokens(self, request: Request, hit_tokens: int) -> int:
         """Of ``hit_tokens`` cached tokens found at admission, how many came from L3."""
-        before = self._started.pop(request.rid, -1)
+        before = self._started.get(request.rid, -1)
         return max(0, hit_tokens - before) if before >= 0 else 0
+
+    def admitted(self, request: Request) -> None:
+        """``request`` runs: forget it. Until then an admission that failed for want of room keeps the
+        prefetch it had (ended), rather than asking L3 again on every retry."""
+        self._started.pop(request.rid, None)
 
     def abort(self, request: Request) -> None:
         if self._started.pop(request.rid, -1) >= 0:

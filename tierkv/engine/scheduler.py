@@ -145,6 +145,8 @@ class Scheduler:
                 break  # FCFS: later requests wait behind the head so it cannot starve
             self.waiting.remove(request)
             self.running.append(request)
+            if self.prefetcher is not None:
+                self.prefetcher.admitted(request)
 
     def _can_ever_fit(self, request: Request) -> bool:
         return self._page_ceil(request.max_kv_tokens) <= self.cache.device_pool.num_slots

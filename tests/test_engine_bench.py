@@ -18,10 +18,11 @@ def test_all_rows_run_and_agree():
         assert label in table
 
 
-def test_l2_is_sized_above_l1_and_l3_row_has_less_l2():
+def test_l2_is_sized_above_l1_and_alike_with_and_without_l3():
     l2 = engine_config("l1+l2", TINY, "cpu", "/tmp/unused", 64)
     l3 = engine_config("l1+l2+l3", TINY, "cpu", "/tmp/unused", 64)
-    assert l2.hicache_ratio > l3.hicache_ratio >= 1.5 and l3.l3 == "file:/tmp/unused"
+    assert l2.hicache_ratio == l3.hicache_ratio >= 1.5 and l3.l3 == "file:/tmp/unused"
+    assert l2.l1_tokens == l3.l1_tokens
 
 
 def test_cli_prints_the_table(capsys, tmp_path):
@@ -31,6 +32,15 @@ def test_cli_prints_the_table(capsys, tmp_path):
     printed = capsys.readouterr().out
     assert "TTFT p50 ms" in printed and "L1+L2+L3" in printed
     assert out_json.read_text().count('"mode"') == 4
+
+
+def test_crossover_table_over_two_models(capsys):
+    assert main(["--conversations", "2", "--turns", "2", "--system-tokens", "32", "--quick", "--repeats", "2",
+                 "--models", "tiny-llama,tiny-qwen3"]) == 0
+    printed = capsys.readouterr().out
+    for label in ("tiny-llama", "tiny-qwen3", "p50 ratio min/med", "outputs identical to no cache in every run: yes"):
+        assert label in printed
+    assert "L1 only" not in printed
 
 
 def test_copy_benchmark_rows():

@@ -34,6 +34,10 @@ class CacheConfig:
     enable_host: bool = True
     tier_mode: str = "inclusive"
     l2_admission: bool = False  # ask the eviction policy (Policy.admit) before copying a node to L2
+    # fetch from L3 / load from L2 only what is cheaper than recomputing it (tierkv.cache.cost_model);
+    # prefill_tokens_per_s fixes the prefill rate instead of measuring the engine's
+    cost_aware: bool = True
+    prefill_tokens_per_s: float | None = None
 
     def __post_init__(self) -> None:
         check_int("page_size", self.page_size, minimum=1)
@@ -41,6 +45,9 @@ class CacheConfig:
         check_choice("write_policy", self.write_policy, sorted(WRITE_POLICIES))
         check_choice("tier_mode", self.tier_mode, TIER_MODES)
         check_bool("l2_admission", self.l2_admission)
+        check_bool("cost_aware", self.cost_aware)
+        if self.prefill_tokens_per_s is not None:
+            check_number("prefill_tokens_per_s", self.prefill_tokens_per_s, minimum=0, exclusive_minimum=True)
         check_choice("io_backend", self.io_backend, IO_BACKENDS)
         check_choice("host_layout", self.host_layout, HOST_LAYOUTS)
         check_number("hicache_ratio", self.hicache_ratio, minimum=0, exclusive_minimum=True)

@@ -16,6 +16,7 @@ import logging
 import numpy as np
 import torch
 
+from tierkv.cache.cost_model import CostModel
 from tierkv.cache.l3 import StorageController
 from tierkv.cache.l3_methods import StorageTierMethods
 from tierkv.cache_records import (CacheStats, LoadResult, MatchResult, PendingLoad, PendingWrite,  # noqa: F401
@@ -65,6 +66,10 @@ class HiRadixCache(StorageTierMethods):
             self.deferred_loads = DeferredLoads(self.transfer)
         self.storage: StorageController | None = None  # the L3 tier: see attach_storage
         self.failed_loads = FailedLoads(self.tree, device_pool)
+        # fetch-or-recompute estimates: the engine reports its prefill passes, L3 and loads their timings.
+        # Off under TP: decisions from each rank's own timings could differ, and the trees with them
+        self.cost_model = CostModel(self.config.prefill_tokens_per_s,
+                                    enabled=self.config.cost_aware and self.tp.world_size == 1)
 
     def _make_host_pool(self) -> HostKVPool:
         cfg, spec = self.config, self.device_pool.spec

@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 # Seeds kept per tenant (extra key), least recently used dropped first: one entry per tenant ever
 # seen would grow without bound on a multi-tenant server; a dropped seed is recomputed alike.
 MAX_CACHED_SEEDS = 4096
+MIN_PREFETCH_WAIT_S = 0.002  # an admission wait for a prefetch (before L3 was ever timed): an exists' worth
 
 
 @dataclass
@@ -58,6 +59,7 @@ class StorageStats:
     prefetch_started: int = 0
     prefetch_rate_limited: int = 0
     prefetch_no_room: int = 0
+    prefetch_not_worth: int = 0  # the cost model judged even a full hit slower than recomputing it
     prefetch_revoked: int = 0
     prefetch_aborted: int = 0
     prefetched_tokens: int = 0
@@ -118,6 +120,8 @@ class StorageController:
         if self.max_tokens_in_flight is None:  # HiCache: room for prefetches is what L2 has beyond L1
             room = cache.host_pool.num_slots - cache.device_pool.num_slots
             self.max_tokens_in_flight = max(int(0.8 * room), cache.config.page_size)
+        self.costs = cache.cost_model
+        self.costs.batch_pages = config.prefetch_batch_pages
         self._prefetch_worker = IOWorker("tierkv-prefetch")
         self._backup_worker = IOWorker("tierkv-backup")
 
@@ -156,6 +160,9 @@ class StorageController:
         if self.tokens_in_flight + num_tokens > self.max_tokens_in_flight:
             self.stats.prefetch_rate_limited += 1
             return False
+        if not self.costs.l3_may_pay(anchor_len, num_tokens // self.page_size, self.page_size):
+            self.stats.prefetch_not_worth += 1
+            return False
         # hashed before anything is taken: a key that cannot be hashed leaves no slot or ref behind
         anchor_hashes = self.path_hashes(anchor) if anchor_index else []
         prior = anchor_hashes[-1] if anchor_hashes else self._seed(key.extra_key)
@@ -171,7 +178,8 @@ class StorageController:
         prefetch = Prefetch(request_id, anchor, anchor_len, key, hashes, host_slots, pages,
                             config.prefetch_timeout_base, config.prefetch_timeout_per_ki_token * ps / 1024,
                             agree_found=self.agree_found, min_found_pages=-(-config.prefetch_threshold // ps),
-                            prefix_hashes=anchor_hashes if self.pass_prefix_keys else None)
+                            prefix_hashes=anchor_hashes if self.pass_prefix_keys else None,
+                            page_size=ps, costs=self.costs)
         self.prefetches[request_id] = prefetch
         self._prefetch_worker.submit(partial(prefetch.run, self.store, self.host_pool,
                                              self.config.prefetch_batch_pages))
@@ -196,6 +204,14 @@ class StorageController:
         del self.prefetches[request_id]
         self._end(prefetch, keep_pages=prefetch.agreed_pages)
         return True
+
+    def wait_prefetch(self, request_id: str, max_wait_s: float) -> None:
+        """Wait for the request's running prefetch worker, at most its expected time (cost model) and
+        ``max_wait_s``; the cache's next step agrees what it did. Lock contract: takes none."""
+        prefetch = self.prefetches.get(request_id)
+        if prefetch is not None and prefetch.state == "running":
+            expected_s = self.costs.expected_fetch_s(prefetch.num_pages, self.page_size)
+            prefetch.wait_worker(min(max_wait_s, max(2 * expected_s, MIN_PREFETCH_WAIT_S)))
 
     def release(self, request_id: str) -> None:
         """See HiRadixCache.release_prefetch. Lock contract: releases the host_ref of a running prefetch."""

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tierkv.cache.cost_model import CostModel
 from tierkv.pools.kv import HostKVPool
 from tierkv.radix import RadixKey, TreeNode
 from tierkv.storage.base import PageStore, prefix_keys_arg
@@ -48,6 +49,8 @@ class Prefetch:
     ranks): the worker reads only the leading run of pages that every rank found, once agreed, and
     nothing when that run is under ``min_found_pages`` (the controller then revokes it). The timeout
     budget is ``timeout_base_s`` plus ``timeout_per_page_s`` per page found (agreed), HiCache's rule.
+    ``costs`` (the cache's cost model) gets every call's time and cuts the read to the pages that are
+    cheaper to fetch than to recompute; the rest are recomputed.
     """
 
     request_id: str
@@ -64,6 +67,8 @@ class Prefetch:
     agree_found: bool = False
     min_found_pages: int = 0
     prefix_hashes: list[str] | None = None  # the anchor path's page hashes, for stores that want them
+    page_size: int = 1
+    costs: CostModel | None = None  # times every call; cuts the read to what beats recomputing
     # written by the worker thread only
     found_pages: int = 0
     completed_pages: int = 0
@@ -137,7 +142,10 @@ class Prefetch:
             if self.cancel.is_set():
                 return
             try:
+                started_s = time.perf_counter()
                 self.found_pages = store.batch_exists(self.hashes, **self._prefix_keys(0))
+                if self.costs is not None:
+                    self.costs.observe_l3_exists(time.perf_counter() - started_s)
             finally:  # a failed exists finds 0 pages: the other ranks must not wait for this one
                 self.exists_done.set()
             num_pages = self._pages_to_read()
@@ -162,13 +170,21 @@ class Prefetch:
                 if self.cancel.is_set():
                     return 0
             found = min(self.agreed_found, found)
-        return found if found >= self.min_found_pages else 0  # too short to be worth it: revoked
+        if found < self.min_found_pages:
+            return 0  # too short to be worth it: revoked
+        if self.costs is None:
+            return found
+        # what is not read is recomputed: ranks may cut differently, the agreed MIN of pages still holds
+        return self.costs.l3_pages_to_fetch(self.anchor_len, found, self.page_size)
 
     def _read(self, store: PageStore, host_pool: HostKVPool, start: int, end: int) -> bool:
         pages = self.host_pages[start:end]
         direct = [host_pool.page_bytes(p) for p in pages]
         targets = [d if d is not None else torch.empty(host_pool.page_nbytes, dtype=torch.uint8) for d in direct]
+        started_s = time.perf_counter()
         ok = store.batch_get(self.hashes[start:end], targets, **self._prefix_keys(start))
+        if self.costs is not None:
+            self.costs.observe_l3_get(time.perf_counter() - started_s, end - start)
         for i, (page, view, target) in enumerate(zip(pages, direct, targets)):
             if not ok[i]:
                 return False  # a missing or corrupt page ends the usable prefix

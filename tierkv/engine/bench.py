@@ -3,8 +3,9 @@ mode (no cache, L1 only, L1+L2, L1+L2+L3) side by side, and print TTFT and throu
 
 Each turn's prompt is the conversation so far (shared system prompt, earlier user messages and the
 engine's own answers) plus a new user message, so a turn can reuse all KV of the previous one. L1 is
-sized below the workload's working set (see :func:`engine_config` for the L2 sizes), so each added tier
-keeps more of it. The table shows each row's L1 and L2 sizes in tokens.
+sized below the workload's working set and L2 too (see :func:`engine_config`), so each added tier
+keeps more of it. The table shows each row's L1 and L2 sizes in tokens. ``--models a,b,c`` instead
+prints the crossover table over model sizes (:mod:`tierkv.engine.bench_crossover`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from tierkv.engine.request import Request
 
 
 PAGE_SIZE = 16  # one L3 file per page: per-token pages would measure the file system, not the cache
+L2_FRACTION = 0.5  # of the working set, for both rows with an L2: L3 must supply what L2 dropped
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,7 @@ class ModeResult:
     l1_tokens: int = 0
     l2_tokens: int = 0
     outputs: list[list[int]] = field(default_factory=list)
+    l3_stats: dict = field(default_factory=dict)  # prefetches started / revoked / judged not worth it
     error: str | None = None
 
     @property
@@ -108,6 +111,12 @@ def replay(engine: Engine, workload: ChatWorkload, mode: str) -> ModeResult:
     result.wall_s = time.perf_counter() - start
     result.l1_tokens = engine.device_pool.num_slots
     result.l2_tokens = engine.cache.host_pool.num_slots if engine.cache.host_pool is not None else 0
+    storage = engine.cache.storage
+    if storage is not None:
+        stats = storage.stats
+        result.l3_stats = {"started": stats.prefetch_started, "revoked": stats.prefetch_revoked,
+                           "not_worth": stats.prefetch_not_worth,
+                           "cut_after_exists": engine.cache.cost_model.skipped_fetches}
     return result
 
 
@@ -123,15 +132,22 @@ def _record(result: ModeResult, r: Request) -> None:
     result.outputs.append(r.output)
 
 
-def engine_config(mode: str, workload: ChatWorkload, device: str, l3_dir: str, chunk_tokens: int) -> EngineConfig:
-    """L1 holds about a quarter of the working set (at least two requests). Chat turns come back round
-    robin, which LRU keeps only if the tier holds every history: the L1+L2 row gets an L2 of 1.25x the
-    working set; the L1+L2+L3 row only half of it, so L3 must supply what L2 dropped."""
+def engine_config(mode: str, workload: ChatWorkload, device: str, l3_dir: str, chunk_tokens: int,
+                  l2_fraction: float = L2_FRACTION) -> EngineConfig:
+    """L1 holds about a quarter of the working set (at least two requests); L2, in both rows that have
+    one, ``l2_fraction`` of it (at least 1.5x L1). Chat turns come back round robin, which a tier keeps
+    only if it holds every history: with L2 under the working set, what the L1+L2+L3 row gains over
+    L1+L2 is what L3 supplies, like for like."""
     l1 = max(workload.working_set_tokens // 4, 2 * workload.max_context_tokens)
-    l2_fraction = 0.5 if mode == "l1+l2+l3" else 1.25
     ratio = max(1.5, l2_fraction * workload.working_set_tokens / l1)
     l3 = mode == "l1+l2+l3"
-    extra = {"prefetch_threshold": 2 * PAGE_SIZE, "prefetch_stop_policy": "wait_complete"}
+    # HiCache's prefetch_threshold: a prompt that extends its L1+L2 hit by no more than one turn's new
+    # text (never stored anywhere) is not worth an L3 lookup, which would also hold L2 room meanwhile
+    threshold = -(-(workload.user_tokens + workload.output_tokens) // PAGE_SIZE) * PAGE_SIZE + PAGE_SIZE
+    # HiCache's rate limit (0.8 x (L2 - L1) in flight) would refuse a whole history here (L2 is 1.5x L1):
+    # two prompts' worth in flight at most
+    extra = {"prefetch_threshold": threshold, "prefetch_stop_policy": "wait_complete",
+             "prefetch_max_tokens_in_flight": 2 * workload.max_context_tokens}
     return EngineConfig(mode=mode, device=device, l1_tokens=l1 - l1 % PAGE_SIZE, page_size=PAGE_SIZE,
                         hicache_ratio=ratio, chunk_tokens=chunk_tokens,
                         host_layout="page_first" if l3 else "layer_first",
@@ -140,15 +156,15 @@ def engine_config(mode: str, workload: ChatWorkload, device: str, l3_dir: str, c
 
 def run_all(model_name: str, workload: ChatWorkload, device: str = "cpu", chunk_tokens: int = 512,
             modes: tuple[str, ...] = CACHE_MODES, repeats: int = 1,
-            on_run: Callable[[str], None] | None = None) -> list[ModeResult]:
+            on_run: Callable[[str], None] | None = None, l2_fraction: float = L2_FRACTION) -> list[ModeResult]:
     """Each mode ``repeats`` times, the modes interleaved so machine noise hits them alike; per mode the
     run with the shortest wall time is kept (the least disturbed one). ``on_run(mode)`` follows each run."""
     model = build_model(model_name, device)
-    _warm_up(model, device)
+    warm_up(model, device)
     best: dict[str, ModeResult] = {}
     for _ in range(repeats):
         for mode in modes:
-            result = _run_mode(model, workload, mode, device, chunk_tokens)
+            result = run_mode(model, workload, mode, device, chunk_tokens, l2_fraction)
             if on_run is not None:
                 on_run(mode)
             kept = best.get(mode)
@@ -157,10 +173,12 @@ def run_all(model_name: str, workload: ChatWorkload, device: str = "cpu", chunk_
     return [best[mode] for mode in modes]
 
 
-def _run_mode(model, workload: ChatWorkload, mode: str, device: str, chunk_tokens: int) -> ModeResult:
+def run_mode(model, workload: ChatWorkload, mode: str, device: str, chunk_tokens: int,
+             l2_fraction: float = L2_FRACTION) -> ModeResult:
+    """One replay of ``workload`` in ``mode`` on a fresh engine (and an empty L3 directory)."""
     with tempfile.TemporaryDirectory(prefix="tierkv-bench-l3-") as l3_dir:
         try:
-            engine = Engine(model, engine_config(mode, workload, device, l3_dir, chunk_tokens))
+            engine = Engine(model, engine_config(mode, workload, device, l3_dir, chunk_tokens, l2_fraction))
         except ValueError as exc:
             return ModeResult(mode, error=str(exc))
         try:
@@ -169,7 +187,7 @@ def _run_mode(model, workload: ChatWorkload, mode: str, device: str, chunk_token
             engine.close()
 
 
-def _warm_up(model, device: str) -> None:
+def warm_up(model, device: str) -> None:
     engine = Engine(model, EngineConfig(mode="none", device=device, l1_tokens=512))
     engine.generate([list(range(64))], 4)
     engine.close()
@@ -200,6 +218,9 @@ def format_table(results: list[ModeResult]) -> str:
     out = Console(file=io.StringIO(), width=140, force_terminal=False)
     out.print(table)
     out.print(f"outputs identical across modes: {'yes' if same else 'NO'}")
+    for r in ok:
+        if r.l3_stats:
+            out.print(f"{MODE_LABELS[r.mode]} prefetches: " + ", ".join(f"{k} {v}" for k, v in r.l3_stats.items()))
     return out.file.getvalue().rstrip("\n")
 
 
@@ -216,6 +237,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, help="runs per mode, best kept (default: 1 with --quick, else 3)")
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--l2-fraction", type=float, default=L2_FRACTION,
+                        help="L2 of the rows that have one, as a fraction of the working set")
+    parser.add_argument("--models", help="comma-separated models: print the crossover table over them "
+                                         "(no cache vs L1+L2 vs L1+L2+L3, ratios per run) instead")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (1 avoids oversubscription on a shared CPU)")
     args = parser.parse_args(argv)
@@ -227,13 +252,16 @@ def main(argv: list[str] | None = None) -> int:
                  "system_tokens": args.system_tokens, "seed": args.seed}
     workload = ChatWorkload(**(asdict(workload) | {k: v for k, v in overrides.items() if v is not None}))
     repeats = args.repeats or (1 if args.quick else 3)
+    if args.models:
+        from tierkv.engine.bench_crossover import main_crossover
+        return main_crossover(args.models.split(","), workload, args.device, repeats, args.l2_fraction, args.json)
     print(f"engine bench: model {args.model} on {args.device}; {workload.num_conversations} conversations x "
           f"{workload.num_turns} turns, {workload.num_system_prompts} shared system prompts of "
           f"{workload.system_tokens} tokens, {workload.user_tokens} user + {workload.output_tokens} output "
           f"tokens per turn; best of {repeats} interleaved runs per mode", flush=True)
     with Progress(console=Console(stderr=True), transient=True) as progress:
         task = progress.add_task("engine bench", total=repeats * len(CACHE_MODES))
-        results = run_all(args.model, workload, args.device, repeats=repeats,
+        results = run_all(args.model, workload, args.device, repeats=repeats, l2_fraction=args.l2_fraction,
                           on_run=lambda mode: progress.update(task, advance=1, description=f"ran {mode}"))
     print(format_table(results))
     if args.json:

@@ -35,6 +35,8 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--page-size", type=int, default=16, help="tokens per cache page (as tierkv replay)")
     parser.add_argument("--chunk-tokens", type=int, default=256, help="prompt tokens prefilled per step")
     parser.add_argument("--max-running", type=int, default=16, help="requests batched together")
+    parser.add_argument("--prefill-tokens-per-s", type=float, default=None,
+                        help="fix the prefill rate the fetch-or-recompute decisions use (default: measured)")
 
 
 def serve_parser() -> argparse.ArgumentParser:
@@ -105,14 +107,15 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         return EngineConfig(mode=args.mode, device=args.device, l1_tokens=args.l1_tokens, page_size=args.page_size,
                             hicache_ratio=ratio, l3=args.l3, storage_extra=extra,
                             max_running_requests=args.max_running, chunk_tokens=args.chunk_tokens,
-                            model_id=args.model_id)
+                            model_id=args.model_id, prefill_tokens_per_s=args.prefill_tokens_per_s)
     except ValueError as exc:
         raise CliError(_name_flag(str(exc))) from None
 
 
 def _name_flag(message: str) -> str:
     """``l1_tokens must ...`` -> ``--l1-tokens: l1_tokens must ...`` for the config fields that are flags."""
-    for field_name in ("l1_tokens", "page_size", "mode", "l3", "max_running_requests", "chunk_tokens"):
+    for field_name in ("l1_tokens", "page_size", "mode", "l3", "max_running_requests", "chunk_tokens",
+                       "prefill_tokens_per_s"):
         if message.startswith(field_name) or f"'{field_name}'" in message or f" {field_name} " in message:
             flag = {"max_running_requests": "max-running"}.get(field_name, field_name.replace("_", "-"))
             return f"--{flag}: {message}"

@@ -143,6 +143,9 @@ PRESETS: dict[str, ModelConfig] = {
     # big enough that prefill dominates the step overhead on a CPU, for the engine benchmark
     "small-llama": ModelConfig(arch="llama", vocab_size=512, hidden_size=256, intermediate_size=768,
                                num_layers=4, num_heads=8, num_kv_heads=2, head_dim=32),
+    # where recomputing a page costs more than reading it from a local file store (the crossover table)
+    "medium-llama": ModelConfig(arch="llama", vocab_size=512, hidden_size=1024, intermediate_size=2816,
+                                num_layers=8, num_heads=16, num_kv_heads=4, head_dim=64),
 }
 
 

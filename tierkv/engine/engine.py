@@ -44,6 +44,8 @@ class EngineConfig:
     chunk_tokens: int = 256
     model_id: str | None = None
     layerwise_load: bool = True
+    cost_aware: bool = True  # fetch/load only what beats recomputing (tierkv.cache.cost_model)
+    prefill_tokens_per_s: float | None = None  # fixes the prefill rate the cost model otherwise measures
 
     def __post_init__(self) -> None:
         check_choice("mode", self.mode, CACHE_MODES)
@@ -71,6 +73,9 @@ class EngineConfig:
         if self.model_id is not None:
             check_text("model_id", self.model_id, allow_empty=False)
         check_bool("layerwise_load", self.layerwise_load)
+        check_bool("cost_aware", self.cost_aware)
+        if self.prefill_tokens_per_s is not None:
+            check_number("prefill_tokens_per_s", self.prefill_tokens_per_s, minimum=0, exclusive_minimum=True)
 
 
 class Engine:
@@ -83,7 +88,8 @@ class Engine:
         self.device_pool = DeviceKVPool(spec, cfg.l1_tokens, cfg.page_size, self.model.device)
         cache_cfg = CacheConfig(page_size=cfg.page_size, write_policy=cfg.write_policy, host_layout=cfg.host_layout,
                                 hicache_ratio=cfg.hicache_ratio, hicache_size_gb=cfg.hicache_size_gb,
-                                enable_host=cfg.mode in ("l1+l2", "l1+l2+l3"))
+                                enable_host=cfg.mode in ("l1+l2", "l1+l2+l3"), cost_aware=cfg.cost_aware,
+                                prefill_tokens_per_s=cfg.prefill_tokens_per_s)
         self.cache = HiRadixCache(self.device_pool, cache_cfg)
         self.runner = ModelRunner(self.model, self.device_pool)
         self.scheduler = Scheduler(self.runner, self.cache, SchedulerConfig(

@@ -2,7 +2,9 @@
 
 A waiting request whose prompt extends past its L1+L2 hit starts a prefetch from storage into L2 as
 soon as it is seen; it is admitted once the cache's stop policy says the prefetch may end (the
-fetched pages are then host nodes of the tree, and admission loads them back like any L2 hit).
+fetched pages are then host nodes of the tree, and admission loads them back like any L2 hit). The
+scheduler waits for a prefetch that is not ready at most its expected time (once per step), then admits
+the requests behind it; the cache's cost model decides what is worth reading at all.
 """
 
 from __future__ import annotations
@@ -14,6 +16,10 @@ from tierkv.engine.request import Request
 from tierkv.radix import RadixKey
 
 log = logging.getLogger(__name__)
+
+# An admission waits at most this long for a prefetch (less when L3 is timed faster): a prefetch that
+# finds nothing then costs its request an exists call, not a whole scheduler step.
+MAX_ADMISSION_WAIT_S = 0.05
 
 
 class Prefetcher:
@@ -41,10 +47,23 @@ class Prefetcher:
             return True
         return bool(self.cache.check_prefetch_progress(request.rid))
 
+    def wait(self, request: Request, max_wait_s: float = MAX_ADMISSION_WAIT_S) -> bool:
+        """``request``'s prefetch was not ready: wait for it (bounded by its expected time), then agree
+        progress in one cache step, and say whether it is ready now. Every TP rank calls this alike
+        (readiness is agreed state), so the extra step's collective stays matched."""
+        self.cache.storage.wait_prefetch(request.rid, max_wait_s)
+        self.cache.step()
+        return self.ready(request)
+
     def storage_tokens(self, request: Request, hit_tokens: int) -> int:
         """Of ``hit_tokens`` cached tokens found at admission, how many came from L3."""
-        before = self._started.pop(request.rid, -1)
+        before = self._started.get(request.rid, -1)
         return max(0, hit_tokens - before) if before >= 0 else 0
+
+    def admitted(self, request: Request) -> None:
+        """``request`` runs: forget it. Until then an admission that failed for want of room keeps the
+        prefetch it had (ended), rather than asking L3 again on every retry."""
+        self._started.pop(request.rid, None)
 
     def abort(self, request: Request) -> None:
         if self._started.pop(request.rid, -1) >= 0:

@@ -17,6 +17,7 @@ import torch
 
 from tierkv.engine.request import Request
 from tierkv.engine.runner import ModelRunner, WorkItem
+from tierkv.engine.step_costs import TimedLoads, report_step
 from tierkv.hicache import HiRadixCache
 from tierkv.radix import RadixKey
 from tierkv.validate import check_bool, check_int
@@ -76,6 +77,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.counters = EngineCounters()
         self.prefetcher = None  # set by tierkv.engine.prefetch.attach_l3 when L3 is on
+        self._loaded_tokens = 0  # host tokens whose L1 load this step's admissions queued
 
     # ---- public API ------------------------------------------------------------------------------
     def submit(self, request: Request) -> Request:
@@ -103,8 +105,11 @@ class Scheduler:
                 time.sleep(IDLE_WAIT_S)
             return []
         items, sampled = self._plan()
-        loads = self.cache.start_loading() if self.config.layerwise_load else None
+        loads = TimedLoads(self.cache.start_loading()) if self.config.layerwise_load else None
+        started_s = time.perf_counter()
         logits = self.runner.forward(items, loads)
+        report_step(self.cache.cost_model, items, logits, started_s, loads, self._loaded_tokens)
+        self._loaded_tokens = 0
         return self._advance(sampled, logits)
 
     def run(self, requests: list[Request] | None = None) -> list[Request]:
@@ -125,14 +130,23 @@ class Scheduler:
         if self.prefetcher is not None:  # start L3 fetches early so they overlap the running batch
             for request in list(self.waiting)[: 2 * self.config.max_running_requests]:
                 self.prefetcher.start(request)
-        while self.waiting and len(self.running) < self.config.max_running_requests:
-            request = self.waiting[0]
-            if self.prefetcher is not None and not self.prefetcher.ready(request):
+        waited = False
+        for request in list(self.waiting)[: 2 * self.config.max_running_requests]:
+            if len(self.running) >= self.config.max_running_requests:
                 break
+            if self.prefetcher is not None and not self.prefetcher.ready(request):
+                # one bounded wait per step; past it, requests behind need not wait for this L3 read
+                if waited:
+                    continue
+                waited = True
+                if not self.prefetcher.wait(request):
+                    continue
             if not self._try_start(request):
                 break  # FCFS: later requests wait behind the head so it cannot starve
-            self.waiting.popleft()
+            self.waiting.remove(request)
             self.running.append(request)
+            if self.prefetcher is not None:
+                self.prefetcher.admitted(request)
 
     def _can_ever_fit(self, request: Request) -> bool:
         return self._page_ceil(request.max_kv_tokens) <= self.cache.device_pool.num_slots
@@ -169,10 +183,14 @@ class Scheduler:
         match = self.cache.match_prefix(RadixKey(request.prompt[:-1], request.extra_key))
         prefix, node = match.device_indices, match.last_device_node
         request.device_hit_tokens = len(prefix)
-        if match.host_hit_length > 0 and request.restarts == 0:  # after a failed load: recompute, no retry
+        # after a failed load: recompute, no retry; a load slower than recomputing is skipped too
+        if match.host_hit_length > 0 and request.restarts == 0 and \
+                self.cache.cost_model.load_pays(len(prefix), match.host_hit_length):
             defer = self.config.layerwise_load  # started with the step's other loads; checked in _advance
             loaded = self.cache.init_load_back(match.last_host_node, defer=defer)
-            if defer or loaded.pending is None or loaded.pending.wait():
+            if defer:
+                self._loaded_tokens += loaded.loaded_tokens
+            if defer or self._wait_load(loaded):
                 prefix, node = loaded.device_indices, loaded.last_node
                 request.pending_load = loaded.pending if defer else None
             request.host_hit_tokens = len(prefix) - request.device_hit_tokens
@@ -181,6 +199,15 @@ class Scheduler:
                                              request.host_hit_tokens)
             request.host_hit_tokens -= request.storage_hit_tokens
         return prefix, node
+
+    def _wait_load(self, loaded) -> bool:
+        """Wait for a load at admission (not layer-wise): all of it is exposed; True if it succeeded."""
+        if loaded.pending is None:
+            return True
+        started_s = time.perf_counter()
+        ok = loaded.pending.wait()
+        self.cache.cost_model.observe_load(time.perf_counter() - started_s, loaded.loaded_tokens)
+        return ok
 
     # ---- one forward pass ----------------------------------------------------------------------
     def _plan(self) -> tuple[list[WorkItem], list[tuple[Request, int]]]:

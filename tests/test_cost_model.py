@@ -1,0 +1,123 @@
+"""The fetch-or-recompute decision on fixed numbers, and the estimates the cost model fits from reports."""
+
+import pytest
+
+from tierkv.cache.cost_model import PROBE_EVERY, CostEstimates, CostModel, pages_worth_fetching
+from tierkv.config import CacheConfig
+
+PAGE = 16
+
+
+def estimates(per_token=1e-3, per_pair=0.0, call=1e-3, page=1e-3, load=0.0, batch=4):
+    return CostEstimates(per_token, per_pair, call, page, load, batch)
+
+
+def test_recompute_grows_with_depth():
+    est = estimates(per_token=1.0, per_pair=0.5)
+    # positions 0..3: 4 tokens + 0.5 x (0+1+2+3); positions 100..103: 4 tokens + 0.5 x 406
+    assert est.recompute_s(0, 4) == pytest.approx(4 + 0.5 * 6)
+    assert est.recompute_s(100, 104) == pytest.approx(4 + 0.5 * 406)
+    assert est.recompute_s(5, 5) == 0.0
+
+
+def test_fetch_counts_one_call_per_batch_and_the_exposed_load():
+    est = estimates(call=2.0, page=1.0, load=0.25, batch=4)
+    assert est.fetch_s(5, page_size=2) == pytest.approx(2 * 2.0 + 5 * 1.0 + 0.25 * 10)
+    assert est.fetch_s(5, page_size=2, from_l3=False) == pytest.approx(0.25 * 10)
+    assert est.fetch_s(0, page_size=2) == 0.0
+
+
+def test_unknown_prefill_rate_fetches_everything():
+    assert pages_worth_fetching(None, 0, 7, PAGE) == 7
+    assert pages_worth_fetching(None, 0, 0, PAGE) == 0
+
+
+def test_cheap_store_fetches_all_and_slow_store_nothing():
+    # recompute: 16 ms a page; fetch: 1 ms a call + 1 ms a page
+    assert pages_worth_fetching(estimates(), 0, 10, PAGE) == 10
+    slow = estimates(call=0.5, page=0.05)  # 500 ms a call: more than 10 pages take to recompute
+    assert pages_worth_fetching(slow, 0, 10, PAGE) == 0
+
+
+def test_deep_pages_pay_where_shallow_ones_would_not():
+    # a page costs 20 ms to fetch; recompute is 1 ms a token plus attention: a page at position 0
+    # saves 16 ms + ~0.1 ms, one at position 4096 saves 16 ms + 0.001 x 4096 x 16 = 81.5 ms
+    est = estimates(per_token=1e-3, per_pair=1e-6, call=0.0, page=0.02)
+    assert pages_worth_fetching(est, 0, 1, PAGE) == 0
+    assert pages_worth_fetching(est, 4096, 1, PAGE) == 1
+
+
+def test_cut_at_a_batch_end_when_the_next_call_does_not_pay():
+    # a call (up to 4 pages) costs 50 ms, pages nothing; a page saves 16 ms: a batch of 4 pays, a
+    # fifth page alone does not pay its own call, a full second batch does
+    est = estimates(per_token=1e-3, per_pair=0.0, call=0.05, page=0.0, batch=4)
+    assert pages_worth_fetching(est, 0, 4, PAGE) == 4  # 64 ms saved, 50 ms spent
+    assert pages_worth_fetching(est, 0, 5, PAGE) == 4  # page 5 saves 16 ms, its call costs 50
+    assert pages_worth_fetching(est, 0, 8, PAGE) == 8  # the second batch pays like the first
+
+
+def test_l3_may_pay_counts_the_exists_call():
+    model = CostModel(prefill_tokens_per_s=100.0, batch_pages=64, l3_call_s=0.0, l3_page_s=0.001)
+    assert model.l3_may_pay(0, 2, PAGE)  # 320 ms of prefill against 2 ms
+    model.observe_l3_exists(1.0)  # a second per call: exists + one get cost 2 s, more than 2 pages' 320 ms
+    assert not model.l3_may_pay(0, 2, PAGE)
+    assert model.l3_may_pay(0, 200, PAGE)  # 32 s of prefill against 1 + 4 calls + 0.2 s of pages
+
+
+def test_skipped_fetches_probe_the_store_now_and_then():
+    model = CostModel(prefill_tokens_per_s=1e6, l3_call_s=1.0)
+    got = [model.l3_pages_to_fetch(0, 3, PAGE) for _ in range(PROBE_EVERY)]
+    assert got[:-1] == [0] * (PROBE_EVERY - 1) and got[-1] == 3
+    assert model.skipped_fetches == PROBE_EVERY
+
+
+def test_fit_recovers_a_linear_prefill_cost():
+    model = CostModel()
+    assert model.estimates() is None  # nothing reported yet
+    per_token, per_pair, overhead = 2e-4, 3e-8, 5e-3
+    for i in range(40):
+        num_tokens = 16 + 37 * (i % 9)
+        pairs = num_tokens * (100 + 211 * (i % 7))
+        model.observe_prefill(overhead + per_token * num_tokens + per_pair * pairs, num_tokens, pairs)
+    est = model.estimates()
+    assert est.prefill_s_per_token == pytest.approx(per_token, rel=1e-3)
+    assert est.prefill_s_per_token_pair == pytest.approx(per_pair, rel=1e-3)
+
+
+def test_fit_without_spread_in_depth_falls_back_to_a_flat_rate():
+    model = CostModel()
+    for i in range(20):  # every pass at the same depth per token: the pair term cannot be told apart
+        num_tokens = 10 + i
+        model.observe_prefill(1e-3 * num_tokens, num_tokens, 50.0 * num_tokens)
+    est = model.estimates()
+    assert est.prefill_s_per_token + 50 * est.prefill_s_per_token_pair == pytest.approx(1e-3, rel=1e-2)
+    assert est.prefill_s_per_token >= 0 and est.prefill_s_per_token_pair >= 0
+
+
+def test_get_time_net_of_the_call_latency():
+    model = CostModel()
+    model.observe_l3_exists(0.002)
+    model.observe_l3_get(0.010, 4)
+    assert model.l3_page_s == pytest.approx(0.002)
+    assert model.l3_call_s == pytest.approx(0.002)
+
+
+def test_disabled_model_decides_nothing():
+    model = CostModel(prefill_tokens_per_s=1.0, l3_call_s=100.0, enabled=False)
+    assert model.estimates() is None
+    assert model.l3_pages_to_fetch(0, 5, PAGE) == 5 and model.l3_may_pay(0, 5, PAGE) and model.load_pays(0, 5)
+
+
+def test_load_pays_unless_exposed_load_is_slower():
+    model = CostModel(prefill_tokens_per_s=1000.0)
+    model.observe_load(exposed_s=1e-4, num_tokens=100)
+    assert model.load_pays(0, 100)
+    model = CostModel(prefill_tokens_per_s=1000.0)
+    model.observe_load(exposed_s=1.0, num_tokens=100)  # 10 ms a token exposed: recompute is 1 ms
+    assert not model.load_pays(0, 100)
+
+
+@pytest.mark.parametrize("bad", [0, -5.0, "fast", True])
+def test_config_rejects_a_bad_prefill_rate(bad):
+    with pytest.raises((ValueError, TypeError), match="prefill_tokens_per_s"):
+        CacheConfig(prefill_tokens_per_s=bad)

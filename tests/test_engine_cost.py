@@ -1,0 +1,110 @@
+"""The engine with the cost model: a slow L3 is skipped (recomputed, outputs unchanged), a fast one is
+read; a request waiting on its L3 read does not hold back the requests behind it."""
+
+from engine_helpers import assert_same, prompts_with_shared_prefix, reference, tiny_model
+from engine_helpers import single_torch_thread  # noqa: F401  (autouse fixture)
+from tierkv.engine.engine import Engine, EngineConfig
+from tierkv.engine.request import Request
+
+MAX_NEW = 4
+PREFIX, SUFFIX = 64, 8
+
+
+def l3_engine(model, store_dir, faults=None, prefill_tokens_per_s=None, cost_aware=True):
+    extra = {"prefetch_threshold": 8, "prefetch_stop_policy": "wait_complete"}
+    if faults is not None:
+        extra["faults"] = faults
+    costs = {} if cost_aware else {"cost_aware": False}
+    if prefill_tokens_per_s is not None:
+        costs["prefill_tokens_per_s"] = prefill_tokens_per_s
+    return Engine(model, EngineConfig(mode="l1+l2+l3", l1_tokens=256, page_size=4, host_layout="page_first",
+                                      l3=f"file:{store_dir}", storage_extra=extra, **costs))
+
+
+def stored_then_served(model, store_dir, prompts, **kwargs):
+    """An engine stores prompts[0] in L3; a fresh one (empty L1/L2) serves prompts[1]."""
+    first = l3_engine(model, store_dir, **kwargs)
+    first.generate(prompts[:1], MAX_NEW)
+    first.close()  # flushes the backups to L3
+    second = l3_engine(model, store_dir, **kwargs)
+    got = second.generate(prompts[1:2], MAX_NEW)[0]
+    second.cache.flush()
+    second.check_integrity()
+    return second, got
+
+
+def slow_reads(latency_s):
+    return {"latency_rate": 1.0, "latency_s": latency_s, "operations": ["exists", "get"]}
+
+
+def test_slow_l3_is_skipped_and_outputs_match_no_cache(tmp_path):
+    """Every exists/get call takes 0.3 s; recomputing the 64-token prefix at a fixed 100k tokens/s takes
+    0.6 ms: the read is cut after the one exists call, the prefix recomputed, the outputs exact."""
+    model = tiny_model("tiny-llama")
+    prompts = prompts_with_shared_prefix(2, PREFIX, SUFFIX, seed=21)
+    want = reference(model, prompts, MAX_NEW)
+    engine, got = stored_then_served(model, tmp_path, prompts, faults=slow_reads(0.3),
+                                     prefill_tokens_per_s=100_000.0)
+    assert_same(got, want[1])
+    assert got.storage_hit_tokens == 0
+    assert engine.cache.storage.stats.prefetch_started == 1
+    assert engine.cache.cost_model.skipped_fetches == 1
+    engine.close()
+
+
+def test_same_slow_l3_is_read_when_recompute_is_slower(tmp_path):
+    """The same store, a prefill rate of 10 tokens/s (6.4 s for the prefix): the L3 hit is taken."""
+    model = tiny_model("tiny-llama")
+    prompts = prompts_with_shared_prefix(2, PREFIX, SUFFIX, seed=21)
+    want = reference(model, prompts, MAX_NEW)
+    engine, got = stored_then_served(model, tmp_path, prompts, faults=slow_reads(0.05), prefill_tokens_per_s=10.0)
+    assert_same(got, want[1])
+    assert got.storage_hit_tokens >= PREFIX - 4
+    assert engine.cache.cost_model.skipped_fetches == 0
+    engine.close()
+
+
+def test_cost_blind_engine_reads_the_slow_l3(tmp_path):
+    model = tiny_model("tiny-llama")
+    prompts = prompts_with_shared_prefix(2, PREFIX, SUFFIX, seed=21)
+    engine, got = stored_then_served(model, tmp_path, prompts, faults=slow_reads(0.05),
+                                     prefill_tokens_per_s=100_000.0, cost_aware=False)
+    assert got.storage_hit_tokens >= PREFIX - 4
+    engine.close()
+
+
+def test_known_slow_l3_is_not_even_asked(tmp_path):
+    """Once a call's latency is measured, a prompt whose whole extension recomputes faster than one
+    exists + get starts no prefetch at all."""
+    model = tiny_model("tiny-llama")
+    first_pair = prompts_with_shared_prefix(2, PREFIX, SUFFIX, seed=22)
+    second_pair = prompts_with_shared_prefix(2, PREFIX, SUFFIX, seed=24)
+    want = reference(model, [first_pair[1], second_pair[1]], MAX_NEW)
+    writer = l3_engine(model, tmp_path, faults=slow_reads(0.3))
+    writer.generate([first_pair[0], second_pair[0]], MAX_NEW)
+    writer.close()
+    engine = l3_engine(model, tmp_path, faults=slow_reads(0.3), prefill_tokens_per_s=100_000.0)
+    got = [engine.generate([p], MAX_NEW)[0] for p in (first_pair[1], second_pair[1])]
+    for g, w in zip(got, want):
+        assert_same(g, w)
+    stats = engine.cache.storage.stats
+    assert (stats.prefetch_started, stats.prefetch_not_worth) == (1, 1)
+    assert sum(g.storage_hit_tokens for g in got) == 0
+    engine.close()
+
+
+def test_request_behind_a_hanging_prefetch_is_admitted(tmp_path):
+    """The store's exists hangs; a later request with nothing to prefetch runs to the end meanwhile."""
+    model = tiny_model("tiny-llama")
+    hang = {"hang_rate": 1.0, "hang_s": 30.0, "operations": ["exists"]}
+    engine = l3_engine(model, tmp_path, faults=hang)
+    long_prompt, short_prompt = prompts_with_shared_prefix(1, PREFIX, SUFFIX, seed=23)[0], [1, 2, 3]
+    blocked = engine.scheduler.submit(Request(long_prompt, MAX_NEW))
+    behind = engine.scheduler.submit(Request(short_prompt, MAX_NEW))
+    for _ in range(1000):
+        if behind.finished:
+            break
+        engine.scheduler.step()
+    assert behind.finished and behind.error is None and len(behind.output) == MAX_NEW
+    assert not blocked.finished and blocked in engine.scheduler.waiting
+    engine.close()  # interrupts the hang

@@ -1,0 +1,48 @@
+"""What one scheduler step reports to the cache's cost model: its prefill work and time, and how long
+the forward pass waited for L2 -> L1 loads (the part of the loads the layer-wise overlap did not hide)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from tierkv.cache.cost_model import CostModel
+
+
+class TimedLoads:
+    """Wraps a :class:`tierkv.layer_load.LayerLoads`, summing the time spent waiting in ``wait_layer``."""
+
+    def __init__(self, loads: Any) -> None:
+        self.loads = loads
+        self.waited_s = 0.0
+
+    def wait_layer(self, layer: int) -> None:
+        started_s = time.perf_counter()
+        self.loads.wait_layer(layer)
+        self.waited_s += time.perf_counter() - started_s
+
+
+def step_work(items: list) -> tuple[int, float]:
+    """New tokens of a pass's work items and the (token, earlier token) pairs their attention covers."""
+    num_tokens, pairs = 0, 0.0
+    for item in items:
+        n, end = len(item.new_token_ids), len(item.kv_slots)
+        num_tokens += n
+        pairs += n * (2 * end - n - 1) / 2  # positions end - n .. end - 1, summed
+    return num_tokens, pairs
+
+
+def report_step(costs: CostModel, items: list, logits: torch.Tensor, started_s: float,
+                loads: TimedLoads | None, loaded_tokens: int) -> None:
+    """After a forward pass begun at ``started_s``: its compute time (load waits excluded) per its work,
+    and the load waits per token loaded."""
+    if logits.is_cuda:  # the time must cover the kernels (the sampler syncs on them right after anyway)
+        torch.cuda.synchronize(logits.device)
+    elapsed_s = time.perf_counter() - started_s
+    waited_s = loads.waited_s if loads is not None else 0.0
+    num_tokens, pairs = step_work(items)
+    costs.observe_prefill(elapsed_s - waited_s, num_tokens, pairs)
+    if loaded_tokens:
+        costs.observe_load(waited_s, loaded_tokens)

@@ -1,7 +1,9 @@
 """L1 <-> L2 page copies through tierkv's transfer controller, beside two baselines that move the same bytes.
 
-tierkv: ``TransferController.write(device_slots, host_slots)`` (L1 -> L2) or ``.load`` (L2 -> L1), waited
-for and acknowledged: slot validation, the copy and any hand-off to the copy thread all count.
+tierkv: the controller's two copies a caller waits for, slot checks and any hand-off to the copy thread
+included: ``TransferController.write_now(device_slots, host_slots)`` (L1 -> L2, as an eviction under
+write_back does) and ``load(host_slots, device_slots)`` then ``wait()`` and the ack (L2 -> L1, as a load
+back does). (A write-through, ``write()``, is not waited for: above 256 KiB it goes to the copy thread.)
 
 Baselines, timed in the same process and interleaved with it:
 - ``gather``: the same work with one vectorised torch index op, ``torch.index_select(l1_rows, 0, index,
@@ -89,8 +91,8 @@ def measure_case(transfer: TransferController, num_tokens: int, pattern: str, re
     flat_src, flat_dst = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
 
     def write() -> None:
-        transfer.write(device_slots, host_slots).wait()
-        transfer.pop_done(transfer.writes, 1)
+        if transfer.write_now(device_slots, host_slots) is not None:
+            raise RuntimeError("write_now failed")
 
     def load() -> None:
         transfer.load(host_slots, device_slots).wait()

@@ -129,10 +129,11 @@ def _page_mapping(kind: str, src: PagedKVBuffer, src_slots: torch.Tensor, dst: P
     return src_pages, dst_pages
 
 
-# CPU copies up to this size run on the submitting thread: a hand-off to the worker (queue, event,
-# GIL switches) costs 30-100 us, more than copying this many bytes. Larger ones go to the worker, and
-# run on the caller's thread after all if it waits for one before the worker has started it.
-_INLINE_COPY_MAX_BYTES = 1024 * 1024
+# CPU writes up to this size run on the submitting thread: a hand-off to the worker (queue, event,
+# GIL switches) costs 30-100 us, more than copying this many bytes. Larger ones go to the worker (the
+# scheduler does not wait for writes), and run on the caller's thread after all if it waits for one
+# before the worker has started it.
+_INLINE_COPY_MAX_BYTES = 256 * 1024
 _RUN_COPY_MIN_BYTES = 256 * 1024
 
 
@@ -163,7 +164,9 @@ class CopyHandle:
         if self.cuda_event is not None:
             self.cuda_event.synchronize()
             return True
-        if timeout_s is None and self.run_here is not None and not self.cpu_event.is_set():
+        if self.cpu_event.is_set():  # the common case of a copy run inline: skip the event's lock
+            return True
+        if timeout_s is None and self.run_here is not None:
             self.run_here()
         return self.cpu_event.wait(timeout_s)
 
@@ -273,18 +276,24 @@ class TransferController:
 
     def write_now(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> BaseException | None:
         """Copy L1 -> L2 and wait (write_back on eviction); returns the error if the copy failed."""
-        src_pages = self.device_pool.allocator.slots_to_pages(device_slots)
-        dst_pages = self.host_pool.allocator.slots_to_pages(host_slots)
         try:
             if self.use_cuda:
-                torch.cuda.current_stream(self.device_pool.device).synchronize()
-            copy_pages(self.device_pool, src_pages, self.host_pool, dst_pages, self.io_backend)
-            if self.use_cuda:
-                torch.cuda.current_stream(self.device_pool.device).synchronize()
+                self._write_now_cuda(device_slots, host_slots)
+            else:
+                self._cpu_copies["write"].run_now(device_slots, host_slots)
+        except ValueError:  # bad slots: nothing was copied
+            raise
         except Exception as exc:  # a failed copy is reported, the caller keeps the KV out of L2
             log.error("write-back copy failed: %s", exc)
             return exc
         return None
+
+    def _write_now_cuda(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
+        src_pages, dst_pages = _page_mapping("write", self.device_pool, device_slots, self.host_pool, host_slots)
+        stream = torch.cuda.current_stream(self.device_pool.device)
+        stream.synchronize()
+        copy_pages(self.device_pool, src_pages, self.host_pool, dst_pages, self.io_backend)
+        stream.synchronize()
 
     @staticmethod
     def num_done(acks: deque[_Queued]) -> int:
@@ -311,7 +320,7 @@ class TransferController:
         if self.use_cuda:
             return self._submit_cuda(kind, src, src_slots, dst, dst_slots)
         copy = self._cpu_copies[kind]
-        if self._copy_inline(self.delay_hook, len(src_slots) * copy.bytes_per_slot):
+        if self._copy_inline(self.delay_hook, kind, len(src_slots) * copy.bytes_per_slot):
             handle = CopyHandle(cpu_event=_COPIED)
             try:
                 copy.run_now(src_slots, dst_slots)
@@ -351,11 +360,12 @@ class TransferController:
             handle.cuda_event.record(stream)
         return handle
 
-    def _copy_inline(self, delay_hook: Callable[[str], None] | None, size_bytes: int) -> bool:
-        """True when a CPU copy is cheaper run here than handed to the worker: it is small, nothing
-        is queued or running ahead of it (copies still land in submission order) and no test delays
-        copies. The handle and ack queues behave the same; the ack is simply complete at once."""
-        if delay_hook is not None or size_bytes > _INLINE_COPY_MAX_BYTES:
+    def _copy_inline(self, delay_hook: Callable[[str], None] | None, kind: str, size_bytes: int) -> bool:
+        """True when a CPU copy is better run here than handed to the worker: a load (its callers wait
+        for it at once: a hand-off would only add its own cost) or a small write, when nothing is queued
+        or running ahead of it (copies still land in submission order) and no test delays copies.
+        The handle and ack queues behave the same; the ack is simply complete at once."""
+        if delay_hook is not None or (kind == "write" and size_bytes > _INLINE_COPY_MAX_BYTES):
             return False
         return self._worker.idle()
 

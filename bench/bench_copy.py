@@ -8,8 +8,9 @@ back does). (A write-through, ``write()``, is not waited for: above 256 KiB it g
 Baselines, timed in the same process and interleaved with it:
 - ``gather``: the same work with one vectorised torch index op, ``torch.index_select(l1_rows, 0, index,
   out=buffer)`` over the L1 pool's own layout: the same scattered L1 pages, rows taken in the L2 layout's
-  memory order (so a page-first L2 costs the same transposition), into a contiguous buffer of the same
-  bytes. It is a gather in both directions (a load's scatter into L1 would be the costlier op).
+  memory order (so a page-first L2 costs the same transposition; whole pages as one row where both
+  layouts keep a page's rows adjacent), into a contiguous buffer of the same bytes. It is a gather in
+  both directions (a load's scatter into L1 would be the costlier op).
 - ``contiguous``: ``dst.copy_(src)`` of two contiguous buffers of the same bytes, a speed-of-light bound
   (at a few MiB both stay in the CPU caches, which no page copy can do).
 
@@ -38,6 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from tierkv.pools import DeviceKVPool, HostKVPool, KVSpec  # noqa: E402
+from tierkv.pools.kv import paired_page_rows  # noqa: E402
 from tierkv.transfer import TransferController  # noqa: E402
 
 
@@ -72,10 +74,13 @@ def page_sets(device: DeviceKVPool, host: HostKVPool, num_pages: int, pattern: s
     return device_pages, host_pages
 
 
-def gather_index(device: DeviceKVPool, device_pages: torch.Tensor, host: HostKVPool) -> torch.Tensor:
-    """Row indices into ``device.rows`` of the pages' token rows, in the host layout's memory order."""
-    rows = device.page_rows(device_pages)  # [kv, layers, pages, page_size]
-    return rows.permute(host.row_dim_order).reshape(-1).contiguous()
+def gather_rows(device: DeviceKVPool, device_pages: torch.Tensor, host: HostKVPool, host_pages: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The L1 pool's byte-row table and the row indices of the pages' rows in the host layout's memory
+    order: token rows, or one row per page and (kv, layer) where a page's token rows are adjacent in both
+    layouts (fewer, larger rows: the strongest one-op gather)."""
+    table, rows, _, _ = paired_page_rows(device, device_pages, host, host_pages)  # [kv, layers, pages, k]
+    return table, rows.permute(host.row_dim_order).reshape(-1).contiguous()
 
 
 def measure_case(transfer: TransferController, num_tokens: int, pattern: str, repeats: int) -> dict:
@@ -85,9 +90,8 @@ def measure_case(transfer: TransferController, num_tokens: int, pattern: str, re
     device_slots = device.allocator.pages_to_slots(device_pages)
     host_slots = host.allocator.pages_to_slots(host_pages)
     nbytes = num_tokens * device.spec.bytes_per_token
-    index = gather_index(device, device_pages, host)
-    gathered = torch.empty((len(index), device.rows.shape[1]), dtype=torch.uint8)
-    gathered.zero_()
+    table, index = gather_rows(device, device_pages, host, host_pages)
+    gathered = torch.zeros((len(index), table.shape[1]), dtype=torch.uint8)
     flat_src, flat_dst = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
 
     def write() -> None:
@@ -99,7 +103,7 @@ def measure_case(transfer: TransferController, num_tokens: int, pattern: str, re
         transfer.pop_done(transfer.loads, 1)
 
     ops = {"write": write, "load": load,
-           "gather": lambda: torch.index_select(device.rows, 0, index, out=gathered),
+           "gather": lambda: torch.index_select(table, 0, index, out=gathered),
            "contiguous": lambda: flat_dst.copy_(flat_src)}
     times: dict[str, list[float]] = {name: [] for name in ops}
     names = list(ops)

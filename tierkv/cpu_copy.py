@@ -2,9 +2,10 @@
 
 With the native module (tierkv/_rowcopy.c, built at install when a C compiler is there) a batch is
 one call: the pools' per-layout chunk offsets of page 0 plus the page ids, copied chunk by chunk in
-the destination's memory order without the GIL, adjacent chunks merged. Without it, token rows move
-with vectorised torch/numpy index ops (:func:`copy_rows`). Both must move exactly the same bytes; the
-test suite runs against each.
+the destination's memory order without the GIL, adjacent chunks merged. :class:`ChunkCopy` works the
+offsets out once per pair of pools and takes token slots straight from the allocator, checked in C.
+Without it, token rows move with vectorised torch/numpy index ops (:func:`copy_rows`). Both must move
+exactly the same bytes; the test suite runs against each.
 """
 
 from __future__ import annotations

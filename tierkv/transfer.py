@@ -1,4 +1,6 @@
-"""L1 <-> L2 copies, asynchronous: CUDA streams and events on a GPU, one worker thread on CPU.
+"""L1 <-> L2 copies, asynchronous: CUDA streams and events on a GPU, one worker thread on CPU. On CPU a
+load, a small write, or a queued copy that a caller waits for before the worker has started it runs on the
+caller's thread instead: a hand-off costs more than such copies take.
 
 Completed copies are acknowledged through FIFO queues the cache polls without blocking. Completion is
 reported as "the leading N operations are done" so that tensor-parallel ranks can agree on one number.

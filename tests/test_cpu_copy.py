@@ -1,5 +1,8 @@
 """The native chunk copy (tierkv/_rowcopy.c): exact bytes for any mapping, and no byte written on bad input."""
 
+import logging
+import types
+
 import numpy as np
 import pytest
 import torch
@@ -155,3 +158,13 @@ def test_slot_counts_that_differ_are_an_error_naming_the_copy():
     device, host = random_pools(SPECS[0], "layer_first", 2)
     with pytest.raises(ValueError, match="^write: 4 source slots vs 2 destination slots$"):
         cpu_copy.ChunkCopy(device, host, name="write").copy_slots(torch.arange(4), torch.arange(2))
+
+
+def test_a_native_build_of_another_api_version_is_ignored(caplog):
+    """A stale _rowcopy found on the path (its functions take other arguments) leaves the torch fallback."""
+    assert cpu_copy.usable_native(cpu_copy.native) is cpu_copy.native
+    stale = types.ModuleType("tierkv._rowcopy")  # a build from before API_VERSION existed
+    with caplog.at_level(logging.WARNING, logger="tierkv.cpu_copy"):
+        assert cpu_copy.usable_native(stale) is None
+    assert "API version 1, expected 2" in caplog.text
+    assert cpu_copy.usable_native(None) is None

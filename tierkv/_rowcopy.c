@@ -214,4 +214,15 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_rowcopy", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__rowcopy(void) { return PyModule_Create(&module); }
+/* Bumped whenever a function's arguments change: tierkv/cpu_copy.py ignores a build of another version
+ * (say, one an editable install of another checkout left on the path) instead of calling it wrongly. */
+#define API_VERSION 2
+
+PyMODINIT_FUNC PyInit__rowcopy(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddIntConstant(m, "API_VERSION", API_VERSION) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

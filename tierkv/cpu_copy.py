@@ -10,6 +10,7 @@ exactly the same bytes; the test suite runs against each.
 
 from __future__ import annotations
 
+import logging
 import threading
 from types import ModuleType
 
@@ -18,10 +19,27 @@ import torch
 
 from tierkv.pools.kv import PagedKVBuffer, rows_adjacent_per_page
 
+log = logging.getLogger(__name__)
+
+NATIVE_API_VERSION = 2  # the API_VERSION of tierkv/_rowcopy.c that this module calls
+
+
+def usable_native(module: ModuleType | None) -> ModuleType | None:
+    """``module`` when it is a build of the _rowcopy.c this module calls, else None (the torch fallback):
+    an older build found on the path (say, left by an editable install of another checkout) takes other
+    arguments."""
+    if module is None or getattr(module, "API_VERSION", 1) == NATIVE_API_VERSION:
+        return module
+    log.warning("ignoring %s: API version %s, expected %s (rebuild: python setup.py build_ext --inplace)",
+                getattr(module, "__file__", module), getattr(module, "API_VERSION", 1), NATIVE_API_VERSION)
+    return None
+
+
 try:
-    from tierkv import _rowcopy as native  # type: ignore[attr-defined]
+    from tierkv import _rowcopy  # type: ignore[attr-defined]
 except ImportError:  # no compiler at install time: the torch fallback is used
-    native: ModuleType | None = None  # type: ignore[no-redef]
+    _rowcopy = None
+native: ModuleType | None = usable_native(_rowcopy)
 
 
 def native_available() -> bool:

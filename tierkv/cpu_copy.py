@@ -92,14 +92,17 @@ class ChunkCopy:
 
 def _int64_array(pages: torch.Tensor | np.ndarray) -> np.ndarray:
     """The pages as a contiguous int64 numpy array, without a copy in the common case (the allocator
-    hands out CPU int64 tensors)."""
+    hands out CPU int64 tensors). Per small copy this runs twice, so the common case asks nothing first."""
     if isinstance(pages, np.ndarray):
         array = pages
     else:
-        array = pages.numpy() if pages.device.type == "cpu" else pages.cpu().numpy()
-    if array.dtype != np.int64 or not array.flags.c_contiguous:
-        array = np.ascontiguousarray(array, dtype=np.int64)
-    return array
+        try:
+            array = pages.numpy()
+        except (TypeError, RuntimeError):  # on an accelerator, or part of an autograd graph
+            array = pages.detach().cpu().numpy()
+    if array.dtype == np.int64 and array.flags.c_contiguous:
+        return array
+    return np.ascontiguousarray(array, dtype=np.int64)
 
 
 _MIN_SEGMENT_ROWS = 8

@@ -322,7 +322,7 @@ class TransferController:
         if self.use_cuda:
             return self._submit_cuda(kind, src, src_slots, dst, dst_slots)
         copy = self._cpu_copies[kind]
-        if self._copy_inline(self.delay_hook, kind, len(src_slots) * copy.bytes_per_slot):
+        if self._copy_inline(kind, src_slots, copy.bytes_per_slot):
             handle = CopyHandle(cpu_event=_COPIED)
             try:
                 copy.run_now(src_slots, dst_slots)
@@ -362,12 +362,14 @@ class TransferController:
             handle.cuda_event.record(stream)
         return handle
 
-    def _copy_inline(self, delay_hook: Callable[[str], None] | None, kind: str, size_bytes: int) -> bool:
+    def _copy_inline(self, kind: str, src_slots: torch.Tensor, bytes_per_slot: int) -> bool:
         """True when a CPU copy is better run here than handed to the worker: a load (its callers wait
         for it at once: a hand-off would only add its own cost) or a small write, when nothing is queued
         or running ahead of it (copies still land in submission order) and no test delays copies.
         The handle and ack queues behave the same; the ack is simply complete at once."""
-        if delay_hook is not None or (kind == "write" and size_bytes > _INLINE_COPY_MAX_BYTES):
+        if self.delay_hook is not None:
+            return False
+        if kind == "write" and len(src_slots) * bytes_per_slot > _INLINE_COPY_MAX_BYTES:
             return False
         return self._worker.idle()
 

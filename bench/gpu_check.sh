@@ -19,7 +19,7 @@ timeout 150 "$PY" -m pytest -q -p no:cacheprovider --junitxml="$WORK/exact.xml" 
     tests/test_engine_exact.py tests/test_engine_l3.py tests/test_engine_scheduler.py > "$WORK/exact.log" 2>&1
 tests_rc=$?
 tail -3 "$WORK/exact.log"
-timeout 60 "$PY" -m tierkv.engine.copybench --device "$DEVICE" --mib "${TIERKV_GPU_CHECK_MIB:-512}" \
+timeout 60 "$PY" bench/copybench.py --device "$DEVICE" --mib "${TIERKV_GPU_CHECK_MIB:-512}" \
     --json "$WORK/copy.json" > "$WORK/copy.log" 2>&1
 copy_rc=$?
 timeout 75 "$PY" -m tierkv.engine.cli bench --quick --device "$DEVICE" --json "$WORK/engine.json" \

@@ -1,5 +1,8 @@
 """The native chunk copy (tierkv/_rowcopy.c): exact bytes for any mapping, and no byte written on bad input."""
 
+import logging
+import types
+
 import numpy as np
 import pytest
 import torch
@@ -77,3 +80,91 @@ def test_a_pool_off_the_cpu_builds_without_a_numpy_view():
     """Accelerator pools (``meta`` stands in for CUDA here) never reach the native copy."""
     pool = DeviceKVPool(SPECS[0], 32, 4, "meta")
     assert pool.rows_np is None and pool.rows.device.type == "meta"
+
+
+def _reference_gather(src, src_pages, dst, dst_pages):
+    """``dst`` bytes after the copy, by the same-work baseline of bench/bench_copy.py: one
+    ``index_select`` of the source's token rows in the destination's memory order, written to the
+    destination's rows of those pages."""
+    expected = dst.rows.clone()
+    src_rows = src.page_rows(src_pages).permute(dst.row_dim_order).reshape(-1)
+    dst_rows = dst.page_rows(dst_pages).permute(dst.row_dim_order).reshape(-1)
+    expected[dst_rows] = torch.index_select(src.rows, 0, src_rows)
+    return expected
+
+
+SLOT_PATTERNS = {
+    "one_run": lambda g, n, pages: torch.arange(3, 3 + n),
+    "runs": lambda g, n, pages: torch.cat([torch.arange(0, n // 2), torch.arange(pages - (n - n // 2), pages)]),
+    "scattered": lambda g, n, pages: torch.randperm(pages, generator=g)[:n],
+    "ascending_gaps": lambda g, n, pages: torch.randperm(pages, generator=g)[:n].sort().values,
+}
+
+
+@pytest.mark.parametrize("dst_pattern", ["one_run", "scattered"])
+@pytest.mark.parametrize("src_pattern", sorted(SLOT_PATTERNS))
+@pytest.mark.parametrize("to_host", [True, False], ids=["write", "load"])
+@pytest.mark.parametrize("page_size", [1, 2, 16])
+@pytest.mark.parametrize("layout", HOST_LAYOUTS)
+@pytest.mark.parametrize("spec", SPECS, ids=["mha", "mla"])
+def test_slot_copy_equals_the_reference_gather(spec, layout, page_size, to_host, src_pattern, dst_pattern):
+    """The small-copy fast path (slots in, one native call) moves exactly the bytes of the bench's
+    baseline gather, and no other byte, for every layout, page size and run structure."""
+    device, host = random_pools(spec, layout, page_size, 16, 32, seed=page_size)
+    src, dst = (device, host) if to_host else (host, device)
+    g = torch.Generator().manual_seed(len(src_pattern) * 7 + page_size)
+    n = 10
+    src_pages = SLOT_PATTERNS[src_pattern](g, n, src.num_pages)
+    dst_pages = SLOT_PATTERNS[dst_pattern](g, n, dst.num_pages)
+    expected = _reference_gather(src, src_pages, dst, dst_pages)
+    copy = cpu_copy.ChunkCopy(src, dst)
+    copy.copy_slots(src.allocator.pages_to_slots(src_pages), dst.allocator.pages_to_slots(dst_pages))
+    assert torch.equal(dst.rows, expected)
+
+
+def test_slot_copy_check_only_copies_nothing():
+    device, host = random_pools(SPECS[0], "page_first", 4)
+    before = host.rows.clone()
+    cpu_copy.ChunkCopy(device, host).copy_slots(torch.arange(8), torch.arange(16, 24), check_only=True)
+    assert torch.equal(host.rows, before)
+
+
+BAD_SLOTS = {  # name: (page_size, destination slots given the destination pool's slot count)
+    "partial_page": (4, lambda num_slots: torch.arange(6)),
+    "misaligned": (4, lambda num_slots: torch.arange(1, 9)),
+    "not_consecutive": (4, lambda num_slots: torch.tensor([0, 2, 3, 1, 4, 5, 6, 7])),
+    "out_of_range": (4, lambda num_slots: torch.arange(num_slots, num_slots + 4)),
+    "out_of_range_page_1": (1, lambda num_slots: torch.tensor([3, num_slots])),
+    "negative": (4, lambda num_slots: torch.arange(-4, 0)),
+    "negative_page_1": (1, lambda num_slots: torch.tensor([-1, 0])),
+}
+
+
+@pytest.mark.parametrize("bad", sorted(BAD_SLOTS))
+def test_bad_slots_are_the_allocators_errors_and_nothing_is_written(bad):
+    page_size, make = BAD_SLOTS[bad]
+    device, host = random_pools(SPECS[0], "layer_first", page_size)
+    host_slots = make(host.num_slots)
+    before = [pool.rows.clone() for pool in (device, host)]
+    with pytest.raises(ValueError) as allocator_error:
+        host.allocator.slots_to_pages(host_slots)
+    with pytest.raises(ValueError) as native_error:
+        cpu_copy.ChunkCopy(device, host).copy_slots(torch.arange(len(host_slots)), host_slots)
+    assert str(native_error.value) == str(allocator_error.value)
+    assert all(torch.equal(pool.rows, b) for pool, b in zip((device, host), before))
+
+
+def test_slot_counts_that_differ_are_an_error_naming_the_copy():
+    device, host = random_pools(SPECS[0], "layer_first", 2)
+    with pytest.raises(ValueError, match="^write: 4 source slots vs 2 destination slots$"):
+        cpu_copy.ChunkCopy(device, host, name="write").copy_slots(torch.arange(4), torch.arange(2))
+
+
+def test_a_native_build_of_another_api_version_is_ignored(caplog):
+    """A stale _rowcopy found on the path (its functions take other arguments) leaves the torch fallback."""
+    assert cpu_copy.usable_native(cpu_copy.native) is cpu_copy.native
+    stale = types.ModuleType("tierkv._rowcopy")  # a build from before API_VERSION existed
+    with caplog.at_level(logging.WARNING, logger="tierkv.cpu_copy"):
+        assert cpu_copy.usable_native(stale) is None
+    assert "API version 1, expected 2" in caplog.text
+    assert cpu_copy.usable_native(None) is None

@@ -44,7 +44,7 @@ def test_crossover_table_over_two_models(capsys):
 
 
 def test_copy_benchmark_rows():
-    from tierkv.engine.copybench import format_rows, measure
+    from bench.copybench import format_rows, measure
     rows = measure("cpu", size_mib=1, repeats=1)
     assert [r["case"] for r in rows][1:] == ["kernel/layer_first", "kernel/page_first", "direct/page_first_direct"]
     assert all(r["write_gbps"] > 0 for r in rows) and "write vs flat" in format_rows(rows)

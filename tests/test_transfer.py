@@ -2,12 +2,15 @@
 
 import logging
 import threading
+import time
+from functools import partial
 
 import pytest
 import torch
 
 from tierkv.pools import HOST_LAYOUTS, DeviceKVPool, HostKVPool, KVSpec
-from tierkv.transfer import TransferController, copy_pages, page_runs, resolve_host_layout
+from tierkv.transfer import (CopyHandle, TransferController, _CopyWorker, copy_layer, copy_pages, page_runs,
+                             resolve_host_layout)
 
 SPEC = KVSpec(num_layers=2, kv_heads=2, head_dim=3, dtype=torch.float32)
 
@@ -202,3 +205,117 @@ def test_small_copy_never_overtakes_a_queued_one():
         assert torch.equal(device.read_tokens(torch.arange(2, 4)), kv)
     finally:
         tc.shutdown()
+
+
+WIDE_SPECS = {"mha": KVSpec(num_layers=2, kv_heads=8, head_dim=128, dtype=torch.float16),  # 8 KiB a token
+              "mla": KVSpec(num_layers=3, attention="mla", kv_lora_rank=512, rope_dim=64, dtype=torch.bfloat16)}
+
+
+def _random_bytes(*pools, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    for pool in pools:
+        pool.rows.copy_(torch.randint(0, 256, pool.rows.shape, dtype=torch.uint8, generator=g))
+
+
+def _expected_rows(src, src_pages, dst, dst_pages):
+    """The destination's bytes after the copy, by one index op over token rows (the bench's baseline)."""
+    expected = dst.rows.clone()
+    order = dst.row_dim_order
+    expected[dst.page_rows(dst_pages).permute(order).reshape(-1)] = torch.index_select(
+        src.rows, 0, src.page_rows(src_pages).permute(order).reshape(-1))
+    return expected
+
+
+@pytest.mark.parametrize("num_tokens", [16, 96], ids=["inline", "over_the_inline_size"])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("layout", HOST_LAYOUTS)
+@pytest.mark.parametrize("spec_name", sorted(WIDE_SPECS))
+def test_controller_copies_equal_the_reference_gather(spec_name, layout, page_size, num_tokens, cpu_copy_impl):
+    """write (inline, or handed off and taken back by the waiting thread), write_now and load move
+    exactly the bytes of one index op over the same pages: scattered L1 pages, runs in L2."""
+    spec = WIDE_SPECS[spec_name]
+    device = DeviceKVPool(spec, 256, page_size, "cpu")
+    host = HostKVPool(spec, 512, page_size, layout, pin_memory=False)
+    _random_bytes(device, host, seed=page_size)
+    g = torch.Generator().manual_seed(num_tokens)
+    num_pages = num_tokens // page_size
+    device_pages = torch.randperm(device.num_pages, generator=g)[:num_pages]
+    half = num_pages // 2
+    host_pages = torch.cat([torch.arange(2, 2 + half), torch.arange(half + 5, num_pages + 5)])  # two runs
+    device_slots, host_slots = device.allocator.pages_to_slots(device_pages), host.allocator.pages_to_slots(host_pages)
+    tc = TransferController(device, host)
+    try:
+        expected_host = _expected_rows(device, device_pages, host, host_pages)
+        assert tc.write(device_slots, host_slots, "w").wait() and tc.pop_done(tc.writes, 1)[0][0].error is None
+        assert torch.equal(host.rows, expected_host)
+        _random_bytes(host, seed=1)
+        expected_host = _expected_rows(device, device_pages, host, host_pages)
+        assert tc.write_now(device_slots, host_slots) is None
+        assert torch.equal(host.rows, expected_host)
+        _random_bytes(host, seed=2)
+        expected_device = _expected_rows(host, host_pages, device, device_pages)
+        handle = tc.load(host_slots, device_slots, "l")
+        assert handle.wait() and handle.error is None
+        assert torch.equal(device.rows, expected_device)
+    finally:
+        tc.shutdown()
+
+
+def test_a_load_runs_on_the_calling_thread_when_nothing_is_queued():
+    """Every caller waits for a load at once: a hand-off to the copy thread would only add its cost."""
+    spec = WIDE_SPECS["mha"]
+    device, host = DeviceKVPool(spec, 256, 1, "cpu"), HostKVPool(spec, 512, 1, pin_memory=False)
+    tc = TransferController(device, host)
+    try:
+        handle = tc.load(torch.arange(64), torch.arange(64))  # 512 KiB: over the inline size of a write
+        assert handle.done() and handle.error is None
+    finally:
+        tc.shutdown()
+
+
+def test_queued_copies_run_one_at_a_time_in_order_when_waiters_take_them():
+    """Copies taken back by a waiting thread and copies run by the worker never overlap or reorder."""
+    worker = _CopyWorker()
+    ran, running, overlapped = [], [], []
+
+    def job(i, handle):
+        def run():
+            running.append(i)
+            overlapped.append(len(running) > 1)
+            time.sleep(0.0002)  # widen the window in which an overlap would show
+            ran.append(i)
+            running.remove(i)
+            handle.cpu_event.set()
+        return run
+
+    handles = []
+    try:
+        for i in range(120):
+            handle = CopyHandle()
+            worker.submit(handle, job(i, handle))
+            handle.run_here = partial(worker.run_until, handle)
+            handles.append(handle)
+            if i % 3 == 2:
+                assert handles[i - 1].wait()
+    finally:
+        worker.stop(timeout_s=10)
+    assert all(h.done() for h in handles)
+    assert ran == list(range(120)) and not any(overlapped)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("layout", HOST_LAYOUTS)
+@pytest.mark.parametrize("spec", [SPEC, WIDE_SPECS["mla"]], ids=["mha", "mla"])
+def test_staged_layer_copy_moves_exactly_one_layer(spec, layout, page_size):
+    """copy_layer (the accelerator's layer-wise load: a host gather into a staging buffer, one copy, a
+    device scatter) run here with both pools on the CPU."""
+    device = DeviceKVPool(spec, 16 * page_size, page_size, "cpu")
+    host = HostKVPool(spec, 32 * page_size, page_size, layout, pin_memory=False)
+    _random_bytes(device, host, seed=3)
+    host_pages, device_pages = torch.tensor([7, 8, 9, 30, 2]), torch.tensor([4, 0, 11, 12, 5])
+    expected = device.gather_pages(device_pages).clone()
+    expected[:, 1] = host.gather_pages(host_pages)[:, 1]
+    untouched = device.gather_pages(torch.tensor([1, 2, 3])).clone()
+    copy_layer(host, host_pages, device, device_pages, 1)
+    assert torch.equal(device.gather_pages(device_pages).view(torch.uint8), expected.view(torch.uint8))
+    assert torch.equal(device.gather_pages(torch.tensor([1, 2, 3])).view(torch.uint8), untouched.view(torch.uint8))

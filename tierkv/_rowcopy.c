@@ -9,6 +9,11 @@
  *
  * Why not torch: a gather of page-sized chunks costs one op per run (or a staging pass) plus ~5 us
  * of dispatch per op; this is one call whatever the fragmentation.
+ *
+ * Given a page size, the page arrays are token slots instead, turned into page ids here with the slot
+ * allocator's checks (whole aligned pages, in range); check_only then validates without copying. A copy
+ * of a few pages thus costs one call from Python: each torch or numpy op around it costs ~1 us, and
+ * 10-40 us when a large copy has just evicted the interpreter from the CPU caches.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -61,6 +66,30 @@ static int check_side(const char *side, const int64_t *base, Py_ssize_t num_base
     return 0;
 }
 
+/* pages[p] = slots[p * page_size] / page_size, checking the slots form whole aligned pages below num_pages. */
+static int slots_to_pages(const int64_t *slots, Py_ssize_t num_slots, Py_ssize_t page_size, Py_ssize_t num_pages,
+                          int64_t *pages) {
+    if (num_slots % page_size) {
+        PyErr_Format(PyExc_ValueError, "%zd slots are not whole pages of %zd", num_slots, page_size);
+        return -1;
+    }
+    for (Py_ssize_t p = 0; p < num_slots / page_size; p++) {
+        int64_t first = slots[p * page_size];
+        int aligned = first % page_size == 0;
+        for (Py_ssize_t i = 1; i < page_size && aligned; i++) aligned = slots[p * page_size + i] == first + i;
+        if (!aligned) {
+            PyErr_SetString(PyExc_ValueError, "slots are not whole aligned pages");
+            return -1;
+        }
+        if (first < 0 || first / page_size >= num_pages) {
+            PyErr_Format(PyExc_ValueError, "slot out of range [0, %zd)", num_pages * page_size);
+            return -1;
+        }
+        pages[p] = first / page_size;
+    }
+    return 0;
+}
+
 typedef struct {
     char *dst;
     const char *src;
@@ -100,12 +129,15 @@ static PyObject *copy_pages(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *dst_obj, *src_obj, *dst_base_obj, *src_base_obj, *dst_pages_obj, *src_pages_obj;
     PageCopy c;
-    if (!PyArg_ParseTuple(args, "OOOOOOnnnn:copy_pages", &dst_obj, &src_obj, &dst_base_obj, &src_base_obj,
+    Py_ssize_t page_size = 0, dst_num_pages = 0, src_num_pages = 0;  /* page_size > 0: slots are given */
+    int check_only = 0;
+    int64_t *slot_pages = NULL;
+    if (!PyArg_ParseTuple(args, "OOOOOOnnnn|nnnp:copy_pages", &dst_obj, &src_obj, &dst_base_obj, &src_base_obj,
                           &dst_pages_obj, &src_pages_obj, &c.dst_page_nbytes, &c.src_page_nbytes, &c.inner,
-                          &c.chunk_nbytes)) {
+                          &c.chunk_nbytes, &page_size, &dst_num_pages, &src_num_pages, &check_only)) {
         return NULL;
     }
-    if (c.chunk_nbytes <= 0 || c.inner <= 0 || c.dst_page_nbytes <= 0 || c.src_page_nbytes <= 0) {
+    if (c.chunk_nbytes <= 0 || c.inner <= 0 || c.dst_page_nbytes <= 0 || c.src_page_nbytes <= 0 || page_size < 0) {
         return PyErr_Format(PyExc_ValueError, "sizes must be positive: chunk %zd, inner %zd, pages %zd/%zd bytes",
                             c.chunk_nbytes, c.inner, c.dst_page_nbytes, c.src_page_nbytes);
     }
@@ -132,7 +164,20 @@ static PyObject *copy_pages(PyObject *self, PyObject *args) {
     c.dst_pages = dst_pages.buf;
     c.src_pages = src_pages.buf;
     c.outer = num_bases / c.inner;
-    if (c.num_pages == 0 || num_bases == 0) {
+    if (page_size > 0) {
+        slot_pages = PyMem_Malloc(2 * (c.num_pages / page_size + 1) * sizeof(int64_t));
+        if (slot_pages == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        if (slots_to_pages(dst_pages.buf, c.num_pages, page_size, dst_num_pages, slot_pages) < 0) goto done;
+        if (slots_to_pages(src_pages.buf, c.num_pages, page_size, src_num_pages,
+                           slot_pages + c.num_pages / page_size + 1) < 0) goto done;
+        c.dst_pages = slot_pages;
+        c.src_pages = slot_pages + c.num_pages / page_size + 1;
+        c.num_pages /= page_size;
+    }
+    if (c.num_pages == 0 || num_bases == 0 || check_only) {
         result = Py_None;
         goto done;
     }
@@ -146,6 +191,7 @@ static PyObject *copy_pages(PyObject *self, PyObject *args) {
     result = Py_None;
 done:
     Py_XINCREF(result);
+    PyMem_Free(slot_pages);
     if (dst.obj) PyBuffer_Release(&dst);
     if (src.obj) PyBuffer_Release(&src);
     if (dst_base.obj) PyBuffer_Release(&dst_base);
@@ -156,13 +202,27 @@ done:
 }
 
 static PyMethodDef methods[] = {
+
     {"copy_pages", copy_pages, METH_VARARGS,
      "copy_pages(dst, src, dst_base, src_base, dst_pages, src_pages, dst_page_nbytes, src_page_nbytes, inner, "
      "chunk_nbytes): for o, p, i: dst[dst_base[o*inner+i] + dst_pages[p]*dst_page_nbytes :+chunk_nbytes] = "
-     "src[src_base[o*inner+i] + src_pages[p]*src_page_nbytes :+chunk_nbytes]"},
+     "src[src_base[o*inner+i] + src_pages[p]*src_page_nbytes :+chunk_nbytes]. With page_size, dst_num_pages, "
+     "src_num_pages: the page arrays are token slots of whole pages, checked like the slot allocator does; "
+     "check_only: check, copy nothing"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_rowcopy", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__rowcopy(void) { return PyModule_Create(&module); }
+/* Bumped whenever a function's arguments change: tierkv/cpu_copy.py ignores a build of another version
+ * (say, one an editable install of another checkout left on the path) instead of calling it wrongly. */
+#define API_VERSION 2
+
+PyMODINIT_FUNC PyInit__rowcopy(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddIntConstant(m, "API_VERSION", API_VERSION) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

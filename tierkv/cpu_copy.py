@@ -2,13 +2,15 @@
 
 With the native module (tierkv/_rowcopy.c, built at install when a C compiler is there) a batch is
 one call: the pools' per-layout chunk offsets of page 0 plus the page ids, copied chunk by chunk in
-the destination's memory order without the GIL, adjacent chunks merged. Without it, token rows move
-with vectorised torch/numpy index ops (:func:`copy_rows`). Both must move exactly the same bytes; the
-test suite runs against each.
+the destination's memory order without the GIL, adjacent chunks merged. :class:`ChunkCopy` works the
+offsets out once per pair of pools and takes token slots straight from the allocator, checked in C.
+Without it, token rows move with vectorised torch/numpy index ops (:func:`copy_rows`). Both must move
+exactly the same bytes; the test suite runs against each.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from types import ModuleType
 
@@ -17,10 +19,27 @@ import torch
 
 from tierkv.pools.kv import PagedKVBuffer, rows_adjacent_per_page
 
+log = logging.getLogger(__name__)
+
+NATIVE_API_VERSION = 2  # the API_VERSION of tierkv/_rowcopy.c that this module calls
+
+
+def usable_native(module: ModuleType | None) -> ModuleType | None:
+    """``module`` when it is a build of the _rowcopy.c this module calls, else None (the torch fallback):
+    an older build found on the path (say, left by an editable install of another checkout) takes other
+    arguments."""
+    if module is None or getattr(module, "API_VERSION", 1) == NATIVE_API_VERSION:
+        return module
+    log.warning("ignoring %s: API version %s, expected %s (rebuild: python setup.py build_ext --inplace)",
+                getattr(module, "__file__", module), getattr(module, "API_VERSION", 1), NATIVE_API_VERSION)
+    return None
+
+
 try:
-    from tierkv import _rowcopy as native  # type: ignore[attr-defined]
+    from tierkv import _rowcopy  # type: ignore[attr-defined]
 except ImportError:  # no compiler at install time: the torch fallback is used
-    native: ModuleType | None = None  # type: ignore[no-redef]
+    _rowcopy = None
+native: ModuleType | None = usable_native(_rowcopy)
 
 
 def native_available() -> bool:
@@ -31,29 +50,59 @@ def copy_page_chunks(src: PagedKVBuffer, src_pages: torch.Tensor, dst: PagedKVBu
                      dst_pages: torch.Tensor, layer: int | None = None) -> None:
     """Copy whole pages between two CPU pools with the native module, one call per batch (``layer``:
     only that layer's part of them, for a layer-wise load)."""
-    if native is None:
-        raise RuntimeError("tierkv._rowcopy is not built; use copy_rows")
-    # a page's token rows are adjacent on both sides: one chunk per page and (kv, layer)
-    whole_pages = rows_adjacent_per_page(src, dst)
-    order = dst.row_dim_order
-    if order != src.row_dim_order:
-        # the layouts nest pages differently (page-first vs layer-first): go page by page, destination
-        # order within it, so that each side's working set is one page's scattered pieces (in cache)
-        order = (2, *(d for d in order if d != 2))
-    src_base, inner = src.chunk_bases(whole_pages, order, layer)
-    dst_base, _ = dst.chunk_bases(whole_pages, order, layer)
-    chunk_nbytes = src.rows.shape[1] * (src.page_size if whole_pages else 1)
-    native.copy_pages(dst.rows_np, src.rows_np, dst_base, src_base, _int64_array(dst_pages),
-                      _int64_array(src_pages), dst.page_stride_nbytes, src.page_stride_nbytes, inner, chunk_nbytes)
+    ChunkCopy(src, dst, layer)(src_pages, dst_pages)
 
 
-def _int64_array(pages: torch.Tensor) -> np.ndarray:
+class ChunkCopy:
+    """The native copy between two CPU pools (``layer``: that layer's part of each page only), its
+    layout-dependent arguments worked out once: a transfer controller copies between the same two pools
+    all its life, and at a few pages per copy that work costs as much as the copy's own call."""
+
+    def __init__(self, src: PagedKVBuffer, dst: PagedKVBuffer, layer: int | None = None, name: str = "copy") -> None:
+        if native is None:
+            raise RuntimeError("tierkv._rowcopy is not built; use copy_rows")
+        # a page's token rows are adjacent on both sides: one chunk per page and (kv, layer)
+        whole_pages = rows_adjacent_per_page(src, dst)
+        order = dst.row_dim_order
+        if order != src.row_dim_order:
+            # the layouts nest pages differently (page-first vs layer-first): go page by page, destination
+            # order within it, so that each side's working set is one page's scattered pieces (in cache)
+            order = (2, *(d for d in order if d != 2))
+        src_base, inner = src.chunk_bases(whole_pages, order, layer)
+        dst_base, _ = dst.chunk_bases(whole_pages, order, layer)
+        chunk_nbytes = src.rows.shape[1] * (src.page_size if whole_pages else 1)
+        self._buffers = (dst.rows_np, src.rows_np, dst_base, src_base)
+        self._sizes = (dst.page_stride_nbytes, src.page_stride_nbytes, inner, chunk_nbytes)
+        self._slot_pools = (src.page_size, dst.allocator.num_pages, src.allocator.num_pages)
+        self.name = name  # for errors
+
+    def __call__(self, src_pages: torch.Tensor, dst_pages: torch.Tensor) -> None:
+        native.copy_pages(*self._buffers, _int64_array(dst_pages), _int64_array(src_pages), *self._sizes)
+
+    def copy_slots(self, src_slots: torch.Tensor | np.ndarray, dst_slots: torch.Tensor | np.ndarray,
+                   check_only: bool = False) -> None:
+        """Copy the whole pages of these token slots (equally many on both sides), checked as the slot
+        allocator checks them: a ValueError names the first problem and nothing is copied. One native
+        call, no tensor op (the path of small copies). ``check_only``: check, copy nothing."""
+        src_array, dst_array = _int64_array(src_slots), _int64_array(dst_slots)
+        if len(src_array) != len(dst_array):
+            raise ValueError(f"{self.name}: {len(src_array)} source slots vs {len(dst_array)} destination slots")
+        native.copy_pages(*self._buffers, dst_array, src_array, *self._sizes, *self._slot_pools, check_only)
+
+
+def _int64_array(pages: torch.Tensor | np.ndarray) -> np.ndarray:
     """The pages as a contiguous int64 numpy array, without a copy in the common case (the allocator
-    hands out CPU int64 tensors)."""
-    array = pages.numpy() if pages.device.type == "cpu" else pages.cpu().numpy()
-    if array.dtype != np.int64 or not array.flags.c_contiguous:
-        array = np.ascontiguousarray(array, dtype=np.int64)
-    return array
+    hands out CPU int64 tensors). Per small copy this runs twice, so the common case asks nothing first."""
+    if isinstance(pages, np.ndarray):
+        array = pages
+    else:
+        try:
+            array = pages.numpy()
+        except (TypeError, RuntimeError):  # on an accelerator, or part of an autograd graph
+            array = pages.detach().cpu().numpy()
+    if array.dtype == np.int64 and array.flags.c_contiguous:
+        return array
+    return np.ascontiguousarray(array, dtype=np.int64)
 
 
 _MIN_SEGMENT_ROWS = 8

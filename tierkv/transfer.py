@@ -1,4 +1,6 @@
-"""L1 <-> L2 copies, asynchronous: CUDA streams and events on a GPU, one worker thread on CPU.
+"""L1 <-> L2 copies, asynchronous: CUDA streams and events on a GPU, one worker thread on CPU. On CPU a
+load, a small write, or a queued copy that a caller waits for before the worker has started it runs on the
+caller's thread instead: a hand-off costs more than such copies take.
 
 Completed copies are acknowledged through FIFO queues the cache polls without blocking. Completion is
 reported as "the leading N operations are done" so that tensor-parallel ranks can agree on one number.
@@ -7,7 +9,6 @@ reported as "the leading N operations are done" so that tensor-parallel ranks ca
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 from collections import deque
 from dataclasses import dataclass, field
@@ -102,13 +103,22 @@ def copy_layer_rows(src_table: torch.Tensor, src_rows: torch.Tensor, src_order: 
                        dst_order)
 
 
-def copy_layer(src: PagedKVBuffer, src_pages: torch.Tensor, dst: PagedKVBuffer, dst_pages: torch.Tensor,
+def copy_layer(src: HostKVPool, src_pages: torch.Tensor, dst: PagedKVBuffer, dst_pages: torch.Tensor,
                layer: int) -> None:
-    """Copy layer ``layer`` of whole pages between pools of any layouts, one index op each way (the
-    accelerator path of a layer-wise load; CPU pools use :func:`copy_layer_rows`)."""
-    src_layer = src.paged.permute(src.perm).select(1, layer)  # [num_kv, pages, page_size, heads, dim]
-    dst_layer = dst.paged.permute(dst.perm).select(1, layer)
-    data = src_layer.index_select(1, src_pages.to(src.device))
+    """Copy layer ``layer`` of whole pages host -> accelerator on the current stream (the accelerator
+    path of a layer-wise load; CPU pools use :func:`copy_layer_rows`).
+
+    The layer's token rows are gathered on the host into a staging buffer, pinned when the pool is, then
+    moved in one non-blocking copy and scattered on the device. (Indexing the pinned pool directly would
+    give a pageable tensor, whose copy is synchronous.) torch's pinned-memory cache does not reuse the
+    staging buffer before that copy has run.
+    """
+    rows = src.page_rows(src_pages)[:, layer]  # [num_kv, pages, page_size] indices into src.rows
+    staging = torch.empty((rows.numel(), src.rows.shape[1]), dtype=torch.uint8, pin_memory=src.buffer.is_pinned())
+    torch.index_select(src.rows, 0, rows.reshape(-1), out=staging)
+    spec = src.spec
+    data = staging.view(spec.dtype).view(spec.num_kv, len(src_pages), src.page_size, spec.heads, spec.dim)
+    dst_layer = dst.paged.permute(dst.perm).select(1, layer)  # [num_kv, pages, page_size, heads, dim]
     dst_layer.index_copy_(1, dst_pages.to(dst.device), data.to(dst.device, non_blocking=True))
 
 
@@ -121,10 +131,18 @@ def _page_mapping(kind: str, src: PagedKVBuffer, src_slots: torch.Tensor, dst: P
     return src_pages, dst_pages
 
 
-# CPU copies up to this size run on the submitting thread: a hand-off to the worker (queue, event,
-# GIL switches) costs ~100 us, more than copying this many bytes.
+# CPU writes up to this size run on the submitting thread: a hand-off to the worker (queue, event,
+# GIL switches) costs 30-100 us, more than copying this many bytes. Larger ones go to the worker (the
+# scheduler does not wait for writes), and run on the caller's thread after all if it waits for one
+# before the worker has started it.
 _INLINE_COPY_MAX_BYTES = 256 * 1024
 _RUN_COPY_MIN_BYTES = 256 * 1024
+
+
+# The completion event of every copy run on the submitting thread: set once, never cleared (building
+# and setting an event per copy is a measurable part of a small copy).
+_COPIED = threading.Event()
+_COPIED.set()
 
 
 @dataclass
@@ -135,6 +153,9 @@ class CopyHandle:
     cpu_event: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
     layer_events: list = field(default_factory=list)  # per layer, for a layer-wise load (CUDA or CPU events)
+    # a CPU copy still queued: runs it (and those queued ahead) on the waiting thread instead of waking
+    # the worker; None for copies on CUDA, copies already run and layer-wise loads
+    run_here: Callable[[], None] | None = field(default=None, repr=False)
 
     def done(self) -> bool:
         if self.cuda_event is not None:
@@ -145,6 +166,10 @@ class CopyHandle:
         if self.cuda_event is not None:
             self.cuda_event.synchronize()
             return True
+        if self.cpu_event.is_set():  # the common case of a copy run inline: skip the event's lock
+            return True
+        if timeout_s is None and self.run_here is not None:
+            self.run_here()
         return self.cpu_event.wait(timeout_s)
 
     def wait_layer(self, layer: int) -> None:
@@ -161,7 +186,7 @@ class CopyHandle:
         if self.cuda_event is not None:
             torch.cuda.current_stream().wait_event(self.cuda_event)
         else:
-            self.cpu_event.wait()
+            self.wait()
 
 
 @dataclass
@@ -187,10 +212,9 @@ class TransferController:
             self._write_stream = torch.cuda.Stream(device_pool.device)
             self._load_stream = torch.cuda.Stream(device_pool.device)
         else:
-            self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
-            self._last_queued: CopyHandle | None = None  # the newest copy handed to the worker
-            self._worker = threading.Thread(target=self._run_jobs, name="tierkv-transfer", daemon=True)
-            self._worker.start()
+            self._worker = _CopyWorker()
+            self._cpu_copies = {"write": _SlotCopy("write", device_pool, host_pool, io_backend),
+                                "load": _SlotCopy("load", host_pool, device_pool, io_backend)}
         self.delay_hook: Callable[[str], None] | None = None  # tests inject per-rank delays here
 
     def write(self, device_slots: torch.Tensor, host_slots: torch.Tensor, payload: Any = None) -> CopyHandle:
@@ -222,8 +246,7 @@ class TransferController:
             handle.cuda_event = handle.layer_events[-1]
         else:
             handle.layer_events = [threading.Event() for _ in range(num_layers)]
-            self._jobs.put(partial(self._copy_layers, handle, src_pages, dst_pages))
-            self._last_queued = handle
+            self._worker.submit(handle, partial(self._copy_layers, handle, src_pages, dst_pages))
         self.loads.extend(_Queued(handle, payload) for payload in payloads)
         return handle
 
@@ -255,18 +278,24 @@ class TransferController:
 
     def write_now(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> BaseException | None:
         """Copy L1 -> L2 and wait (write_back on eviction); returns the error if the copy failed."""
-        src_pages = self.device_pool.allocator.slots_to_pages(device_slots)
-        dst_pages = self.host_pool.allocator.slots_to_pages(host_slots)
         try:
             if self.use_cuda:
-                torch.cuda.current_stream(self.device_pool.device).synchronize()
-            copy_pages(self.device_pool, src_pages, self.host_pool, dst_pages, self.io_backend)
-            if self.use_cuda:
-                torch.cuda.current_stream(self.device_pool.device).synchronize()
+                self._write_now_cuda(device_slots, host_slots)
+            else:
+                self._cpu_copies["write"].run_now(device_slots, host_slots)
+        except ValueError:  # bad slots: nothing was copied
+            raise
         except Exception as exc:  # a failed copy is reported, the caller keeps the KV out of L2
             log.error("write-back copy failed: %s", exc)
             return exc
         return None
+
+    def _write_now_cuda(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
+        src_pages, dst_pages = _page_mapping("write", self.device_pool, device_slots, self.host_pool, host_slots)
+        stream = torch.cuda.current_stream(self.device_pool.device)
+        stream.synchronize()
+        copy_pages(self.device_pool, src_pages, self.host_pool, dst_pages, self.io_backend)
+        stream.synchronize()
 
     @staticmethod
     def num_done(acks: deque[_Queued]) -> int:
@@ -290,46 +319,63 @@ class TransferController:
 
     def _submit(self, kind: str, src: PagedKVBuffer, src_slots: torch.Tensor, dst: PagedKVBuffer,
                 dst_slots: torch.Tensor) -> CopyHandle:
-        src_pages, dst_pages = _page_mapping(kind, src, src_slots, dst, dst_slots)
-        handle = CopyHandle()
         if self.use_cuda:
-            stream = self._write_stream if kind == "write" else self._load_stream
-            stream.wait_stream(torch.cuda.current_stream(self.device_pool.device))
-            with torch.cuda.stream(stream):
-                copy_pages(src, src_pages, dst, dst_pages, self.io_backend)
-                handle.cuda_event = torch.cuda.Event()
-                handle.cuda_event.record(stream)
+            return self._submit_cuda(kind, src, src_slots, dst, dst_slots)
+        copy = self._cpu_copies[kind]
+        if self._copy_inline(kind, src_slots, copy.bytes_per_slot):
+            handle = CopyHandle(cpu_event=_COPIED)
+            try:
+                copy.run_now(src_slots, dst_slots)
+            except ValueError:  # bad slots: nothing was copied
+                raise
+            except BaseException as exc:  # reported through the handle, as from the worker
+                log.error("%s copy failed: %s", kind, exc)
+                handle.error = exc
             return handle
+        mapping = copy.check(src_slots, dst_slots)
+        handle = CopyHandle()
 
         def job() -> None:
             try:
                 if self.delay_hook is not None:
                     self.delay_hook(kind)
-                copy_pages(src, src_pages, dst, dst_pages, self.io_backend)
+                copy.run(mapping)
             except BaseException as exc:  # reported through the handle, never lost in the thread
                 log.error("%s copy failed: %s", kind, exc)
                 handle.error = exc
             finally:
                 handle.cpu_event.set()
 
-        if self._copy_inline(self.delay_hook, len(src_pages) * src.page_nbytes):
-            job()
-        else:
-            self._jobs.put(job)
-            self._last_queued = handle
+        self._worker.submit(handle, job)
+        handle.run_here = partial(self._run_here, handle)
         return handle
 
-    def _copy_inline(self, delay_hook: Callable[[str], None] | None, size_bytes: int) -> bool:
-        """True when a CPU copy is cheaper run here than handed to the worker: it is small, nothing
-        is queued ahead of it (copies still land in submission order) and no test delays copies.
-        The handle and ack queues behave the same; the ack is simply complete at once."""
-        if delay_hook is not None or size_bytes > _INLINE_COPY_MAX_BYTES:
-            return False
-        return self._last_queued is None or self._last_queued.cpu_event.is_set()
+    def _submit_cuda(self, kind: str, src: PagedKVBuffer, src_slots: torch.Tensor, dst: PagedKVBuffer,
+                     dst_slots: torch.Tensor) -> CopyHandle:
+        src_pages, dst_pages = _page_mapping(kind, src, src_slots, dst, dst_slots)
+        handle = CopyHandle()
+        stream = self._write_stream if kind == "write" else self._load_stream
+        stream.wait_stream(torch.cuda.current_stream(self.device_pool.device))
+        with torch.cuda.stream(stream):
+            copy_pages(src, src_pages, dst, dst_pages, self.io_backend)
+            handle.cuda_event = torch.cuda.Event()
+            handle.cuda_event.record(stream)
+        return handle
 
-    def _run_jobs(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            job()
+    def _copy_inline(self, kind: str, src_slots: torch.Tensor, bytes_per_slot: int) -> bool:
+        """True when a CPU copy is better run here than handed to the worker: a load (its callers wait
+        for it at once: a hand-off would only add its own cost) or a small write, when nothing is queued
+        or running ahead of it (copies still land in submission order) and no test delays copies.
+        The handle and ack queues behave the same; the ack is simply complete at once."""
+        if self.delay_hook is not None:
+            return False
+        if kind == "write" and len(src_slots) * bytes_per_slot > _INLINE_COPY_MAX_BYTES:
+            return False
+        return self._worker.idle()
+
+    def _run_here(self, handle: CopyHandle) -> None:
+        if self.delay_hook is None:  # a test's hook may block until this thread releases it
+            self._worker.run_until(handle)
 
     def synchronize(self) -> None:
         """Block until every queued copy has finished."""
@@ -339,6 +385,105 @@ class TransferController:
 
     def shutdown(self) -> None:
         """Finish queued copies and stop the worker thread."""
-        if not self.use_cuda and self._worker.is_alive():
-            self._jobs.put(None)
-            self._worker.join(timeout=30)
+        if not self.use_cuda:
+            self._worker.stop(timeout_s=30)
+
+
+class _SlotCopy:
+    """CPU copies of whole pages from one pool to another, given token slots: the native chunk copy with
+    its layout work done once (one native call per copy, slot checks included), else :func:`copy_pages`
+    over the allocators' page mapping."""
+
+    def __init__(self, kind: str, src: PagedKVBuffer, dst: PagedKVBuffer, io_backend: str) -> None:
+        self.kind, self.src, self.dst, self.io_backend = kind, src, dst, io_backend
+        self.bytes_per_slot = src.spec.bytes_per_token
+        native = io_backend == "kernel" and cpu_copy.native_available()
+        self.chunks = cpu_copy.ChunkCopy(src, dst, name=kind) if native else None
+
+    def check(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> tuple:
+        """What :meth:`run` needs, from slots checked now (ValueError: bad slots) and held as copies of
+        their own: the copy may run later, on another thread."""
+        if self.chunks is None:
+            return _page_mapping(self.kind, self.src, src_slots, self.dst, dst_slots)
+        mapping = (np.array(src_slots.numpy(), dtype=np.int64), np.array(dst_slots.numpy(), dtype=np.int64))
+        self.chunks.copy_slots(*mapping, check_only=True)
+        return mapping
+
+    def run(self, mapping: tuple) -> None:
+        if self.chunks is None:
+            copy_pages(self.src, mapping[0], self.dst, mapping[1], self.io_backend)
+        else:
+            self.chunks.copy_slots(*mapping)
+
+    def run_now(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        """Check and copy at once (ValueError: bad slots, nothing copied)."""
+        if self.chunks is None:
+            self.run(self.check(src_slots, dst_slots))
+        else:
+            self.chunks.copy_slots(src_slots, dst_slots)
+
+
+class _CopyWorker:
+    """One thread that runs CPU copies in submission order, one at a time.
+
+    A thread waiting for a copy the worker has not started runs it (and the copies queued ahead of it)
+    itself: a waited-for copy then costs no hand-off, and order holds because copies never overlap.
+    Lock contract: ``_cond`` guards ``_jobs``, ``_busy`` and ``_stopping``; no copy runs under it.
+    """
+
+    def __init__(self) -> None:
+        self._jobs: deque[tuple[CopyHandle, Callable[[], None]]] = deque()
+        self._cond = threading.Condition()
+        self._busy = False  # a copy is running, on the worker or on a waiting thread
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="tierkv-transfer", daemon=True)
+        self._thread.start()
+
+    def submit(self, handle: CopyHandle, job: Callable[[], None]) -> None:
+        with self._cond:
+            self._jobs.append((handle, job))
+            self._cond.notify()
+
+    def idle(self) -> bool:
+        """Nothing queued or running."""
+        with self._cond:
+            return not self._jobs and not self._busy
+
+    def run_until(self, handle: CopyHandle) -> None:
+        """Run the queued copies up to ``handle``'s on this thread, unless a copy is running already
+        (then the caller waits for the worker as before)."""
+        while True:
+            with self._cond:
+                if self._busy or not any(queued is handle for queued, _ in self._jobs):
+                    return
+                queued, job = self._jobs.popleft()
+                self._busy = True
+            self._run_one(job)
+            if queued is handle:
+                return
+
+    def stop(self, timeout_s: float) -> None:
+        """Run what is queued, then end the thread."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join(timeout=timeout_s)
+
+    def _run_one(self, job: Callable[[], None]) -> None:
+        try:
+            job()  # jobs report their own errors on their handles
+        finally:
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._busy or (not self._jobs and not self._stopping):
+                    self._cond.wait()
+                if not self._jobs:
+                    return
+                _, job = self._jobs.popleft()
+                self._busy = True
+            self._run_one(job)

@@ -1,20 +1,28 @@
-"""L1 <-> L2 copy bandwidth through the transfer controller, per I/O backend and host layout.
+"""L1 <-> L2 copy bandwidth through the transfer controller, per I/O backend and host layout, on any
+device (bench/gpu_check.sh runs it on CUDA; bench/bench_copy.py is the CPU copy benchmark with a
+same-work baseline).
 
 The baseline row is one plain ``tensor.copy_`` of the same bytes (device buffer to a host buffer),
 so each row's ratio says how close the paged copy gets to a flat copy on this machine.
+
+    python bench/copybench.py [--device cuda] [--mib 64] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from tierkv.pools.kv import DeviceKVPool, HostKVPool
-from tierkv.pools.spec import KVSpec
-from tierkv.transfer import TransferController, resolve_host_layout
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from tierkv.pools.kv import DeviceKVPool, HostKVPool  # noqa: E402
+from tierkv.pools.spec import KVSpec  # noqa: E402
+from tierkv.transfer import TransferController, resolve_host_layout  # noqa: E402
 
 CASES = (("kernel", "layer_first"), ("kernel", "page_first"), ("direct", "page_first_direct"))
 
@@ -72,7 +80,7 @@ def format_rows(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tierkv.engine.copybench", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python bench/copybench.py", description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--mib", type=int, default=64)
     parser.add_argument("--json")

@@ -360,6 +360,7 @@ def test_file_symlinks_planted_in_the_store_are_never_followed(tmp_path):
     outside.mkdir()
     keys, pages = make_keys(3), make_pages(3)
     # A subdirectory of the store replaced by a link to somewhere else (issue 11, item 10) ...
+    os.rmdir(os.path.join(store.directory, keys[0][:2]))
     os.symlink(outside, os.path.join(store.directory, keys[0][:2]))
     # ... and a page replaced by a link to a file outside, holding a valid page of that key.
     assert store.batch_set(keys[1:2], pages[1:2]) == [True]
@@ -382,10 +383,10 @@ def test_file_write_error_is_false_and_counted(tmp_path, monkeypatch):
     store = open_store(f"file:{tmp_path}", "ns", PAGE_NBYTES)
     keys, pages = make_keys(2), make_pages(2)
 
-    def disk_full(fd, data, offset):
+    def disk_full(fd, buffers, offset):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(os, "pwrite", disk_full)
+    monkeypatch.setattr(os, "pwritev", disk_full)
     assert store.batch_set(keys, pages) == [False, False]
     assert store.stats.errors == 2 and store.stats.set_pages == 0
     monkeypatch.undo()
@@ -405,7 +406,7 @@ def test_file_full_disk_warns_once_and_backs_off_writes(tmp_path, monkeypatch, c
     assert store.batch_set(keys[:2], pages[:2]) == [True, True]
     attempts = []
 
-    def no_space(fd, data, offset):
+    def no_space(fd, buffers, offset):
         attempts.append(offset)
         raise OSError(errno.ENOSPC, "No space left on device")
 

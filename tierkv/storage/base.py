@@ -24,11 +24,14 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
 from tierkv.storage.page_format import PageFormat, PageFormatError, namespace_digest
+
+if TYPE_CHECKING:
+    from tierkv.storage.overlap import Verifier
 
 log = logging.getLogger(__name__)
 
@@ -254,11 +257,25 @@ class PageStore(ABC):
         try:
             self.format.verify(key, header, payload, state)
         except PageFormatError as err:
-            self._corrupt_log.warning("%s store: dropping corrupt page: %s", self.name, err)
-            self._count(corrupt_pages=1)
-            self._drop(key)
+            self._reject(key, err)
             return False
         return True
+
+    def _reject(self, key: str, err: PageFormatError) -> None:
+        """A page that failed verification: log, count and remove it."""
+        self._corrupt_log.warning("%s store: dropping corrupt page: %s", self.name, err)
+        self._count(corrupt_pages=1)
+        self._drop(key)
+
+    def _rejected(self, verifier: "Verifier", keys: list[str], found: list[bool]) -> list[bool]:
+        """``found`` with the pages ``verifier`` failed turned to False (each rejected), and the good
+        ones counted as read."""
+        for index, err in verifier.failures():
+            found[index] = False
+            self._reject(keys[index], err)
+        num_found = sum(found)
+        self._count(get_pages=num_found, get_bytes=num_found * self.page_nbytes)
+        return found
 
     def _drop(self, key: str) -> None:
         """Best-effort removal of a corrupt page: backups skip pages that exist, so it would stay."""

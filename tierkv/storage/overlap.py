@@ -1,0 +1,126 @@
+"""Checksums off the I/O thread: headers computed and pages verified in helper threads while the
+calling thread moves the bytes.
+
+xxh3, HMAC-SHA256 and numpy copies release the GIL, and so do file, socket and Mooncake transfers, so
+with a spare core a batch costs about its I/O time, not I/O plus one hashing pass per page. Work goes
+to the helpers in groups of about ``GROUP_NBYTES`` (one hand-off per group, not per page: a hand-off
+costs more than hashing a small page).
+
+A batch never returns before its helper jobs have finished with its pages (the caller owns them).
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from tierkv.storage.page_format import PageFormat, PageFormatError, copy_with_checksum
+
+# Large enough that a hand-off (~20 us) is noise, small enough that the first and last groups (not
+# overlapped) are a small part of a batch.
+GROUP_NBYTES = 2 << 20
+# One reader and one writer thread per store may run at once: two helpers serve both without waiting.
+NUM_HELPERS = 2
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _helpers() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(NUM_HELPERS, thread_name_prefix="tierkv-checksum")
+        return _pool
+
+
+def pages_per_group(page_nbytes: int) -> int:
+    return max(1, GROUP_NBYTES // page_nbytes)
+
+
+def _headers(fmt: PageFormat, keys: list[str], views: list[memoryview]) -> list[bytes]:
+    return [fmt.header(key, view) for key, view in zip(keys, views)]
+
+
+class Headers:
+    """The headers of a batch of pages to write, computed ahead in a helper thread, group by group.
+
+    Use as a context manager: leaving it cancels the groups not yet started (a failed batch).
+    """
+
+    def __init__(self, fmt: PageFormat, keys: list[str], views: list[memoryview]) -> None:
+        self._per_group = pages_per_group(fmt.payload_nbytes)
+        pool = _helpers()
+        self._groups: list[Future] = [
+            pool.submit(_headers, fmt, keys[start:start + self._per_group], views[start:start + self._per_group])
+            for start in range(0, len(keys), self._per_group)]
+
+    def ready(self, index: int) -> bool:
+        return self._groups[index // self._per_group].done()
+
+    def get(self, index: int) -> bytes:
+        """Page ``index``'s header (waits for its group)."""
+        group, offset = divmod(index, self._per_group)
+        return self._groups[group].result()[offset]
+
+    def __enter__(self) -> "Headers":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for future in self._groups:
+            future.cancel()
+        for future in self._groups:  # started ones still read the caller's pages: wait for them
+            if not future.cancelled():
+                future.exception()
+
+
+@dataclass
+class _Check:
+    index: int
+    key: str
+    header: bytes | bytearray | memoryview
+    payload: memoryview
+    target: memoryview | None  # copy the payload here (checksummed while in cache) before verifying
+
+
+def _verify_group(fmt: PageFormat, checks: list[_Check]) -> list[tuple[int, PageFormatError]]:
+    failures = []
+    for check in checks:
+        state = None
+        if check.target is not None and len(check.payload) == len(check.target):
+            state = copy_with_checksum(check.target, check.payload, fmt.payload_hasher(check.key))
+        try:
+            fmt.verify(check.key, check.header, check.payload, state)
+        except PageFormatError as err:
+            failures.append((check.index, err))
+    return failures
+
+
+class Verifier:
+    """Verifies the pages of a batch as they arrive, in a helper thread, while the next ones are read.
+
+    :meth:`add` each page read (with its header); :meth:`failures` waits and names the pages that
+    failed. With ``target`` the helper first copies the payload there (the redis reply into the page).
+    """
+
+    def __init__(self, fmt: PageFormat) -> None:
+        self._fmt = fmt
+        self._per_group = pages_per_group(fmt.payload_nbytes)
+        self._pending: list[_Check] = []
+        self._groups: list[Future] = []
+
+    def add(self, index: int, key: str, header: bytes | bytearray | memoryview, payload: memoryview,
+            target: memoryview | None = None) -> None:
+        self._pending.append(_Check(index, key, header, payload, target))
+        if len(self._pending) >= self._per_group:
+            self._submit()
+
+    def _submit(self) -> None:
+        if self._pending:
+            self._groups.append(_helpers().submit(_verify_group, self._fmt, self._pending))
+            self._pending = []
+
+    def failures(self) -> list[tuple[int, PageFormatError]]:
+        """(index, error) of every page added that failed verification, once all are checked."""
+        self._submit()
+        return [failure for group in self._groups for failure in group.result()]

@@ -38,6 +38,32 @@ def pages_per_group(page_nbytes: int) -> int:
     return max(1, GROUP_NBYTES // page_nbytes)
 
 
+def ramp(num_pages: int, page_nbytes: int, min_nbytes: int = GROUP_NBYTES, max_nbytes: int = 32 << 20,
+         max_pages: int = 256) -> list[tuple[int, int]]:
+    """(start, end) page ranges for a batch moved one backend call per range, overlapped with the helpers:
+    sizes double from ``min_nbytes`` up to ``max_nbytes`` and halve again towards the end, since the
+    first range's headers (writes) and the last range's checks (reads) cannot overlap any transfer,
+    while every call has a fixed cost (a round trip to a master)."""
+    def pages(nbytes: int) -> int:
+        return max(1, min(max_pages, nbytes // page_nbytes))
+    head, tail = [], []
+    nbytes, left = min_nbytes, num_pages
+    while left > 0:
+        size = min(pages(nbytes), left)
+        head.append(size)
+        left -= size
+        if left > 0:
+            size = min(pages(nbytes), left)
+            tail.append(size)
+            left -= size
+        nbytes = min(2 * nbytes, max_nbytes)
+    bounds, start = [], 0
+    for size in head + tail[::-1]:
+        bounds.append((start, start + size))
+        start += size
+    return bounds
+
+
 def _headers(fmt: PageFormat, keys: list[str], views: list[memoryview]) -> list[bytes]:
     return [fmt.header(key, view) for key, view in zip(keys, views)]
 

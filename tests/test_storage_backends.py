@@ -588,3 +588,16 @@ def test_mooncake_unreachable_master_is_a_fast_counted_miss():
     assert store.batch_set(keys, pages) == [False, False]
     assert store.batch_get(keys, empty_pages(2)) == [False, False]  # inside the backoff window
     assert store.stats.errors == 3 and store.client is None
+
+
+def test_file_writes_make_no_directory_per_page(tmp_path, monkeypatch):
+    """The subdirectories are made with the store; a write is open, write, rename (issue 16)."""
+    store = open_store(f"file:{tmp_path}", "ns", PAGE_NBYTES)
+    made = []
+    real_mkdir = os.mkdir
+    monkeypatch.setattr(os, "mkdir", lambda *a, **k: (made.append(a[0]), real_mkdir(*a, **k)))
+    keys, pages = make_keys(64), make_pages(64)
+    assert store.batch_set(keys, pages) == [True] * 64
+    assert made == []
+    targets = empty_pages(64)
+    assert store.batch_get(keys, targets) == [True] * 64 and all(map(torch.equal, targets, pages))

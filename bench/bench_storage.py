@@ -3,7 +3,8 @@
 For each backend and page size, tierkv's ``batch_set`` / ``batch_get`` of a batch of pages runs in
 turns with the raw backend's own client moving the same bytes (``--repeats`` interleaved repeats,
 who goes first alternating); the table gives each side's median GB/s and the ratio raw_s / tierkv_s
-of each repeat as min / median (1.0 = as fast as raw). Raw baselines:
+of each repeat as min / median (1.0 = as fast as raw), and the median ratio of CPU seconds (this
+process, all threads: tierkv's extra work, which only a spare core can hide). Raw baselines:
   memory    bytes(page) into a dict / copy back into the target page
   file      per page: open a temp file, write, close, rename over the page's name (same fsync policy)
             / open, readinto the target page, close
@@ -43,6 +44,7 @@ from tierkv.storage.factory import open_store  # noqa: E402
 from tierkv.storage.page_format import CHUNK_NBYTES  # noqa: E402
 
 def best_seconds(fn: Callable[[], object], repeats: int, before: Callable[[], object] | None = None) -> float:
+    """The digest table's timer: best wall seconds of ``repeats`` calls."""
     best = float("inf")
     for _ in range(repeats):
         if before is not None:
@@ -182,24 +184,38 @@ def mooncake_case(ns: str, page_nbytes: int, keys, pages, targets, args) -> Case
 CASES = {"memory": memory_case, "file": file_case, "redis": redis_case, "mooncake": mooncake_case}
 
 
+def timed(fn: Callable[[], object], before: Callable[[], object] | None) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process, every thread) of one call of ``fn``."""
+    if before is not None:
+        before()
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
 def interleaved(ours: Callable[[], object], raw: Callable[[], object], repeats: int,
-                before: Callable[[], object] | None = None) -> list[tuple[float, float]]:
-    """(tierkv seconds, raw seconds) of each repeat, the two run in turns (who goes first alternating)
-    so that both see the same load."""
+                before: Callable[[], object] | None = None) -> list[tuple[tuple, tuple]]:
+    """((tierkv wall, cpu), (raw wall, cpu)) seconds of each repeat, the two run in turns (who goes first
+    alternating) so that both see the same load."""
     times = []
     for rep in range(repeats):
-        pair = [0.0, 0.0]
+        pair: list = [None, None]
         for side in ([0, 1] if rep % 2 == 0 else [1, 0]):
-            pair[side] = best_seconds((ours, raw)[side], 1, before)
+            pair[side] = timed((ours, raw)[side], before)
         times.append((pair[0], pair[1]))
     return times
 
 
-def summary(name: str, page_nbytes: int, op: str, nbytes: int, times: list[tuple[float, float]]) -> tuple:
-    """(backend, page size, op, raw GB/s, tierkv GB/s (medians), ratio min, ratio median)."""
-    ratios = [raw / ours for ours, raw in times]
-    return (name, page_nbytes, op, nbytes / float(np.median([r for _, r in times])) / 1e9,
-            nbytes / float(np.median([o for o, _ in times])) / 1e9, min(ratios), float(np.median(ratios)))
+def summary(name: str, page_nbytes: int, op: str, nbytes: int, times: list[tuple[tuple, tuple]]) -> tuple:
+    """(backend, page size, op, raw GB/s, tierkv GB/s (medians), wall ratio min, median, CPU ratio median).
+
+    The CPU ratio (raw CPU seconds / tierkv's, this process only) is the extra work, which a loaded
+    machine cannot hide in a spare core."""
+    ratios = [raw[0] / ours[0] for ours, raw in times]
+    cpu_ratio = float(np.median([raw[1] / max(ours[1], 1e-9) for ours, raw in times]))
+    return (name, page_nbytes, op, nbytes / float(np.median([r[0] for _, r in times])) / 1e9,
+            nbytes / float(np.median([o[0] for o, _ in times])) / 1e9, min(ratios), float(np.median(ratios)),
+            cpu_ratio)
 
 
 def run_case(case: Case, keys, pages, targets, repeats: int) -> list[tuple]:
@@ -328,12 +344,12 @@ def main() -> None:
           f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
     rows = [row for size in page_sizes for row in bench_page_size(size, args)]
     print(f"{'backend':<9} {'page':>7} {'op':<4} {'raw GB/s':>9} {'tierkv GB/s':>11} "
-          f"{'ratio min':>9} {'median':>7} {'target':>6}")
-    for name, page_nbytes, op, raw, ours, ratio_min, ratio_median in rows:
+          f"{'ratio min':>9} {'median':>7} {'cpu ratio':>9} {'target':>6}")
+    for name, page_nbytes, op, raw, ours, ratio_min, ratio_median, cpu_ratio in rows:
         target = TARGETS.get(name)
         flag = "" if target is None else f"{target:>6.2f}" + ("" if ratio_median >= target else "  below")
         print(f"{name:<9} {size_label(page_nbytes):>7} {op:<4} {raw:>9.2f} {ours:>11.2f} {ratio_min:>9.2f} "
-              f"{ratio_median:>7.2f} {flag}")
+              f"{ratio_median:>7.2f} {cpu_ratio:>9.2f} {flag}")
     if "memory" in args.backends.split(","):
         print(f"{'memory store':<12} {'page':>7} {'RSS / bytes stored':>19} {'target':>6}")
         for size in page_sizes:

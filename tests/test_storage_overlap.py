@@ -29,18 +29,20 @@ def test_ramp_covers_every_page_once_in_order_with_small_ends(num_pages, page_nb
 
 
 @pytest.mark.parametrize("page_key", [None, "k" * 32])
-def test_headers_from_the_helpers_are_the_formats_own(page_key):
+@pytest.mark.parametrize("num_groups", [1, 3])
+def test_headers_from_the_helpers_are_the_formats_own(page_key, num_groups):
     fmt = PageFormat("ns", PAGE_NBYTES, page_key)
-    keys, views = _pages(3 * pages_per_group(PAGE_NBYTES) + 5)
+    keys, views = _pages((num_groups - 1) * pages_per_group(PAGE_NBYTES) + 5)
     with Headers(fmt, keys, views) as headers:
         got = [headers.get(i) for i in range(len(keys))]
     assert got == [fmt.header(k, v) for k, v in zip(keys, views)]
 
 
 @pytest.mark.parametrize("with_target", [False, True])
-def test_verifier_names_exactly_the_bad_pages_and_lands_the_good_ones(with_target):
+@pytest.mark.parametrize("num_groups", [1, 3])
+def test_verifier_names_exactly_the_bad_pages_and_lands_the_good_ones(with_target, num_groups):
     fmt = PageFormat("ns", PAGE_NBYTES)
-    keys, views = _pages(2 * pages_per_group(PAGE_NBYTES) + 3)
+    keys, views = _pages((num_groups - 1) * pages_per_group(PAGE_NBYTES) + 9)
     blobs = [bytearray(v) + fmt.header(k, v) for k, v in zip(keys, views)]
     bad = {0, 7, len(keys) - 1}
     for i in bad:

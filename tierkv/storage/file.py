@@ -218,19 +218,30 @@ class FileStore(PageStore):
         with self._timed("get"):
             try:
                 with self._namespace(create=False) as namespace_fd:
-                    return [self._get_one(namespace_fd, key, view) for key, view in zip(keys, views)]
+                    found = [self._get_one(namespace_fd, key, view) for key, view in zip(keys, views)]
             except OSError as err:
                 self._error(f"open {self.directory}", err)
                 return [False] * len(keys)
+            self._count(get_pages=sum(found), get_bytes=sum(found) * self.page_nbytes)
+            return found
+
+    def _open_page(self, namespace_fd: int | None, key: str) -> int | None:
+        """A read descriptor of ``key``'s page, None if absent; OSError for a symlink on the way."""
+        sub = None if namespace_fd is None else self._subdir(namespace_fd, key, create=False)
+        if sub is None:
+            return None
+        try:
+            return os.open(key + PAGE_SUFFIX, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=sub)
+        finally:
+            os.close(sub)
 
     def _get_one(self, namespace_fd: int | None, key: str, view: memoryview) -> bool:
         header = bytearray(HEADER_SIZE)
         state = self.format.payload_hasher(key)
         try:
-            with self._page_dir(namespace_fd, key) as sub:
-                if sub is None:
-                    return False
-                fd = os.open(key + PAGE_SUFFIX, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=sub)
+            fd = self._open_page(namespace_fd, key)
+            if fd is None:
+                return False
             try:
                 size = os.fstat(fd).st_size
                 read = read_page(fd, view, memoryview(header), state) if size == self.format.blob_nbytes else 0
@@ -250,7 +261,6 @@ class FileStore(PageStore):
         if not self._verified(key, header, view, state):
             return False
         self._indexed(key)
-        self._count(get_pages=1, get_bytes=self.page_nbytes)
         return True
 
     def batch_set(self, keys: list[str], values: list[torch.Tensor]) -> list[bool]:

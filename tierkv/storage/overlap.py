@@ -76,8 +76,13 @@ class Headers:
 
     def __init__(self, fmt: PageFormat, keys: list[str], views: list[memoryview]) -> None:
         self._per_group = pages_per_group(fmt.payload_nbytes)
+        if len(keys) <= self._per_group:  # one group: nothing to overlap it with, so no hand-off
+            done: Future = Future()
+            done.set_result(_headers(fmt, keys, views))
+            self._groups = [done]
+            return
         pool = _helpers()
-        self._groups: list[Future] = [
+        self._groups = [
             pool.submit(_headers, fmt, keys[start:start + self._per_group], views[start:start + self._per_group])
             for start in range(0, len(keys), self._per_group)]
 
@@ -148,5 +153,8 @@ class Verifier:
 
     def failures(self) -> list[tuple[int, PageFormatError]]:
         """(index, error) of every page added that failed verification, once all are checked."""
+        if not self._groups:  # a batch of one group: checked here, nothing left to overlap it with
+            failures, self._pending = _verify_group(self._fmt, self._pending), []
+            return failures
         self._submit()
         return [failure for group in self._groups for failure in group.result()]

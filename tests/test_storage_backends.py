@@ -210,6 +210,28 @@ def test_corrupt_page_is_a_counted_miss(backend, offset):
     assert store.batch_get(keys, targets) == [True] * 3 and torch.equal(targets[1], pages[1])
 
 
+def test_batches_of_several_helper_groups_round_trip_and_catch_corruption(backend):
+    """Big batches hash and verify in the store's helper threads (tierkv.storage.overlap): the same
+    verdicts as one page at a time, and a closed store leaves no helper thread behind."""
+    from tierkv.storage.overlap import pages_per_group
+    threads_before = set(threading.enumerate())
+    store = backend.open()
+    num_pages = 2 * pages_per_group(PAGE_NBYTES) + 5
+    keys, pages = make_keys(num_pages), make_pages(num_pages)
+    assert store.batch_set(keys, pages) == [True] * num_pages
+    bad = [3, num_pages - 2]
+    for i in bad:
+        backend.corrupt(store, keys[i], 5)
+    targets = empty_pages(num_pages)
+    assert store.batch_get(keys, targets) == [i not in bad for i in range(num_pages)]
+    assert all(torch.equal(targets[i], pages[i]) for i in range(num_pages) if i not in bad)
+    assert store.stats.corrupt_pages == len(bad) and store.stats.get_pages == num_pages - len(bad)
+    if backend.name != "mooncake":  # mooncake clients are shared across tests and closed at the end
+        store.close()
+        left = [t.name for t in set(threading.enumerate()) - threads_before if t.name.startswith("tierkv-")]
+        assert not left, left
+
+
 def test_malformed_keys_and_tensors_are_refused(backend):
     store = backend.open()
     for bad in ["../../etc/passwd", "ABCDEF0123456789", "0123", "/abs", "ab" * 70, 12345]:

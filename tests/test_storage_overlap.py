@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tierkv.hashing import HashNamespace, page_hashes
-from tierkv.storage.overlap import Headers, Verifier, pages_per_group, ramp
+from tierkv.storage.overlap import Headers, Verifier, helper_pool, pages_per_group, ramp
 from tierkv.storage.page_format import PageFormat
 
 PAGE_NBYTES = 3000
@@ -33,8 +33,10 @@ def test_ramp_covers_every_page_once_in_order_with_small_ends(num_pages, page_nb
 def test_headers_from_the_helpers_are_the_formats_own(page_key, num_groups):
     fmt = PageFormat("ns", PAGE_NBYTES, page_key)
     keys, views = _pages((num_groups - 1) * pages_per_group(PAGE_NBYTES) + 5)
-    with Headers(fmt, keys, views) as headers:
+    pool = helper_pool()
+    with Headers(fmt, keys, views, lambda: pool) as headers:
         got = [headers.get(i) for i in range(len(keys))]
+    pool.shutdown()
     assert got == [fmt.header(k, v) for k, v in zip(keys, views)]
 
 
@@ -48,11 +50,13 @@ def test_verifier_names_exactly_the_bad_pages_and_lands_the_good_ones(with_targe
     for i in bad:
         blobs[i][i % PAGE_NBYTES] ^= 1
     targets = [torch.zeros(PAGE_NBYTES, dtype=torch.uint8) for _ in keys]
-    verifier = Verifier(fmt)
+    pool = helper_pool()
+    verifier = Verifier(fmt, lambda: pool)
     for i, (key, blob) in enumerate(zip(keys, blobs)):
         header, payload = fmt.split(memoryview(blob))
         verifier.add(i, key, header, payload, target=memoryview(targets[i].numpy()) if with_target else None)
     assert sorted(i for i, _ in verifier.failures()) == sorted(bad)
+    pool.shutdown()
     if with_target:
         good = [i for i in range(len(keys)) if i not in bad]
         assert all(bytes(targets[i].numpy()) == bytes(views[i]) for i in good)

@@ -167,7 +167,7 @@ class MooncakeStore(PageStore):
     def batch_get(self, keys: list[str], targets: list[torch.Tensor]) -> list[bool]:
         views = self._check_batch(keys, targets)
         found: list[bool] = []
-        verifier = Verifier(self.format)
+        verifier = Verifier(self.format, self._helper_pool)
         with self._timed("get"), self._get_lock:
             for start, end in self._calls(len(keys)):
                 found += self._get_range(start, keys[start:end], targets[start:end], views[start:end], verifier)
@@ -216,7 +216,7 @@ class MooncakeStore(PageStore):
             client = self._connect()
             if client is None:
                 return [False] * len(keys)
-            with Headers(self.format, keys, views) as headers:
+            with Headers(self.format, keys, views, self._helper_pool) as headers:
                 for start, end in self._calls(len(keys)):
                     codes += self._put_range(client, keys[start:end], values[start:end],
                                              [headers.get(i) for i in range(start, end)])
@@ -254,3 +254,4 @@ class MooncakeStore(PageStore):
                 client.close()
             except RuntimeError:
                 pass
+        super().close()

@@ -7,13 +7,14 @@ to the helpers in groups of about ``GROUP_NBYTES`` (one hand-off per group, not 
 costs more than hashing a small page).
 
 A batch never returns before its helper jobs have finished with its pages (the caller owns them).
+Each store owns its helper threads (``pool``: made on first use, shut down when the store closes).
 """
 
 from __future__ import annotations
 
-import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Callable
 
 from tierkv.storage.page_format import PageFormat, PageFormatError, copy_with_checksum
 
@@ -22,16 +23,11 @@ from tierkv.storage.page_format import PageFormat, PageFormatError, copy_with_ch
 GROUP_NBYTES = 2 << 20
 # One reader and one writer thread per store may run at once: two helpers serve both without waiting.
 NUM_HELPERS = 2
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
 
 
-def _helpers() -> ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(NUM_HELPERS, thread_name_prefix="tierkv-checksum")
-        return _pool
+def helper_pool() -> ThreadPoolExecutor:
+    """Helper threads for one store (it owns them and shuts them down on close)."""
+    return ThreadPoolExecutor(NUM_HELPERS, thread_name_prefix="tierkv-checksum")
 
 
 def pages_per_group(page_nbytes: int) -> int:
@@ -74,16 +70,17 @@ class Headers:
     Use as a context manager: leaving it cancels the groups not yet started (a failed batch).
     """
 
-    def __init__(self, fmt: PageFormat, keys: list[str], views: list[memoryview]) -> None:
+    def __init__(self, fmt: PageFormat, keys: list[str], views: list[memoryview],
+                 pool: Callable[[], ThreadPoolExecutor]) -> None:
         self._per_group = pages_per_group(fmt.payload_nbytes)
         if len(keys) <= self._per_group:  # one group: nothing to overlap it with, so no hand-off
             done: Future = Future()
             done.set_result(_headers(fmt, keys, views))
             self._groups = [done]
             return
-        pool = _helpers()
+        helpers = pool()
         self._groups = [
-            pool.submit(_headers, fmt, keys[start:start + self._per_group], views[start:start + self._per_group])
+            helpers.submit(_headers, fmt, keys[start:start + self._per_group], views[start:start + self._per_group])
             for start in range(0, len(keys), self._per_group)]
 
     def ready(self, index: int) -> bool:
@@ -134,8 +131,8 @@ class Verifier:
     failed. With ``target`` the helper first copies the payload there (the redis reply into the page).
     """
 
-    def __init__(self, fmt: PageFormat) -> None:
-        self._fmt = fmt
+    def __init__(self, fmt: PageFormat, pool: Callable[[], ThreadPoolExecutor]) -> None:
+        self._fmt, self._pool = fmt, pool
         self._per_group = pages_per_group(fmt.payload_nbytes)
         self._pending: list[_Check] = []
         self._groups: list[Future] = []
@@ -148,7 +145,7 @@ class Verifier:
 
     def _submit(self) -> None:
         if self._pending:
-            self._groups.append(_helpers().submit(_verify_group, self._fmt, self._pending))
+            self._groups.append(self._pool().submit(_verify_group, self._fmt, self._pending))
             self._pending = []
 
     def failures(self) -> list[tuple[int, PageFormatError]]:

@@ -79,3 +79,4 @@ class RedisClusterStore(RedisStore):
                 client.close()
             except (redis.RedisError, OSError):
                 pass
+        super().close()

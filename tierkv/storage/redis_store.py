@@ -133,7 +133,7 @@ class RedisStore(PageStore):
     def batch_get(self, keys: list[str], targets: list[torch.Tensor]) -> list[bool]:
         views = self._check_batch(keys, targets)
         names = [(self.redis_key(k),) for k in keys]
-        verifier = Verifier(self.format)
+        verifier = Verifier(self.format, self._helper_pool)
 
         def land(start: int, blobs: list) -> None:  # copied and verified while the next replies come
             for i, blob in enumerate(blobs, start):
@@ -154,7 +154,7 @@ class RedisStore(PageStore):
             if not self._available(self.write_backoff):
                 return [False] * len(keys)
             try:
-                with Headers(self.format, keys, views) as headers:
+                with Headers(self.format, keys, views, self._helper_pool) as headers:
                     done, refusal = self._send_sets(keys, names, views, headers)
             except (redis.RedisError, OSError) as err:
                 self._failed("set", err, self.write_backoff)
@@ -232,3 +232,4 @@ class RedisStore(PageStore):
             self.client.close()
         except (redis.RedisError, OSError):
             pass
+        super().close()

@@ -161,6 +161,12 @@ class MooncakeStore(PageStore):
                 return i
         return len(present)
 
+    @staticmethod
+    def _buffers(pages: list[torch.Tensor], headers: torch.Tensor) -> list[list[int]]:
+        """[payload address, header address] per page: the page, then its row of the header arena."""
+        base = headers.data_ptr()
+        return [[page.data_ptr(), base + i * HEADER_SIZE] for i, page in enumerate(pages)]
+
     def _calls(self, num_pages: int) -> list[tuple[int, int]]:
         return ramp(num_pages, self.page_nbytes, _MIN_CALL_NBYTES, _MAX_CALL_NBYTES, _MAX_CALL_PAGES)
 
@@ -182,8 +188,8 @@ class MooncakeStore(PageStore):
         headers = self._get_headers
         try:
             sizes = client.batch_get_into_multi_buffers(
-                [self.object_key(k) for k in keys],
-                [[t.data_ptr(), headers[i].data_ptr()] for i, t in enumerate(targets)],
+                [self.key_prefix + k for k in keys],  # keys checked by batch_get
+                self._buffers(targets, headers),
                 [[self.page_nbytes, HEADER_SIZE]] * len(keys))
         except RuntimeError as err:
             self._failed("get", err)
@@ -231,8 +237,8 @@ class MooncakeStore(PageStore):
         arena.numpy()[:len(keys)] = np.frombuffer(b"".join(headers), dtype=np.uint8).reshape(len(keys), HEADER_SIZE)
         try:
             return client.batch_put_from_multi_buffers(
-                [self.object_key(k) for k in keys],
-                [[v.data_ptr(), arena[i].data_ptr()] for i, v in enumerate(values)],
+                [self.key_prefix + k for k in keys],  # keys checked by batch_set
+                self._buffers(values, arena),
                 [[self.page_nbytes, HEADER_SIZE]] * len(keys), self._replicate)
         except RuntimeError as err:
             self._error("put via master " + self.master, err)

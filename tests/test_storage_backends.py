@@ -210,10 +210,13 @@ def test_corrupt_page_is_a_counted_miss(backend, offset):
     assert store.batch_get(keys, targets) == [True] * 3 and torch.equal(targets[1], pages[1])
 
 
-def test_batches_of_several_helper_groups_round_trip_and_catch_corruption(backend):
-    """Big batches hash and verify in the store's helper threads (tierkv.storage.overlap): the same
-    verdicts as one page at a time, and a closed store leaves no helper thread behind."""
+@pytest.mark.parametrize("overlapped", [True, False], ids=["helper-threads", "in-place"])
+def test_batches_of_several_helper_groups_round_trip_and_catch_corruption(backend, overlapped, monkeypatch):
+    """Big batches hash and verify in the store's helper threads (tierkv.storage.overlap; small pages in
+    place): the same verdicts as one page at a time, and a closed store leaves no helper thread behind."""
+    from tierkv.storage import overlap
     from tierkv.storage.overlap import pages_per_group
+    monkeypatch.setattr(overlap, "MIN_OVERLAP_PAGE_NBYTES", 0 if overlapped else 1 << 40)
     threads_before = set(threading.enumerate())
     store = backend.open()
     num_pages = 2 * pages_per_group(PAGE_NBYTES) + 5

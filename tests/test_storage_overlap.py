@@ -10,6 +10,12 @@ from tierkv.storage.page_format import PageFormat
 PAGE_NBYTES = 3000
 
 
+@pytest.fixture(autouse=True, params=[True, False], ids=["helper-threads", "in-place"])
+def overlapped(request, monkeypatch):
+    from tierkv.storage import overlap
+    monkeypatch.setattr(overlap, "MIN_OVERLAP_PAGE_NBYTES", 0 if request.param else 1 << 40)
+
+
 def _pages(num_pages: int) -> tuple[list[str], list[memoryview]]:
     keys = page_hashes(list(range(num_pages)), 1, None, HashNamespace(model="m"))
     g = torch.Generator().manual_seed(1)

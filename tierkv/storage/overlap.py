@@ -76,23 +76,21 @@ class Headers:
 
     def __init__(self, fmt: PageFormat, keys: list[str], views: list[memoryview],
                  pool: Callable[[], ThreadPoolExecutor]) -> None:
+        self._fmt, self._keys, self._views = fmt, keys, views
         self._per_group = pages_per_group(fmt.payload_nbytes)
-        # one group (nothing to overlap it with) or small pages: no hand-off
-        if len(keys) <= self._per_group or fmt.payload_nbytes < MIN_OVERLAP_PAGE_NBYTES:
-            done: Future = Future()
-            done.set_result(_headers(fmt, keys, views))
-            self._groups, self._per_group = [done], max(1, len(keys))
-            return
-        helpers = pool()
-        self._groups = [
-            helpers.submit(_headers, fmt, keys[start:start + self._per_group], views[start:start + self._per_group])
-            for start in range(0, len(keys), self._per_group)]
-
-    def ready(self, index: int) -> bool:
-        return self._groups[index // self._per_group].done()
+        self._groups: list[Future] = []
+        # one group (nothing to overlap it with) or small pages: each header when asked, no hand-off,
+        # the page still in cache when it is sent
+        if len(keys) > self._per_group and fmt.payload_nbytes >= MIN_OVERLAP_PAGE_NBYTES:
+            helpers = pool()
+            self._groups = [helpers.submit(_headers, fmt, keys[start:start + self._per_group],
+                                           views[start:start + self._per_group])
+                            for start in range(0, len(keys), self._per_group)]
 
     def get(self, index: int) -> bytes:
         """Page ``index``'s header (waits for its group)."""
+        if not self._groups:
+            return self._fmt.header(self._keys[index], self._views[index])
         group, offset = divmod(index, self._per_group)
         return self._groups[group].result()[offset]
 

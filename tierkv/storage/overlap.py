@@ -142,6 +142,11 @@ class Verifier:
         self._groups: list[Future] = []
         self._failures: list[tuple[int, PageFormatError]] = []  # of pages checked in place
 
+    @property
+    def overlapped(self) -> bool:
+        """Whether pages go to the helpers (else each is checked in place as it is added)."""
+        return not self._in_place
+
     def add(self, index: int, key: str, header: bytes | bytearray | memoryview, payload: memoryview,
             target: memoryview | None = None) -> None:
         check = _Check(index, key, header, payload, target)

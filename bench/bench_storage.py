@@ -1,28 +1,34 @@
-"""L3 throughput per backend (GB/s) beside a raw baseline of the same bytes, run side by side.
+"""L3 page stores against their raw backends doing the same work, side by side, at 128 KiB and 8 MiB pages.
 
-Pages are 64 tokens of a Llama-3-8B-sized KV (128 KiB per token -> 8 MiB). Baselines:
-  memory    plain copies of the page bytes into a dict (bytes(page)) and back (torch copy)
-  file      plain sequential write (one file per page, same fsync policy) / readinto the same target
-  redis     raw redis-py pipelined SET/GET of the same values, same pages per round trip
-  mooncake  raw client batch_put_from / batch_get_into of the same bytes
-Each side runs ``--repeats`` times, in turns; the best time of each counts. Target ratio >= 0.7.
-The raw sides verify nothing; tierkv checksums every page (xxh3-64) on write and on read, which is a
-whole extra memory pass where the transport itself is a memory copy (memory, mooncake on one host).
-``--page-key`` runs the stores with page authentication (a keyed MAC, HMAC-SHA256, instead of xxh3).
-A first table compares the digests alone on the same pages, side by side: xxh3-64 (the baseline),
-HMAC-SHA256 (what ``page_key`` uses) and keyed BLAKE2b, each fed in the stores' 256 KiB chunks.
+For each backend and page size, tierkv's ``batch_set`` / ``batch_get`` of a batch of pages runs in
+turns with the raw backend's own client moving the same bytes (``--repeats`` interleaved repeats,
+who goes first alternating); the table gives each side's median GB/s and the ratio raw_s / tierkv_s
+of each repeat as min / median (1.0 = as fast as raw), and the median ratio of CPU seconds (this
+process, all threads: tierkv's extra work, which only a spare core can hide). Raw baselines:
+  memory    bytes(page) into a dict / copy back into the target page
+  file      per page: open a temp file, write, close, rename over the page's name (same fsync policy)
+            / open, readinto the target page, close
+  redis     redis-py pipelined SET / GET of the same values, ``--batch-pages`` per round trip; a GET
+            reply is copied into its target page (tierkv's get lands pages there too)
+  mooncake  the store client's batch_put_from / batch_get_into of the same bytes, one call per batch
+The raw sides verify nothing; tierkv writes a header (checksum, xxh3-64, or a MAC with ``--page-key``)
+with every page and verifies it on every read. Targets (issue 16): file and redis >= 0.9, mooncake
+>= 0.8. A last table gives the memory backend's RSS over the bytes it stores, measured in a fresh
+subprocess per page size (target <= 1.2). ``--digests`` adds a table of the digests alone.
 
-    python bench/bench_storage.py [--pages 64] [--backends memory,file,redis,mooncake] [--fsync] [--cold]
-                                  [--page-key SECRET]
+    python bench/bench_storage.py [--page-sizes 131072,8388608] [--batch-mib 128] [--repeats 5]
+                                  [--backends memory,file,redis,mooncake] [--fsync] [--page-key SECRET]
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import hashlib
 import hmac
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -38,11 +44,8 @@ from tierkv.hashing import HashNamespace, page_hashes  # noqa: E402
 from tierkv.storage.factory import open_store  # noqa: E402
 from tierkv.storage.page_format import CHUNK_NBYTES  # noqa: E402
 
-TOKEN_NBYTES = 128 << 10
-PAGE_TOKENS = 64
-
-
 def best_seconds(fn: Callable[[], object], repeats: int, before: Callable[[], object] | None = None) -> float:
+    """The digest table's timer: best wall seconds of ``repeats`` calls."""
     best = float("inf")
     for _ in range(repeats):
         if before is not None:
@@ -88,10 +91,12 @@ def file_case(ns: str, page_nbytes: int, keys, pages, targets, args) -> Case:
 
     def raw_set():
         for k, p in zip(keys, pages):
-            with open(os.path.join(raw_dir, k), "wb") as f:
+            path = os.path.join(raw_dir, k)
+            with open(path + ".tmp", "wb", buffering=0) as f:
                 f.write(p.numpy())
                 if args.fsync:
                     os.fsync(f.fileno())
+            os.replace(path + ".tmp", path)
 
     def raw_get():
         for k, t in zip(keys, targets):
@@ -125,7 +130,6 @@ def redis_case(ns: str, page_nbytes: int, keys, pages, targets, args) -> Case:
                                                      **store_options(args)})
     client = redis.Redis(port=server.port, socket_timeout=60.0)
     raw_keys = [f"raw:{k}" for k in keys]
-    got: list = []
 
     def pipelined(command: str, arg_lists: list[tuple]) -> list:
         replies = []
@@ -140,7 +144,8 @@ def redis_case(ns: str, page_nbytes: int, keys, pages, targets, args) -> Case:
         pipelined("SET", [(k, p.numpy().data) for k, p in zip(raw_keys, pages)])
 
     def raw_get():
-        got[:] = pipelined("GET", [(k,) for k in raw_keys])
+        for blob, target in zip(pipelined("GET", [(k,) for k in raw_keys]), targets):
+            np.copyto(target.numpy(), np.frombuffer(blob, dtype=np.uint8))
 
     def reset():
         store.clear()
@@ -150,17 +155,39 @@ def redis_case(ns: str, page_nbytes: int, keys, pages, targets, args) -> Case:
     return case
 
 
+_masters: list = []
+
+
+def mooncake_master():
+    """One master for the whole run: a second client in this process cannot set up against a new
+    master once the first one's is gone (its transfer engine keeps the old metadata server)."""
+    if not _masters:
+        from tests.servers import MooncakeMaster
+        _masters.append(MooncakeMaster.start())
+        atexit.register(_masters[0].stop)
+    return _masters[0]
+
+
 def mooncake_case(ns: str, page_nbytes: int, keys, pages, targets, args) -> Case:
-    from tests.servers import MooncakeMaster
-    master = MooncakeMaster.start()
+    master = mooncake_master()
     segment = 3 * len(pages) * (page_nbytes + 4096)  # store + raw copies, with allocator slack
     config = {**master.client_config(), "global_segment_size": segment, "local_buffer_size": 64 << 20,
               **store_options(args)}
     store = open_store(master.url, ns, page_nbytes, config)
     store.batch_exists(keys[:1])  # set up the client outside the timed region
     client = store.client
+    if client is None:
+        store.close()
+        raise RuntimeError(f"mooncake client setup failed ({store.stats.errors} errors)")
     raw_keys = [f"raw:{k}" for k in keys]
     sizes = [page_nbytes] * len(keys)
+    # First writes into the segment's untouched memory are many times slower (page faults) and the
+    # allocator moves on through it: touch all of it once, or whichever side runs first pays.
+    for round_ in range(4):
+        codes = client.batch_put_from([f"warm:{round_}:{k}" for k in keys], [p.data_ptr() for p in pages], sizes)
+        if any(code != 0 for code in codes):
+            break
+    client.remove_by_regex("^warm:", True)
 
     def raw_set():
         codes = client.batch_put_from(raw_keys, [p.data_ptr() for p in pages], sizes)
@@ -173,39 +200,85 @@ def mooncake_case(ns: str, page_nbytes: int, keys, pages, targets, args) -> Case
         store.clear()
         client.remove_by_regex("^raw:", True)
     case = Case("mooncake", store, raw_set, raw_get, reset)
-    case.cleanup = lambda: (store.close(), master.stop())
+    case.cleanup = store.close
     return case
 
 
 CASES = {"memory": memory_case, "file": file_case, "redis": redis_case, "mooncake": mooncake_case}
 
 
-def alternate(ours: Callable[[], object], raw: Callable[[], object], repeats: int,
-              before: Callable[[], object] | None = None) -> tuple[float, float]:
-    """Best seconds of each side, run in turns (swapping who goes first) so both see the same load."""
-    best = [float("inf"), float("inf")]
+def timed(fn: Callable[[], object], before: Callable[[], object] | None) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process, every thread) of one call of ``fn``."""
+    if before is not None:
+        before()
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def interleaved(ours: Callable[[], object], raw: Callable[[], object], repeats: int,
+                before: Callable[[], object] | None = None) -> list[tuple[tuple, tuple]]:
+    """((tierkv wall, cpu), (raw wall, cpu)) seconds of each repeat, the two run in turns (who goes first
+    alternating) so that both see the same load."""
+    times = []
     for rep in range(repeats):
-        order = [0, 1] if rep % 2 == 0 else [1, 0]
-        for side in order:
-            best[side] = min(best[side], best_seconds((ours, raw)[side], 1, before))
-    return best[0], best[1]
+        pair: list = [None, None]
+        for side in ([0, 1] if rep % 2 == 0 else [1, 0]):
+            pair[side] = timed((ours, raw)[side], before)
+        times.append((pair[0], pair[1]))
+    return times
+
+
+def summary(name: str, page_nbytes: int, op: str, nbytes: int, times: list[tuple[tuple, tuple]]) -> tuple:
+    """(backend, page size, op, raw GB/s, tierkv GB/s (medians), wall ratio min, median, CPU ratio median).
+
+    The CPU ratio (raw CPU seconds / tierkv's, this process only) is the extra work, which a loaded
+    machine cannot hide in a spare core."""
+    ratios = [raw[0] / ours[0] for ours, raw in times]
+    cpu_ratio = float(np.median([raw[1] / max(ours[1], 1e-9) for ours, raw in times]))
+    return (name, page_nbytes, op, nbytes / float(np.median([r[0] for _, r in times])) / 1e9,
+            nbytes / float(np.median([o[0] for o, _ in times])) / 1e9, min(ratios), float(np.median(ratios)),
+            cpu_ratio)
 
 
 def run_case(case: Case, keys, pages, targets, repeats: int) -> list[tuple]:
     nbytes = len(pages) * pages[0].numel()
     store = case.store
-    set_store, set_raw = alternate(lambda: store.batch_set(keys, pages), case.raw_set, repeats, case.reset)
+    set_times = interleaved(lambda: store.batch_set(keys, pages), case.raw_set, repeats, case.reset)
     case.reset()
     if not all(store.batch_set(keys, pages)):
         raise RuntimeError(f"{case.name}: writes failed ({store.stats.errors} errors)")
     case.raw_set()
-    get_store, get_raw = alternate(lambda: store.batch_get(keys, targets), case.raw_get, repeats,
-                                   case.before_get)
+    get_times = interleaved(lambda: store.batch_get(keys, targets), case.raw_get, repeats, case.before_get)
     found = store.batch_get(keys, targets)
     if not all(found) or not all(torch.equal(t, p) for t, p in zip(targets, pages)):
         raise RuntimeError(f"{case.name}: read-back mismatch (found {sum(found)}/{len(found)})")
-    return [(case.name, op, nbytes / ours / 1e9, nbytes / raw / 1e9, raw / ours)
-            for op, ours, raw in (("set", set_store, set_raw), ("get", get_store, get_raw))]
+    return [summary(case.name, pages[0].numel(), "set", nbytes, set_times),
+            summary(case.name, pages[0].numel(), "get", nbytes, get_times)]
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def memory_rss_child(page_nbytes: int, num_pages: int) -> None:
+    """In a fresh process: RSS growth of a memory store holding ``num_pages`` pages, over their bytes."""
+    from tierkv.storage.memory import MemoryStore
+    ns = HashNamespace(model="rss")
+    keys = page_hashes(list(range(num_pages)), 1, None, ns)
+    source = torch.randint(0, 256, (page_nbytes,), dtype=torch.uint8)
+    store = MemoryStore(ns.name(), page_nbytes)
+    before = rss_bytes()
+    for start in range(0, num_pages, 8):  # as backups write: a few pages per call
+        store.batch_set(keys[start:start + 8], [source] * len(keys[start:start + 8]))
+    print(f"{(rss_bytes() - before) / (num_pages * page_nbytes):.4f}")
+
+
+def memory_rss_ratio(page_nbytes: int, num_pages: int) -> float:
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--rss-child", str(page_nbytes),
+                          str(num_pages)], capture_output=True, text=True, check=True)
+    return float(out.stdout.split()[-1])
 
 
 DIGESTS: dict[str, Callable[[], object]] = {
@@ -234,29 +307,22 @@ def digest_rows(pages, repeats: int) -> list[tuple[str, float, float]]:
     return [(name, nbytes / best[name] / 1e9, best["xxh3-64"] / best[name]) for name in DIGESTS]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pages", type=int, default=64)
-    parser.add_argument("--page-tokens", type=int, default=PAGE_TOKENS)
-    parser.add_argument("--backends", default="memory,file,redis,mooncake")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--batch-pages", type=int, default=8, help="redis pages per pipeline round trip")
-    parser.add_argument("--fsync", action="store_true", help="fsync every page (both sides)")
-    parser.add_argument("--dir", default=None, help="parent directory for the file backend")
-    parser.add_argument("--cold", action="store_true",
-                        help="file: drop both sides' pages from the page cache before each read run")
-    parser.add_argument("--page-key", default=None, help="authenticate pages with this secret (a MAC)")
-    parser.add_argument("--skip-digests", action="store_true", help="no digest table")
-    args = parser.parse_args()
-    page_nbytes = args.page_tokens * TOKEN_NBYTES
+TARGETS = {"file": 0.9, "redis": 0.9, "mooncake": 0.8}
+
+
+def size_label(nbytes: int) -> str:
+    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
+
+
+def bench_page_size(page_nbytes: int, args) -> list[tuple]:
+    num_pages = max(2, (args.batch_mib << 20) // page_nbytes)
     ns = HashNamespace(model="llama-3-8b", kv_dtype="bfloat16", kv_shape=(2, 32, 8, 128))
-    keys = page_hashes(list(range(args.pages * args.page_tokens)), args.page_tokens, None, ns)
+    keys = page_hashes(list(range(num_pages)), 1, None, ns)
     gen = torch.Generator().manual_seed(0)
     pages = [torch.randint(0, 256, (page_nbytes,), dtype=torch.uint8, generator=gen) for _ in keys]
     targets = [torch.ones(page_nbytes, dtype=torch.uint8) for _ in keys]  # touched up front
-    print(f"{args.pages} pages x {page_nbytes >> 20} MiB ({args.page_tokens} tokens x 128 KiB), "
-          f"best of {args.repeats}, fsync={args.fsync}, cold={args.cold}, page_key={bool(args.page_key)}")
-    if not args.skip_digests:
+    print(f"{size_label(page_nbytes)} pages: {num_pages} per batch, {args.repeats} interleaved repeats")
+    if args.digests:
         print(f"{'digest':<14} {'GB/s':>6} {'vs xxh3':>8}")
         for name, gbps, ratio in digest_rows(pages, args.repeats):
             print(f"{name:<14} {gbps:>6.2f} {ratio:>8.3f}")
@@ -274,10 +340,53 @@ def main() -> None:
         finally:
             case.reset()
             case.cleanup()
-    print(f"{'backend':<9} {'op':<4} {'tierkv GB/s':>11} {'raw GB/s':>9} {'ratio':>6}")
-    for name, op, ours, raw, ratio in rows:
-        flag = "" if ratio >= 0.7 else "  < 0.7"
-        print(f"{name:<9} {op:<4} {ours:>11.2f} {raw:>9.2f} {ratio:>6.2f}{flag}")
+    return rows
+
+
+def print_rows(rows: list[tuple]) -> None:
+    print(f"{'backend':<9} {'page':>7} {'op':<4} {'raw GB/s':>9} {'tierkv GB/s':>11} "
+          f"{'ratio min':>9} {'median':>7} {'cpu ratio':>9} {'target':>6}")
+    for name, page_nbytes, op, raw, ours, ratio_min, ratio_median, cpu_ratio in rows:
+        target = TARGETS.get(name)
+        flag = "" if target is None else f"{target:>6.2f}" + ("" if ratio_median >= target else "  below")
+        print(f"{name:<9} {size_label(page_nbytes):>7} {op:<4} {raw:>9.2f} {ours:>11.2f} {ratio_min:>9.2f} "
+              f"{ratio_median:>7.2f} {cpu_ratio:>9.2f} {flag}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--page-sizes", default="131072,8388608", help="page sizes in bytes, comma-separated")
+    parser.add_argument("--batch-mib", type=int, default=128, help="MiB per batch (pages = this / page size)")
+    parser.add_argument("--backends", default="memory,file,redis,mooncake")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--batch-pages", type=int, default=8, help="redis pages per pipeline round trip")
+    parser.add_argument("--fsync", action="store_true", help="fsync every page (both sides)")
+    parser.add_argument("--dir", default=None, help="parent directory for the file backend")
+    parser.add_argument("--cold", action="store_true",
+                        help="file: drop both sides' pages from the page cache before each read run")
+    parser.add_argument("--page-key", default=None, help="authenticate pages with this secret (a MAC)")
+    parser.add_argument("--digests", action="store_true", help="also a table of the digests alone")
+    parser.add_argument("--rss-pages", type=int, default=1 << 30, help="bytes the RSS check stores per size")
+    parser.add_argument("--rss-child", nargs=2, type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.rss_child:
+        memory_rss_child(*args.rss_child)
+        return
+    page_sizes = [int(size) for size in args.page_sizes.split(",")]
+    print(f"fsync={args.fsync}, cold={args.cold}, page_key={bool(args.page_key)}, "
+          f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
+    rows = []
+    for size in page_sizes:
+        new_rows = bench_page_size(size, args)
+        print_rows(new_rows)  # as they come: a later crash keeps them
+        rows += new_rows
+    print("all page sizes:")
+    print_rows(rows)
+    if "memory" in args.backends.split(","):
+        print(f"{'memory store':<12} {'page':>7} {'RSS / bytes stored':>19} {'target':>6}")
+        for size in page_sizes:
+            ratio = memory_rss_ratio(size, max(8, args.rss_pages // size))
+            print(f"{'':<12} {size_label(size):>7} {ratio:>19.3f} {1.2:>6.2f}" + ("" if ratio <= 1.2 else "  above"))
 
 
 if __name__ == "__main__":

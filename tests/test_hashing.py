@@ -91,3 +91,21 @@ def test_every_page_hashes_its_own_tagged_token_bytes(pairs):
         expected.append(prior)
     assert page_hashes(tokens, 3, None, NS) == expected
     assert page_hashes(tokens[:2], 3, None, NS) == []
+
+
+@pytest.mark.parametrize("algorithm", HASH_ALGORITHMS)
+@pytest.mark.parametrize("page_size", [1, 3, 16])
+@pytest.mark.parametrize("bigram", [False, True])
+def test_batched_chain_equals_the_definition_page_by_page(algorithm, page_size, bigram):
+    """Format v2 unchanged: hash(page_i) = H(bytes of hash(page_i-1), token_bytes(page_i)), hex."""
+    ns = HashNamespace(model="m", extra_key="t", algorithm=algorithm)
+    tokens = [(t * 7919) % 50_000 for t in range(10 * page_size + 2)]
+    if bigram:
+        tokens = [(a, b) for a, b in zip(tokens, tokens[1:])]
+    digest = hash_function(algorithm)
+    prior, expected = ns.seed(), []
+    for start in range(0, len(tokens) - page_size + 1, page_size):
+        prior = digest(bytes.fromhex(prior) + token_bytes(tokens[start:start + page_size]))
+        expected.append(prior)
+    assert page_hashes(tokens, page_size, None, ns) == expected
+    assert page_hashes(tokens[page_size:], page_size, expected[0], ns) == expected[1:]

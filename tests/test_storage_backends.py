@@ -210,6 +210,31 @@ def test_corrupt_page_is_a_counted_miss(backend, offset):
     assert store.batch_get(keys, targets) == [True] * 3 and torch.equal(targets[1], pages[1])
 
 
+@pytest.mark.parametrize("overlapped", [True, False], ids=["helper-threads", "in-place"])
+def test_batches_of_several_helper_groups_round_trip_and_catch_corruption(backend, overlapped, monkeypatch):
+    """Big batches hash and verify in the store's helper threads (tierkv.storage.overlap; small pages in
+    place): the same verdicts as one page at a time, and a closed store leaves no helper thread behind."""
+    from tierkv.storage import overlap
+    from tierkv.storage.overlap import pages_per_group
+    monkeypatch.setattr(overlap, "MIN_OVERLAP_PAGE_NBYTES", 0 if overlapped else 1 << 40)
+    threads_before = set(threading.enumerate())
+    store = backend.open()
+    num_pages = 2 * pages_per_group(PAGE_NBYTES) + 5
+    keys, pages = make_keys(num_pages), make_pages(num_pages)
+    assert store.batch_set(keys, pages) == [True] * num_pages
+    bad = [3, num_pages - 2]
+    for i in bad:
+        backend.corrupt(store, keys[i], 5)
+    targets = empty_pages(num_pages)
+    assert store.batch_get(keys, targets) == [i not in bad for i in range(num_pages)]
+    assert all(torch.equal(targets[i], pages[i]) for i in range(num_pages) if i not in bad)
+    assert store.stats.corrupt_pages == len(bad) and store.stats.get_pages == num_pages - len(bad)
+    if backend.name != "mooncake":  # mooncake clients are shared across tests and closed at the end
+        store.close()
+        left = [t.name for t in set(threading.enumerate()) - threads_before if t.name.startswith("tierkv-")]
+        assert not left, left
+
+
 def test_malformed_keys_and_tensors_are_refused(backend):
     store = backend.open()
     for bad in ["../../etc/passwd", "ABCDEF0123456789", "0123", "/abs", "ab" * 70, 12345]:
@@ -360,6 +385,7 @@ def test_file_symlinks_planted_in_the_store_are_never_followed(tmp_path):
     outside.mkdir()
     keys, pages = make_keys(3), make_pages(3)
     # A subdirectory of the store replaced by a link to somewhere else (issue 11, item 10) ...
+    os.rmdir(os.path.join(store.directory, keys[0][:2]))
     os.symlink(outside, os.path.join(store.directory, keys[0][:2]))
     # ... and a page replaced by a link to a file outside, holding a valid page of that key.
     assert store.batch_set(keys[1:2], pages[1:2]) == [True]
@@ -382,10 +408,10 @@ def test_file_write_error_is_false_and_counted(tmp_path, monkeypatch):
     store = open_store(f"file:{tmp_path}", "ns", PAGE_NBYTES)
     keys, pages = make_keys(2), make_pages(2)
 
-    def disk_full(fd, data, offset):
+    def disk_full(fd, buffers, offset):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(os, "pwrite", disk_full)
+    monkeypatch.setattr(os, "pwritev", disk_full)
     assert store.batch_set(keys, pages) == [False, False]
     assert store.stats.errors == 2 and store.stats.set_pages == 0
     monkeypatch.undo()
@@ -405,7 +431,7 @@ def test_file_full_disk_warns_once_and_backs_off_writes(tmp_path, monkeypatch, c
     assert store.batch_set(keys[:2], pages[:2]) == [True, True]
     attempts = []
 
-    def no_space(fd, data, offset):
+    def no_space(fd, buffers, offset):
         attempts.append(offset)
         raise OSError(errno.ENOSPC, "No space left on device")
 
@@ -587,3 +613,16 @@ def test_mooncake_unreachable_master_is_a_fast_counted_miss():
     assert store.batch_set(keys, pages) == [False, False]
     assert store.batch_get(keys, empty_pages(2)) == [False, False]  # inside the backoff window
     assert store.stats.errors == 3 and store.client is None
+
+
+def test_file_writes_make_no_directory_per_page(tmp_path, monkeypatch):
+    """The subdirectories are made with the store; a write is open, write, rename (issue 16)."""
+    store = open_store(f"file:{tmp_path}", "ns", PAGE_NBYTES)
+    made = []
+    real_mkdir = os.mkdir
+    monkeypatch.setattr(os, "mkdir", lambda *a, **k: (made.append(a[0]), real_mkdir(*a, **k)))
+    keys, pages = make_keys(64), make_pages(64)
+    assert store.batch_set(keys, pages) == [True] * 64
+    assert made == []
+    targets = empty_pages(64)
+    assert store.batch_get(keys, targets) == [True] * 64 and all(map(torch.equal, targets, pages))

@@ -35,7 +35,14 @@ def _xxh3_128(data: bytes) -> str:
     return xxhash.xxh3_128_hexdigest(data)
 
 
+def _sha256_digest(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
 _HASHERS: dict[str, Callable[[bytes], str]] = {"sha256": _sha256, "xxh3_128": _xxh3_128}
+# The same functions giving raw digests (hex(raw) == hex function): a chain runs on raw bytes and
+# converts to hex once per page, not back and forth.
+_RAW_HASHERS: dict[str, Callable[[bytes], bytes]] = {"sha256": _sha256_digest, "xxh3_128": xxhash.xxh3_128_digest}
 
 
 def hash_function(algorithm: str) -> Callable[[bytes], str]:
@@ -118,18 +125,19 @@ def page_hashes(tokens: Sequence, page_size: int, prior_hash: str | None,
     """
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size!r}")
-    digest = hash_function(namespace.algorithm)
-    prior = namespace.seed() if prior_hash is None else prior_hash
+    hash_function(namespace.algorithm)  # ValueError for an unknown name
+    digest = _RAW_HASHERS[namespace.algorithm]
+    prior = bytes.fromhex(namespace.seed() if prior_hash is None else prior_hash)
     num_pages = len(tokens) // page_size
     if num_pages == 0:
         return []
     # one conversion for all pages (per-page numpy calls dominated hashing): page i's bytes are exactly
-    # token_bytes(tokens[i * page_size:(i + 1) * page_size])
+    # token_bytes(tokens[i * page_size:(i + 1) * page_size]); the chain stays in raw digests
     data = token_bytes(tokens[:num_pages * page_size])
     tag, data = data[:1], memoryview(data)[1:]
     stride = len(data) // num_pages
-    hashes = []
+    digests = []
     for start in range(0, len(data), stride):
-        prior = digest(b"".join((bytes.fromhex(prior), tag, data[start:start + stride])))
-        hashes.append(prior)
-    return hashes
+        prior = digest(prior + tag + data[start:start + stride])
+        digests.append(prior)
+    return [d.hex() for d in digests]

@@ -22,12 +22,14 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
 
+from tierkv.storage.overlap import Verifier, helper_pool
 from tierkv.storage.page_format import PageFormat, PageFormatError, namespace_digest
 
 log = logging.getLogger(__name__)
@@ -210,6 +212,7 @@ class PageStore(ABC):
         self._stats_lock = threading.Lock()
         self._error_log = RateLimitedLog(log)
         self._corrupt_log = RateLimitedLog(log)
+        self._helpers: ThreadPoolExecutor | None = None
 
     # A store that sets this receives ``prefix_keys=`` (the hashes of every page before the batch, oldest
     # first) in batch_exists/get/set when the extra config asks for hicache_storage_pass_prefix_keys:
@@ -238,7 +241,21 @@ class PageStore(ABC):
         that is down or slow is no error here: that only costs hits. Default: nothing to check."""
 
     def close(self) -> None:
-        """Release connections and files."""
+        """Release connections, files and helper threads."""
+        self._stop_helpers()
+
+    def _helper_pool(self) -> ThreadPoolExecutor:
+        """The threads that checksum this store's pages beside its I/O (see overlap); made on first use."""
+        with self._stats_lock:
+            if self._helpers is None:
+                self._helpers = helper_pool()
+            return self._helpers
+
+    def _stop_helpers(self) -> None:
+        with self._stats_lock:
+            helpers, self._helpers = self._helpers, None
+        if helpers is not None:
+            helpers.shutdown(wait=True)  # their jobs are short hashing passes
 
     def register_host_buffer(self, buffer: torch.Tensor) -> None:
         """Tell the backend where the host pool lives (RDMA backends register it); default: nothing."""
@@ -254,11 +271,25 @@ class PageStore(ABC):
         try:
             self.format.verify(key, header, payload, state)
         except PageFormatError as err:
-            self._corrupt_log.warning("%s store: dropping corrupt page: %s", self.name, err)
-            self._count(corrupt_pages=1)
-            self._drop(key)
+            self._reject(key, err)
             return False
         return True
+
+    def _reject(self, key: str, err: PageFormatError) -> None:
+        """A page that failed verification: log, count and remove it."""
+        self._corrupt_log.warning("%s store: dropping corrupt page: %s", self.name, err)
+        self._count(corrupt_pages=1)
+        self._drop(key)
+
+    def _rejected(self, verifier: Verifier, keys: list[str], found: list[bool]) -> list[bool]:
+        """``found`` with the pages ``verifier`` failed turned to False (each rejected), and the good
+        ones counted as read."""
+        for index, err in verifier.failures():
+            found[index] = False
+            self._reject(keys[index], err)
+        num_found = sum(found)
+        self._count(get_pages=num_found, get_bytes=num_found * self.page_nbytes)
+        return found
 
     def _drop(self, key: str) -> None:
         """Best-effort removal of a corrupt page: backups skip pages that exist, so it would stay."""

@@ -1,13 +1,18 @@
 """Page store on a local directory: one file per page, written atomically, readable after a restart.
 
-Layout: ``<root>/<namespace tag>/<key[0:2]>/<key[2:4]>/<key>.page``, each file the payload then the
-48-byte header (see :mod:`tierkv.storage.page_format`). Writes go to a per-thread temp file beside
-the target and are renamed over it, so a reader sees a whole old page, a whole new page or none.
-Reads land straight in the caller's page tensor (``preadv``), writes go straight from it
-(``pwrite``): no staging copy on either side; both run in cache-sized chunks, checksumming each
-chunk while it is hot.
+Layout: ``<root>/<namespace tag>/<key[0:2]>/<key>.page``, each file the payload then the 48-byte
+header (see :mod:`tierkv.storage.page_format`). The 256 subdirectories are made with the store (and
+again after a clear), never per page: a page costs one open, one write and one rename, and a read one
+open and one read. (Stores of earlier versions used two levels, ``<key[0:2]>/<key[2:4]>/``: a
+directory per few pages made a ``mkdir`` part of most writes; their pages are misses here.)
 
-Every path below the namespace directory is walked one component at a time under directory file
+Writes go to a per-thread temp file beside the target and are renamed over it, so a reader sees a
+whole old page, a whole new page or none. Reads land straight in the caller's page tensor (``preadv``
+of payload and header at once), writes go straight from it (``pwritev``): no staging copy on either
+side. Headers are computed, and pages read verified, in helper threads while this thread does the
+I/O (see :mod:`tierkv.storage.overlap`).
+
+Every path below the namespace directory is opened one component at a time under directory file
 descriptors with ``O_NOFOLLOW``: a symlink planted anywhere inside the store (a subdirectory or a
 page) is refused, never followed, so nothing is read or written outside the store.
 
@@ -28,52 +33,60 @@ import shutil
 import stat
 import threading
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
-import xxhash
 
 from tierkv.storage.base import Backoff, LruIndex, PageStore, check_key, check_max_bytes, is_key
-from tierkv.storage.page_format import HEADER_SIZE
+from tierkv.storage.page_format import CHUNK_NBYTES, HEADER_SIZE, PageFormatError
 
 PAGE_SUFFIX = ".page"
-# Reads and writes go in chunks this size, each checksummed while still in cache: small enough to stay
-# in L2/L3, large enough that the extra syscalls cost nothing measurable (best of 256 KiB-64 MiB here).
-IO_CHUNK_NBYTES = 1 << 20
+SUBDIR_CHARS = 2  # pages spread over 16**2 subdirectories named by their key's first hex digits
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
 # Write failures that the next page would hit too: back off instead of failing page by page.
 _DISK_REFUSALS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
 
 
-def _write_all(fd: int, data: memoryview, offset: int) -> None:
-    while data:
-        written = os.pwrite(fd, data, offset)
-        data, offset = data[written:], offset + written
+def _write_all(fd: int, buffers: list[memoryview], offset: int) -> None:
+    """Write ``buffers`` back to back from ``offset``: one ``pwritev`` unless the kernel takes less."""
+    while buffers:
+        written = os.pwritev(fd, buffers, offset)
+        offset += written
+        while buffers and written >= len(buffers[0]):
+            written -= len(buffers[0])
+            buffers = buffers[1:]
+        if buffers and written:
+            buffers = [buffers[0][written:], *buffers[1:]]
 
 
-def write_with_checksum(fd: int, payload: memoryview, offset: int, state: Any = None) -> Any:
-    """Write ``payload`` at ``offset`` chunk by chunk, feeding each chunk to ``state`` (a payload hasher,
-    xxh3-64 if None) while it is in cache; return the hasher."""
-    state = xxhash.xxh3_64() if state is None else state
-    for start in range(0, len(payload), IO_CHUNK_NBYTES):
-        chunk = payload[start:start + IO_CHUNK_NBYTES]
+def write_page(fd: int, payload: memoryview, state: Any, header: Callable[[Any], bytes]) -> None:
+    """Write ``payload`` then ``header(state)`` at offset 0, chunk by chunk, feeding each chunk to ``state``
+    (its payload hasher) just before writing it, while it is in cache; the last chunk and the header go
+    in one call (a page of one chunk: one write)."""
+    last = max(0, len(payload) - 1) // CHUNK_NBYTES * CHUNK_NBYTES
+    for start in range(0, last, CHUNK_NBYTES):
+        chunk = payload[start:start + CHUNK_NBYTES]
         state.update(chunk)
-        _write_all(fd, chunk, offset + start)
-    return state
+        _write_all(fd, [chunk], start)
+    state.update(payload[last:])
+    _write_all(fd, [payload[last:], memoryview(header(state))], last)
 
 
-def read_with_checksum(fd: int, payload: memoryview, offset: int, state: Any = None) -> tuple[int, Any]:
-    """Read into ``payload`` from ``offset`` chunk by chunk; (bytes read, the hasher fed with them)."""
-    state = xxhash.xxh3_64() if state is None else state
+def read_page(fd: int, payload: memoryview, header: memoryview, state: Any) -> int:
+    """Read ``payload`` then ``header`` from offset 0, chunk by chunk, feeding each payload chunk to
+    ``state`` while it is in cache (the last chunk and the header in one call); the bytes read."""
     done = 0
-    while done < len(payload):
-        chunk = payload[done:done + IO_CHUNK_NBYTES]
-        got = os.preadv(fd, [chunk], offset + done)
+    total = len(payload) + len(header)
+    while done < total:
+        end = done + CHUNK_NBYTES
+        buffers = [payload[done:end]] + ([header[max(0, done - len(payload)):]] if end >= len(payload) else [])
+        got = os.preadv(fd, buffers, done)
         if got == 0:
             break
-        state.update(chunk[:got])
+        if done < len(payload):
+            state.update(payload[done:min(done + got, len(payload))])
         done += got
-    return done, state
+    return done
 
 
 class FileStore(PageStore):
@@ -91,6 +104,7 @@ class FileStore(PageStore):
         self.fsync = fsync
         self.directory = os.path.join(self.root, self.namespace_tag)
         os.makedirs(self.directory, exist_ok=True)
+        self._make_subdirs()
         self.max_bytes = check_max_bytes(max_bytes, self.format.blob_nbytes)
         self._index = LruIndex(self.max_bytes) if self.max_bytes is not None else None
         self._index_lock = threading.Lock()
@@ -100,7 +114,7 @@ class FileStore(PageStore):
     def path(self, key: str) -> str:
         """The file of ``key``; ValueError if the key is not a page hash or the path leaves the store."""
         check_key(key)
-        path = os.path.normpath(os.path.join(self.directory, key[:2], key[2:4], key + PAGE_SUFFIX))
+        path = os.path.normpath(os.path.join(self.directory, key[:SUBDIR_CHARS], key + PAGE_SUFFIX))
         if os.path.commonpath([path, self.directory]) != self.directory:
             raise ValueError(f"page key {key!r} maps outside the store directory {self.directory}")
         return path
@@ -110,35 +124,18 @@ class FileStore(PageStore):
         """Bytes of the pages this store knows (bounded by ``max_bytes``); None when unbounded."""
         return None if self._index is None else self._index.size_bytes
 
-    # ---- directory walking without following symlinks -------------------------------------------
-    @contextmanager
-    def _leaf_dir(self, key: str, create: bool) -> Iterator[int | None]:
-        """A descriptor of ``key``'s leaf directory (None if absent and not ``create``).
-
-        Each component is opened with O_NOFOLLOW under its parent's descriptor, so a symlink anywhere
-        below the root raises OSError (ELOOP or ENOTDIR) instead of leading outside the store.
-        """
-        fd = os.open(self.directory, _DIR_FLAGS) if not create else self._open_namespace_dir()
+    # ---- directories, opened without following symlinks ----------------------------------------
+    def _make_subdirs(self) -> None:
+        """Create the subdirectories that are missing (one pass; a planted symlink is left to fail at use)."""
+        fd = self._open_namespace_dir()
         try:
-            for part in (key[:2], key[2:4]):
+            for i in range(16 ** SUBDIR_CHARS):
                 try:
-                    child = os.open(part, _DIR_FLAGS, dir_fd=fd)
-                except FileNotFoundError:
-                    if not create:
-                        os.close(fd)
-                        fd = None
-                        break
-                    try:
-                        os.mkdir(part, 0o755, dir_fd=fd)
-                    except FileExistsError:
-                        pass
-                    child = os.open(part, _DIR_FLAGS, dir_fd=fd)
-                os.close(fd)
-                fd = child
-            yield fd
+                    os.mkdir(f"{i:0{SUBDIR_CHARS}x}", 0o755, dir_fd=fd)
+                except FileExistsError:
+                    pass
         finally:
-            if fd is not None:
-                os.close(fd)
+            os.close(fd)
 
     def _open_namespace_dir(self) -> int:
         try:
@@ -147,22 +144,65 @@ class FileStore(PageStore):
             os.makedirs(self.directory, exist_ok=True)
             return os.open(self.directory, _DIR_FLAGS)
 
+    @contextmanager
+    def _namespace(self, create: bool) -> Iterator[int | None]:
+        """A descriptor of the namespace directory for one batch (None if it is gone and not ``create``)."""
+        try:
+            fd = self._open_namespace_dir() if create else os.open(self.directory, _DIR_FLAGS)
+        except FileNotFoundError:
+            fd = None
+        try:
+            yield fd
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+    @staticmethod
+    def _subdir(namespace_fd: int, key: str, create: bool) -> int | None:
+        """A descriptor of ``key``'s subdirectory, for the caller to close (None if absent and not
+        ``create``). O_NOFOLLOW: a symlink in its place raises OSError (ELOOP or ENOTDIR)."""
+        part = key[:SUBDIR_CHARS]
+        try:
+            return os.open(part, _DIR_FLAGS, dir_fd=namespace_fd)
+        except FileNotFoundError:
+            if not create:
+                return None
+        try:
+            os.mkdir(part, 0o755, dir_fd=namespace_fd)  # removed by hand since the store made it
+        except FileExistsError:
+            pass
+        return os.open(part, _DIR_FLAGS, dir_fd=namespace_fd)
+
+    @contextmanager
+    def _page_dir(self, namespace_fd: int | None, key: str, create: bool = False) -> Iterator[int | None]:
+        sub = None if namespace_fd is None else self._subdir(namespace_fd, key, create)
+        try:
+            yield sub
+        finally:
+            if sub is not None:
+                os.close(sub)
+
     # ---- PageStore -------------------------------------------------------------------------------
     def batch_exists(self, keys: list[str]) -> int:
         self._count(exists_calls=1)
         for key in keys:
             check_key(key)
-        for i, key in enumerate(keys):
-            if not self._exists_one(key):
-                return i
+        try:
+            with self._namespace(create=False) as namespace_fd:
+                for i, key in enumerate(keys):
+                    if not self._exists_one(namespace_fd, key):
+                        return i
+        except OSError as err:
+            self._error(f"open {self.directory}", err)
+            return 0
         return len(keys)
 
-    def _exists_one(self, key: str) -> bool:
+    def _exists_one(self, namespace_fd: int | None, key: str) -> bool:
         try:
-            with self._leaf_dir(key, create=False) as leaf:
-                if leaf is None:
+            with self._page_dir(namespace_fd, key) as sub:
+                if sub is None:
                     return False
-                info = os.stat(key + PAGE_SUFFIX, dir_fd=leaf, follow_symlinks=False)
+                info = os.stat(key + PAGE_SUFFIX, dir_fd=sub, follow_symlinks=False)
         except FileNotFoundError:
             return False
         except OSError as err:
@@ -176,20 +216,35 @@ class FileStore(PageStore):
     def batch_get(self, keys: list[str], targets: list[torch.Tensor]) -> list[bool]:
         views = self._check_batch(keys, targets)
         with self._timed("get"):
-            return [self._get_one(key, view) for key, view in zip(keys, views)]
+            try:
+                with self._namespace(create=False) as namespace_fd:
+                    found = [self._get_one(namespace_fd, key, view) for key, view in zip(keys, views)]
+            except OSError as err:
+                self._error(f"open {self.directory}", err)
+                return [False] * len(keys)
+            self._count(get_pages=sum(found), get_bytes=sum(found) * self.page_nbytes)
+            return found
 
-    def _get_one(self, key: str, view: memoryview) -> bool:
-        header = bytearray(HEADER_SIZE)
-        read, state = 0, None
+    def _open_page(self, namespace_fd: int | None, key: str) -> int | None:
+        """A read descriptor of ``key``'s page, None if absent; OSError for a symlink on the way."""
+        sub = None if namespace_fd is None else self._subdir(namespace_fd, key, create=False)
+        if sub is None:
+            return None
         try:
-            with self._leaf_dir(key, create=False) as leaf:
-                if leaf is None:
-                    return False
-                fd = os.open(key + PAGE_SUFFIX, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=leaf)
+            return os.open(key + PAGE_SUFFIX, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=sub)
+        finally:
+            os.close(sub)
+
+    def _get_one(self, namespace_fd: int | None, key: str, view: memoryview) -> bool:
+        header = bytearray(HEADER_SIZE)
+        state = self.format.payload_hasher(key)
+        try:
+            fd = self._open_page(namespace_fd, key)
+            if fd is None:
+                return False
             try:
                 size = os.fstat(fd).st_size
-                if size == self.format.blob_nbytes and os.preadv(fd, [header], self.page_nbytes) == HEADER_SIZE:
-                    read, state = read_with_checksum(fd, view, 0, self.format.payload_hasher(key))
+                read = read_page(fd, view, memoryview(header), state) if size == self.format.blob_nbytes else 0
                 if self._index is not None:
                     os.utime(fd)  # the page's mtime is its last use: the LRU order after a restart
             finally:
@@ -199,27 +254,37 @@ class FileStore(PageStore):
         except OSError as err:
             self._error(f"read {self.path(key)}", err)
             return False
-        # A short or oversized file fails verify on its length (the header then names the expected one).
-        if not self._verified(key, header, view[:read], state if read == len(view) else None):
+        if read != self.format.blob_nbytes:
+            self._reject(key, PageFormatError(f"page {key}: file of {size} bytes, expected "
+                                              f"{self.format.blob_nbytes}"))
+            return False
+        if not self._verified(key, header, view, state):
             return False
         self._indexed(key)
-        self._count(get_pages=1, get_bytes=self.page_nbytes)
         return True
 
     def batch_set(self, keys: list[str], values: list[torch.Tensor]) -> list[bool]:
         views = self._check_batch(keys, values)
         with self._timed("set"):
-            return [self._set_one(key, view) for key, view in zip(keys, views)]
+            if not self.write_backoff.ready():
+                self._count(errors=len(keys))
+                return [False] * len(keys)
+            try:
+                with self._namespace(create=True) as namespace_fd:
+                    return [self._set_one(namespace_fd, key, view) for key, view in zip(keys, views)]
+            except OSError as err:
+                self._error(f"open {self.directory}", err)
+                return [False] * len(keys)
 
-    def _set_one(self, key: str, view: memoryview) -> bool:
+    def _set_one(self, namespace_fd: int, key: str, view: memoryview) -> bool:
         if not self.write_backoff.ready():
             self._count(errors=1)
             return False
         name = key + PAGE_SUFFIX
         temp = f"{name}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
-            with self._leaf_dir(key, create=True) as leaf:
-                self._write_page(leaf, key, name, temp, view)
+            with self._page_dir(namespace_fd, key, create=True) as sub:
+                self._write_page(sub, key, temp, view)
         except OSError as err:
             refused = err.errno in _DISK_REFUSALS
             self._error(f"write {self.path(key)}" + (" (disk full or read-only: writes back off)" if refused
@@ -232,40 +297,41 @@ class FileStore(PageStore):
         self._stored(key)
         return True
 
-    def _write_page(self, leaf: int, key: str, name: str, temp: str, view: memoryview) -> None:
-        """Write ``temp`` under ``leaf`` and rename it over ``name``; the temp file never outlives a failure."""
+    def _write_page(self, sub: int, key: str, temp: str, view: memoryview) -> None:
+        """Write ``temp`` under ``sub`` and rename it over ``key``'s page; the temp file never outlives a
+        failure."""
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
         try:
-            fd = os.open(temp, flags, 0o644, dir_fd=leaf)
+            fd = os.open(temp, flags, 0o644, dir_fd=sub)
         except FileExistsError:  # left by a crashed process that had our pid and thread id
-            os.unlink(temp, dir_fd=leaf)
-            fd = os.open(temp, flags, 0o644, dir_fd=leaf)
+            os.unlink(temp, dir_fd=sub)
+            fd = os.open(temp, flags, 0o644, dir_fd=sub)
         try:
             try:
                 # The checksum comes from the same cache-hot pass as the write.
-                state = write_with_checksum(fd, view, 0, self.format.payload_hasher(key))
-                _write_all(fd, memoryview(self.format.header(key, view, state)), self.page_nbytes)
+                write_page(fd, view, self.format.payload_hasher(key),
+                           lambda state: self.format.header(key, view, state))
                 if self.fsync:
                     os.fsync(fd)
             finally:
                 os.close(fd)
             # rename() replaces a planted symlink itself; it never writes through one.
-            os.replace(temp, name, src_dir_fd=leaf, dst_dir_fd=leaf)
+            os.replace(temp, key + PAGE_SUFFIX, src_dir_fd=sub, dst_dir_fd=sub)
         except BaseException:
             try:
-                os.unlink(temp, dir_fd=leaf)
+                os.unlink(temp, dir_fd=sub)
             except OSError:
                 pass
             raise
         if self.fsync:
-            os.fsync(leaf)  # the rename is durable only once its directory entry is
+            os.fsync(sub)  # the rename is durable only once its directory entry is
 
     def _remove(self, key: str) -> None:
         """Unlink ``key``'s page (missing is fine); raises OSError on any other failure."""
         try:
-            with self._leaf_dir(key, create=False) as leaf:
-                if leaf is not None:
-                    os.unlink(key + PAGE_SUFFIX, dir_fd=leaf)
+            with self._namespace(create=False) as namespace_fd, self._page_dir(namespace_fd, key) as sub:
+                if sub is not None:
+                    os.unlink(key + PAGE_SUFFIX, dir_fd=sub)
         except FileNotFoundError:
             pass
 
@@ -293,6 +359,10 @@ class FileStore(PageStore):
             self._error(f"clear {self.directory}", err)
         finally:
             os.close(fd)
+        try:
+            self._make_subdirs()
+        except OSError as err:
+            self._error(f"clear {self.directory}", err)
         if self._index is not None:
             with self._index_lock:
                 self._index.clear()
@@ -330,14 +400,12 @@ class FileStore(PageStore):
     def _rebuild_index(self) -> None:
         """Index the pages already on disk, least recently used first (one scandir per directory)."""
         found: list[tuple[float, str]] = []
-        for top in _subdirs(self.directory):
-            for leaf in _subdirs(top):
-                with os.scandir(leaf) as entries:
-                    for entry in entries:
-                        key = entry.name[:-len(PAGE_SUFFIX)]
-                        if (entry.name.endswith(PAGE_SUFFIX) and is_key(key)
-                                and entry.is_file(follow_symlinks=False)):
-                            found.append((entry.stat(follow_symlinks=False).st_mtime, key))
+        for sub in _subdirs(self.directory):
+            with os.scandir(sub) as entries:
+                for entry in entries:
+                    key = entry.name[:-len(PAGE_SUFFIX)]
+                    if entry.name.endswith(PAGE_SUFFIX) and is_key(key) and entry.is_file(follow_symlinks=False):
+                        found.append((entry.stat(follow_symlinks=False).st_mtime, key))
         found.sort()
         for _, key in found:
             self._stored(key)

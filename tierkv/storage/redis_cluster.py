@@ -18,6 +18,7 @@ from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
 from redis.retry import Retry
 
+from tierkv.storage.overlap import Headers
 from tierkv.storage.redis_store import RedisStore
 
 
@@ -51,7 +52,7 @@ class RedisClusterStore(RedisStore):
     def client(self, value) -> None:
         self._client = value
 
-    def _send_sets(self, keys: list[str], names: list[bytes], views: list[memoryview]
+    def _send_sets(self, keys: list[str], names: list[bytes], views: list[memoryview], headers: Headers
                    ) -> tuple[list[bool], redis.ResponseError | None]:
         done: list[bool] = []
         refusal = None
@@ -59,8 +60,8 @@ class RedisClusterStore(RedisStore):
         for start in range(0, len(keys), self.batch_pages):
             pipe = self.client.pipeline()
             end = start + self.batch_pages
-            for key, name, view in zip(keys[start:end], names[start:end], views[start:end]):
-                pipe.set(name, b"".join((view, self.format.header(key, view))), ex=ttl_s)
+            for i in range(start, min(len(keys), end)):
+                pipe.set(names[i], b"".join((views[i], headers.get(i))), ex=ttl_s)
             for reply in pipe.execute(raise_on_error=False):
                 if isinstance(reply, redis.ResponseError):
                     refusal = reply
@@ -78,3 +79,4 @@ class RedisClusterStore(RedisStore):
                 client.close()
             except (redis.RedisError, OSError):
                 pass
+        super().close()

@@ -1,7 +1,9 @@
 """Page store on Redis or Valkey over TCP: pipelined batches, one string value (payload + header) per page.
 
 Writes send the header and the page's own memory straight to the socket; reads copy the reply into
-the target page while checksumming it in cache-sized chunks.
+the target page while checksumming it in cache-sized chunks. Headers are computed, and replies copied
+and verified, in helper threads while this thread waits on the next round trip (see
+:mod:`tierkv.storage.overlap`).
 
 Keys are ``<key_prefix><namespace tag>:<page hash>``, so ``clear`` can SCAN one namespace away. A
 connection failure makes the batch a miss (exists/get) or False (set), counts one error and backs off:
@@ -18,6 +20,7 @@ with ``allkeys-lru`` or ``allkeys-lfu`` (the server then evicts, and never refus
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import redis
 import torch
@@ -25,7 +28,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from tierkv.storage.base import Backoff, PageStore, check_key
-from tierkv.storage.page_format import copy_with_checksum
+from tierkv.storage.overlap import Headers, Verifier
 
 
 class RedisStore(PageStore):
@@ -95,8 +98,10 @@ class RedisStore(PageStore):
             other = self.write_backoff if backoff is self.read_backoff else self.read_backoff
             other.failed()
 
-    def _pipelined(self, what: str, command: str, args: list[tuple]) -> list | None:
-        """Run read-only ``command`` once per args tuple, ``batch_pages`` per round trip; None on failure."""
+    def _pipelined(self, what: str, command: str, args: list[tuple],
+                   on_replies: Callable[[int, list], None] | None = None) -> list | None:
+        """Run read-only ``command`` once per args tuple, ``batch_pages`` per round trip; None on failure.
+        ``on_replies(start, replies)`` sees each round trip's replies as they come."""
         if not self._available(self.read_backoff):
             return None
         replies: list = []
@@ -106,6 +111,8 @@ class RedisStore(PageStore):
                 for one in args[start:start + self.batch_pages]:
                     pipe.execute_command(command, *one)
                 replies += pipe.execute(raise_on_error=True)
+                if on_replies is not None:
+                    on_replies(start, replies[start:])
         except (redis.RedisError, OSError) as err:
             self._failed(what, err, self.read_backoff)
             return None
@@ -126,23 +133,21 @@ class RedisStore(PageStore):
     def batch_get(self, keys: list[str], targets: list[torch.Tensor]) -> list[bool]:
         views = self._check_batch(keys, targets)
         names = [(self.redis_key(k),) for k in keys]
-        with self._timed("get"):
-            blobs = self._pipelined("get", "GET", names) if names else []
-            if blobs is None:
-                return [False] * len(keys)
-            return [self._land(key, blob, view) for key, blob, view in zip(keys, blobs, views)]
+        verifier = Verifier(self.format, self._helper_pool)
 
-    def _land(self, key: str, blob: bytes | None, view: memoryview) -> bool:
-        if blob is None:
-            return False
-        header, payload = self.format.split(memoryview(blob))
-        state = None
-        if len(payload) == self.page_nbytes:
-            state = copy_with_checksum(view, payload, self.format.payload_hasher(key))
-        if not self._verified(key, header, payload, state):
-            return False
-        self._count(get_pages=1, get_bytes=self.page_nbytes)
-        return True
+        def land(start: int, blobs: list) -> None:
+            for i, blob in enumerate(blobs, start):
+                if blob is not None:
+                    header, payload = self.format.split(memoryview(blob))
+                    verifier.add(i, keys[i], header, payload, target=views[i])
+        with self._timed("get"):
+            # Large pages are copied and verified by the helpers while the next replies come; small ones
+            # after the last reply (copying between round trips measured slower here).
+            blobs = self._pipelined("get", "GET", names, land if verifier.overlapped else None) if names else []
+            if blobs is not None and not verifier.overlapped:
+                land(0, blobs)
+            found = [blob is not None for blob in blobs] if blobs is not None else [False] * len(keys)
+            return self._rejected(verifier, keys, found)
 
     def batch_set(self, keys: list[str], values: list[torch.Tensor]) -> list[bool]:
         views = self._check_batch(keys, values)
@@ -153,7 +158,8 @@ class RedisStore(PageStore):
             if not self._available(self.write_backoff):
                 return [False] * len(keys)
             try:
-                done, refusal = self._send_sets(keys, names, views)
+                with Headers(self.format, keys, views, self._helper_pool) as headers:
+                    done, refusal = self._send_sets(keys, names, views, headers)
             except (redis.RedisError, OSError) as err:
                 self._failed("set", err, self.write_backoff)
                 return [False] * len(keys)
@@ -165,7 +171,7 @@ class RedisStore(PageStore):
             self._count(set_pages=sum(done), set_bytes=sum(done) * self.page_nbytes)
             return done
 
-    def _send_sets(self, keys: list[str], names: list[bytes], views: list[memoryview]
+    def _send_sets(self, keys: list[str], names: list[bytes], views: list[memoryview], headers: Headers
                    ) -> tuple[list[bool], redis.ResponseError | None]:
         """Pipelined SETs packed by hand so the payload goes from the page's memory to the socket
         (redis-py would need header + payload joined into one fresh 8 MiB buffer per page).
@@ -180,12 +186,10 @@ class RedisStore(PageStore):
         try:
             for start in range(0, len(keys), self.batch_pages):
                 packed: list = []
-                for key, name, view in zip(keys[start:start + self.batch_pages],
-                                           names[start:start + self.batch_pages],
-                                           views[start:start + self.batch_pages]):
+                for i in range(start, min(len(keys), start + self.batch_pages)):
                     packed += [b"%s\r\n$%d\r\n%s\r\n$%d\r\n"
-                               % (set_words, len(name), name, self.format.blob_nbytes),
-                               view, self.format.header(key, view), b"\r\n" + self._expiry]
+                               % (set_words, len(names[i]), names[i], self.format.blob_nbytes),
+                               views[i], headers.get(i), b"\r\n" + self._expiry]
                 conn.send_packed_command(packed, check_health=False)
                 for _ in range(len(packed) // 4):
                     try:
@@ -232,3 +236,4 @@ class RedisStore(PageStore):
             self.client.close()
         except (redis.RedisError, OSError):
             pass
+        super().close()

@@ -626,3 +626,60 @@ def test_file_writes_make_no_directory_per_page(tmp_path, monkeypatch):
     assert made == []
     targets = empty_pages(64)
     assert store.batch_get(keys, targets) == [True] * 64 and all(map(torch.equal, targets, pages))
+
+
+def test_file_batch_opens_each_subdirectory_once(tmp_path, monkeypatch):
+    """A batch opens a subdirectory once for all its pages there, not once per page (issue 16)."""
+    store = open_store(f"file:{tmp_path}", "ns", PAGE_NBYTES)
+    num_pages = 600  # more pages than the 256 subdirectories: some share one
+    keys, pages = make_keys(num_pages), make_pages(num_pages)
+    subdirs = {key[:2] for key in keys}
+    assert len(subdirs) < num_pages
+    opened = []
+    real_open = os.open
+
+    def recording_open(path, flags, *args, **kwargs):
+        if flags & os.O_DIRECTORY and path in subdirs:
+            opened.append(path)
+        return real_open(path, flags, *args, **kwargs)
+    monkeypatch.setattr(os, "open", recording_open)
+    assert store.batch_set(keys, pages) == [True] * num_pages
+    assert sorted(opened) == sorted(subdirs)
+    opened.clear()
+    targets = empty_pages(num_pages)
+    assert store.batch_get(keys, targets) == [True] * num_pages and all(map(torch.equal, targets, pages))
+    assert sorted(opened) == sorted(subdirs)
+    opened.clear()
+    assert store.batch_exists(keys) == num_pages and sorted(opened) == sorted(subdirs)
+
+
+def test_mooncake_small_pages_move_in_the_fewest_calls(mooncake_master):
+    """Pages checked in place (below the overlap size) have nothing to overlap with a ramp of calls,
+    and every call costs round trips: a batch goes in as few calls as the per-call page limit allows."""
+    from tierkv.storage import mooncake_store
+    page_nbytes, num_pages = 64 << 10, 256  # 16 MiB: several calls of the ramp
+    store = open_store(mooncake_master.url, "ns-calls", page_nbytes, mooncake_master.client_config())
+    try:
+        keys = make_keys(num_pages)
+        g = torch.Generator().manual_seed(1)
+        pages = [torch.randint(0, 256, (page_nbytes,), dtype=torch.uint8, generator=g) for _ in keys]
+        assert store.batch_exists(keys[:1]) == 0 and store.client is not None
+        calls = []
+
+        class CountingClient:
+            def __getattr__(self, name):
+                method = getattr(client, name)
+                if name.startswith(("batch_put_from", "batch_get_into")):
+                    return lambda *args, **kwargs: (calls.append(name), method(*args, **kwargs))[1]
+                return method
+        client, store.client = store.client, CountingClient()
+        fewest = -(-num_pages // mooncake_store._MAX_CALL_PAGES)
+        assert store.batch_set(keys, pages) == [True] * num_pages and len(calls) == fewest
+        calls.clear()
+        targets = [torch.zeros(page_nbytes, dtype=torch.uint8) for _ in keys]
+        assert store.batch_get(keys, targets) == [True] * num_pages and len(calls) == fewest
+        assert all(map(torch.equal, targets, pages))
+        store.client = client
+        store.clear()
+    finally:
+        store.close()

@@ -145,17 +145,18 @@ class FileStore(PageStore):
             return os.open(self.directory, _DIR_FLAGS)
 
     @contextmanager
-    def _namespace(self, create: bool) -> Iterator[int | None]:
-        """A descriptor of the namespace directory for one batch (None if it is gone and not ``create``)."""
+    def _namespace(self, create: bool) -> Iterator["_Subdirs"]:
+        """The directories of one batch: the namespace's (None if it is gone and not ``create``) and
+        each subdirectory the batch touches, opened once."""
         try:
             fd = self._open_namespace_dir() if create else os.open(self.directory, _DIR_FLAGS)
         except FileNotFoundError:
             fd = None
+        dirs = _Subdirs(fd, create)
         try:
-            yield fd
+            yield dirs
         finally:
-            if fd is not None:
-                os.close(fd)
+            dirs.close()
 
     @staticmethod
     def _subdir(namespace_fd: int, key: str, create: bool) -> int | None:
@@ -173,36 +174,27 @@ class FileStore(PageStore):
             pass
         return os.open(part, _DIR_FLAGS, dir_fd=namespace_fd)
 
-    @contextmanager
-    def _page_dir(self, namespace_fd: int | None, key: str, create: bool = False) -> Iterator[int | None]:
-        sub = None if namespace_fd is None else self._subdir(namespace_fd, key, create)
-        try:
-            yield sub
-        finally:
-            if sub is not None:
-                os.close(sub)
-
     # ---- PageStore -------------------------------------------------------------------------------
     def batch_exists(self, keys: list[str]) -> int:
         self._count(exists_calls=1)
         for key in keys:
             check_key(key)
         try:
-            with self._namespace(create=False) as namespace_fd:
+            with self._namespace(create=False) as dirs:
                 for i, key in enumerate(keys):
-                    if not self._exists_one(namespace_fd, key):
+                    if not self._exists_one(dirs, key):
                         return i
         except OSError as err:
             self._error(f"open {self.directory}", err)
             return 0
         return len(keys)
 
-    def _exists_one(self, namespace_fd: int | None, key: str) -> bool:
+    def _exists_one(self, dirs: "_Subdirs", key: str) -> bool:
         try:
-            with self._page_dir(namespace_fd, key) as sub:
-                if sub is None:
-                    return False
-                info = os.stat(key + PAGE_SUFFIX, dir_fd=sub, follow_symlinks=False)
+            sub = dirs.get(key)
+            if sub is None:
+                return False
+            info = os.stat(key + PAGE_SUFFIX, dir_fd=sub, follow_symlinks=False)
         except FileNotFoundError:
             return False
         except OSError as err:
@@ -217,29 +209,25 @@ class FileStore(PageStore):
         views = self._check_batch(keys, targets)
         with self._timed("get"):
             try:
-                with self._namespace(create=False) as namespace_fd:
-                    found = [self._get_one(namespace_fd, key, view) for key, view in zip(keys, views)]
+                with self._namespace(create=False) as dirs:
+                    found = [self._get_one(dirs, key, view) for key, view in zip(keys, views)]
             except OSError as err:
                 self._error(f"open {self.directory}", err)
                 return [False] * len(keys)
             self._count(get_pages=sum(found), get_bytes=sum(found) * self.page_nbytes)
             return found
 
-    def _open_page(self, namespace_fd: int | None, key: str) -> int | None:
+    @staticmethod
+    def _open_page(dirs: "_Subdirs", key: str) -> int | None:
         """A read descriptor of ``key``'s page, None if absent; OSError for a symlink on the way."""
-        sub = None if namespace_fd is None else self._subdir(namespace_fd, key, create=False)
-        if sub is None:
-            return None
-        try:
-            return os.open(key + PAGE_SUFFIX, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=sub)
-        finally:
-            os.close(sub)
+        sub = dirs.get(key)
+        return None if sub is None else os.open(key + PAGE_SUFFIX, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=sub)
 
-    def _get_one(self, namespace_fd: int | None, key: str, view: memoryview) -> bool:
+    def _get_one(self, dirs: "_Subdirs", key: str, view: memoryview) -> bool:
         header = bytearray(HEADER_SIZE)
         state = self.format.payload_hasher(key)
         try:
-            fd = self._open_page(namespace_fd, key)
+            fd = self._open_page(dirs, key)
             if fd is None:
                 return False
             try:
@@ -270,21 +258,20 @@ class FileStore(PageStore):
                 self._count(errors=len(keys))
                 return [False] * len(keys)
             try:
-                with self._namespace(create=True) as namespace_fd:
-                    return [self._set_one(namespace_fd, key, view) for key, view in zip(keys, views)]
+                with self._namespace(create=True) as dirs:
+                    return [self._set_one(dirs, key, view) for key, view in zip(keys, views)]
             except OSError as err:
                 self._error(f"open {self.directory}", err)
                 return [False] * len(keys)
 
-    def _set_one(self, namespace_fd: int, key: str, view: memoryview) -> bool:
+    def _set_one(self, dirs: "_Subdirs", key: str, view: memoryview) -> bool:
         if not self.write_backoff.ready():
             self._count(errors=1)
             return False
         name = key + PAGE_SUFFIX
         temp = f"{name}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
-            with self._page_dir(namespace_fd, key, create=True) as sub:
-                self._write_page(sub, key, temp, view)
+            self._write_page(dirs.get(key), key, temp, view)
         except OSError as err:
             refused = err.errno in _DISK_REFUSALS
             self._error(f"write {self.path(key)}" + (" (disk full or read-only: writes back off)" if refused
@@ -329,7 +316,8 @@ class FileStore(PageStore):
     def _remove(self, key: str) -> None:
         """Unlink ``key``'s page (missing is fine); raises OSError on any other failure."""
         try:
-            with self._namespace(create=False) as namespace_fd, self._page_dir(namespace_fd, key) as sub:
+            with self._namespace(create=False) as dirs:
+                sub = dirs.get(key)
                 if sub is not None:
                     os.unlink(key + PAGE_SUFFIX, dir_fd=sub)
         except FileNotFoundError:
@@ -409,6 +397,29 @@ class FileStore(PageStore):
         found.sort()
         for _, key in found:
             self._stored(key)
+
+
+class _Subdirs:
+    """The subdirectory descriptors of one batch, each opened on first use and closed with the batch
+    (a page's own open then costs one ``open``, not two)."""
+
+    def __init__(self, namespace_fd: int | None, create: bool) -> None:
+        self.namespace_fd, self.create = namespace_fd, create
+        self._fds: dict[str, int | None] = {}
+
+    def get(self, key: str) -> int | None:
+        """``key``'s subdirectory (None if absent and not ``create``); OSError for a symlink in its place."""
+        part = key[:SUBDIR_CHARS]
+        if part not in self._fds:
+            self._fds[part] = (None if self.namespace_fd is None
+                               else FileStore._subdir(self.namespace_fd, key, self.create))
+        return self._fds[part]
+
+    def close(self) -> None:
+        for fd in [*self._fds.values(), self.namespace_fd]:
+            if fd is not None:
+                os.close(fd)
+        self._fds.clear()
 
 
 def _subdirs(directory: str) -> list[str]:

@@ -121,6 +121,7 @@ class TierkvSide:
     def __init__(self, page_size: int) -> None:
         self.tree = RadixTree(page_size)
         self.heap = EvictionHeap(self.tree, "device", get_policy("lru"))
+        self.allocator = _NoAllocator()
 
     def key(self, ids: array):
         return RadixKey(ids)
@@ -135,13 +136,10 @@ class TierkvSide:
         return self.tree.evictable_size + self.tree.protected_size
 
     def evict(self, num_tokens: int) -> None:
-        freed, tree = 0, self.tree
-        for node in self.heap.victims():
-            freed += len(node)
-            tree.clear_device_value(node)
-            tree.remove_leaf(node)
-            if freed >= num_tokens:
-                break
+        _, _, values = self.heap.evict_device(num_tokens)
+        free = self.allocator.free_segment
+        for value in values:  # as SGLang's evict does: each node's slots back to the allocator
+            free(value)
 
 
 class _NoAllocator:

@@ -14,7 +14,7 @@
 #define CHUNK_ELEMS 64
 
 static int int64_view(PyObject *obj, Py_buffer *view, const char *name) {
-    if (PyObject_GetBuffer(obj, view, PyBUF_FORMAT) < 0) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) {
         return -1;
     }
     if (view->itemsize != 8 || view->format == NULL || strcmp(view->format, "q") != 0) {

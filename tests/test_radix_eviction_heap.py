@@ -188,3 +188,39 @@ def test_cache_eviction_checks_what_it_evicts_not_every_leaf(monkeypatch):
         cache.tree.check_integrity()
     finally:
         cache.close()
+
+
+def _small_tree():
+    tree = RadixTree()
+    for ids in ([1, 2, 3], [1, 2, 4], [5]):
+        tree.insert(RadixKey(ids), list(ids))
+    return tree
+
+
+def test_evict_device_runs_the_compiled_loop_when_built(tree_impl, monkeypatch):
+    tree = _small_tree()
+    heap = EvictionHeap(tree, "device", get_policy("lru"))
+    if tree_impl == "c":  # the differential test compares the compiled loop, not a silent fallback
+        monkeypatch.setattr(EvictionHeap, "_evict_device_python", lambda *a: pytest.fail("fell back"))
+    hooked = []
+    freed, nodes, values = heap.evict_device(100, lambda node, removed: hooked.append((node, removed)))
+    assert freed == 5 and [list(n.key) for n in nodes] == [[3], [4], [1, 2], [5]]
+    assert values == [[3], [4], [1, 2], [5]] and hooked == [(n, True) for n in nodes]
+    assert tree.root.children == {} and tree.evictable_size == 0
+    tree.check_integrity()
+
+
+def test_evict_device_keeps_backed_up_nodes_and_refuses_other_tiers():
+    tree = _small_tree()
+    node = tree.match(RadixKey([5]), touch=False).last_node
+    node.host_value = [50]
+    heap = EvictionHeap(tree, "device", get_policy("lru"))
+    assert heap.evict_device(0) == (0, [], [])
+    freed, nodes, _ = heap.evict_device(1)
+    assert freed == 1 and [list(n.key) for n in nodes] == [[3]]  # stops once enough is freed
+    while heap.evict_device(1)[0]:
+        pass
+    assert list(tree.root.children.values()) == [node] and node.device_value is None  # host-only now
+    tree.check_integrity()
+    with pytest.raises(ValueError, match="device tier"):
+        EvictionHeap(tree, "host", get_policy("lru")).evict_device(1)

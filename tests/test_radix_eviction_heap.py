@@ -224,3 +224,13 @@ def test_evict_device_keeps_backed_up_nodes_and_refuses_other_tiers():
     tree.check_integrity()
     with pytest.raises(ValueError, match="device tier"):
         EvictionHeap(tree, "host", get_policy("lru")).evict_device(1)
+
+
+def test_keys_the_compiled_loop_reads_from_slots_equal_the_key_functions():
+    from tierkv.eviction.heap import _SLOT_KEYS
+
+    tree = _small_tree()
+    policy = get_policy("lru")
+    for function, slots in _SLOT_KEYS.items():
+        for node in tree.nodes():
+            assert tuple(getattr(node, s) for s in slots) == function(policy, node)

@@ -321,6 +321,7 @@ static PyObject *heap_pop(PyObject *heap) {
 
 typedef struct {
     PyObject *root, *heap, *live, *changed, *seqs, *key_of, *on_evict;
+    Py_ssize_t key_slots[4], num_key_slots;  /* key_of given as slot names: the key is those slots */
     PyObject *device, *host, *host_changed;  /* the tree's frontier sets (changed is device_changed) */
     Py_ssize_t page_size, evicted_tokens;
     PyObject *nodes, *values;
@@ -351,9 +352,54 @@ static int is_device_leaf(PyObject *n, PyObject *root) {
     return 1;
 }
 
+/* the policy's key of ``node`` (new reference): a call, or a tuple of its slots read here (the base
+ * policy's key is (last_access_time, id): a Python call per ranked node cost more than the rest) */
+static PyObject *rank(EvictCtx *c, PyObject *node) {
+    if (c->num_key_slots == 0) {
+        return PyObject_CallOneArg(c->key_of, node);
+    }
+    PyObject *key = PyTuple_New(c->num_key_slots);
+    for (Py_ssize_t i = 0; key != NULL && i < c->num_key_slots; i++) {
+        PyObject *v = *(PyObject **)((char *)node + c->key_slots[i]);
+        if (v == NULL) {
+            Py_DECREF(key);
+            PyErr_SetString(PyExc_AttributeError, "a key slot of a tree node is unset");
+            return NULL;
+        }
+        PyTuple_SET_ITEM(key, i, Py_NewRef(v));
+    }
+    return key;
+}
+
+static int bind_key_slots(EvictCtx *c) {
+    if (!PyTuple_Check(c->key_of)) {
+        return 0;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(c->key_of);
+    if (n < 1 || n > 4) {
+        PyErr_SetString(PyExc_ValueError, "key_of as slot names takes 1 to 4 names");
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const char *name = PyUnicode_Check(PyTuple_GET_ITEM(c->key_of, i))
+                           ? PyUnicode_AsUTF8(PyTuple_GET_ITEM(c->key_of, i)) : NULL;
+        if (name == NULL) {
+            if (!PyErr_Occurred()) {
+                PyErr_SetString(PyExc_TypeError, "key_of slot names must be str");
+            }
+            return -1;
+        }
+        if (slot_offset(layout.type, name, &c->key_slots[i]) < 0) {
+            return -1;
+        }
+    }
+    c->num_key_slots = n;
+    return 0;
+}
+
 /* one valid entry for ``node`` ranked by ``key`` (new reference consumed), or by key_of(node) when NULL */
 static int push_node(EvictCtx *c, PyObject *node, PyObject *key) {
-    if (key == NULL && (key = PyObject_CallOneArg(c->key_of, node)) == NULL) {
+    if (key == NULL && (key = rank(c, node)) == NULL) {
         return -1;
     }
     PyObject *seq = PyIter_Next(c->seqs), *entry = NULL;
@@ -492,7 +538,7 @@ static PyObject *pop_victim(EvictCtx *c, int recheck) {
             return NULL;
         }
         if (cand && recheck) {  /* the key rose since the push: take its place again */
-            PyObject *now = PyObject_CallOneArg(c->key_of, node);
+            PyObject *now = rank(c, node);
             int same = now == NULL ? -1 : PyObject_RichCompareBool(now, key, Py_EQ);
             if (same < 0) {
                 Py_XDECREF(now);
@@ -531,7 +577,7 @@ static PyObject *parent_next(EvictCtx *c, PyObject *node) {
     if (cand <= 0) {
         return NULL;  /* not a candidate: the drain drops it */
     }
-    PyObject *key = PyObject_CallOneArg(c->key_of, parent);
+    PyObject *key = rank(c, parent);
     if (key == NULL) {
         return NULL;
     }
@@ -611,7 +657,7 @@ static PyObject *evict_device(PyObject *self, PyObject *const *args, Py_ssize_t 
     c.root = PyObject_GetAttrString(tree, "root");
     c.nodes = PyList_New(0), c.values = PyList_New(0);
     if (c.root == NULL || c.nodes == NULL || c.values == NULL
-        || bind_layout(Py_TYPE(c.root)) < 0
+        || bind_layout(Py_TYPE(c.root)) < 0 || bind_key_slots(&c) < 0
         || (frontiers = PyObject_GetAttrString(c.root, "_frontiers")) == NULL
         || (c.device = PyObject_GetAttrString(frontiers, "device")) == NULL
         || (c.host = PyObject_GetAttrString(frontiers, "host")) == NULL

@@ -27,6 +27,10 @@ from tierkv.radix_key import load_native
 
 native_evict_device = load_native("evict_device")  # tests set it to None to run the pure-Python loop
 
+# keys that are a tuple of node slots, which the compiled loop reads itself instead of calling the key
+# function (tests check each against the function)
+_SLOT_KEYS = {Policy.key: ("last_access_time", "id")}
+
 _COMPACT_SLACK = 1024  # stale entries tolerated beyond twice the live ones before the heap is rebuilt
 
 
@@ -79,7 +83,9 @@ class EvictionHeap:
         if changed is not self._changed:  # as in victims(): first call, or the tree was reset
             self._changed, self._heap, self._live = changed, [], {}
         recheck = getattr(self.order, "keys_rise_untouched", True)
-        result = native(tree, self._heap, self._live, changed, self._seq, self._key, recheck, num_tokens, on_evict)
+        key = _SLOT_KEYS.get(type(self.order).key) if isinstance(self.order, Policy) else None
+        result = native(tree, self._heap, self._live, changed, self._seq, key or self._key, recheck, num_tokens,
+                        on_evict)
         self._compact()
         return result
 

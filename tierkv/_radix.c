@@ -219,8 +219,11 @@ static int key_cmp(PyObject *x, PyObject *y) {
     return (nx > ny) - (nx < ny);
 }
 
-/* entry a < entry b: 1, 0, -1 on error (both are 4-tuples) */
+/* entry a < entry b: 1, 0, -1 on error (entries are (key, id, seq, node) tuples) */
 static int entry_lt(PyObject *a, PyObject *b) {
+    if (!PyTuple_CheckExact(a) || !PyTuple_CheckExact(b) || PyTuple_GET_SIZE(a) < 3 || PyTuple_GET_SIZE(b) < 3) {
+        return PyObject_RichCompareBool(a, b, Py_LT);
+    }
     Py_INCREF(a);
     Py_INCREF(b);
     int c = 0;
@@ -706,4 +709,14 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "tierkv._radix", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__radix(void) { return PyModule_Create(&module); }
+/* 2: evict_device; common_prefix_len takes memoryviews of int64 arrays (node keys may be views) */
+#define API_VERSION 2
+
+PyMODINIT_FUNC PyInit__radix(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddIntConstant(m, "API_VERSION", API_VERSION) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

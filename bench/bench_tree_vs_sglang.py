@@ -13,7 +13,8 @@ op. Each op (match, insert, evict) is timed on its own in CPU time (``time.threa
 untimed pass each, a repeat runs both trees back to back, repeats alternate which goes first, and each
 ratio (SGLang time / tierkv time, above 1: tierkv faster) is reported as min and median over the
 repeats. A full collection of Python's cyclic GC (both trees are cyclic) lands in whichever op runs
-then and drags one repeat's ratio; ``--no-gc`` turns the collector off while timing. Workloads:
+then and drags one repeat's ratio: the objects that exist before the timed repeats (SGLang's and torch's
+imports, the workload) are frozen out of it (``gc.freeze``), and ``--no-gc`` turns the collector off. Workloads:
 - ``trace``: the first N prompts of conversation_trace.jsonl (12k tokens on average), page size 16;
 - ``chat``: short multi-turn keys (64-1024 tokens, shared system prompts), page size 1.
 
@@ -212,6 +213,8 @@ def compare(sides, seqs: list[list[int]], page_size: int, capacity: int | None, 
     ratios: dict[str, list[float]] = {}
     for make in sides:  # one untimed pass each: the first pays for fresh memory (page faults), not the tree
         run(make(), arrays, values, page_size, capacity)
+    gc.collect()
+    gc.freeze()  # the imports' and the workload's objects: a full collection scans only what the trees made
     for r in range(repeats):
         times = {}
         for make in (sides if r % 2 == 0 else sides[::-1]):
@@ -220,6 +223,7 @@ def compare(sides, seqs: list[list[int]], page_size: int, capacity: int | None, 
         for op, tk in times["tierkv"].items():
             if tk > 0:
                 ratios.setdefault(op, []).append((times["sglang"][op] / tk, times["sglang"][op], tk))
+    gc.unfreeze()
     return ratios
 
 
@@ -265,7 +269,10 @@ def main() -> None:
 def tree_impl() -> str:
     import tierkv.radix as radix
 
-    return f"{radix.implementation()} key comparison"
+    from tierkv.eviction import heap
+
+    evict = "C" if heap.native_evict_device is not None else "Python"
+    return f"{radix.implementation()} key comparison, {evict} eviction loop"
 
 
 if __name__ == "__main__":

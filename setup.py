@@ -1,5 +1,5 @@
 """Builds the optional native parts: the chunk copy (tierkv/_rowcopy.c) and the radix tree's key
-comparison (tierkv/_radix.c); metadata lives in pyproject.toml.
+comparison and eviction loop (tierkv/_radix.c, _radix_evict.c); metadata lives in pyproject.toml.
 
 ``optional=True``: without a C compiler the package still installs; the CPU copies fall back to torch
 index ops (see tierkv/cpu_copy.py) and the tree to its pure-Python comparison (see tierkv/radix.py).
@@ -7,5 +7,10 @@ index ops (see tierkv/cpu_copy.py) and the tree to its pure-Python comparison (s
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension(f"tierkv.{name}", [f"tierkv/{name}.c"], extra_compile_args=["-O3"], optional=True)
-                   for name in ("_rowcopy", "_radix")])
+SOURCES = {"_rowcopy": ["tierkv/_rowcopy.c"], "_radix": ["tierkv/_radix.c", "tierkv/_radix_evict.c"]}
+
+HEADERS = {"_radix": ["tierkv/_radix.h"]}
+
+setup(ext_modules=[Extension(f"tierkv.{name}", sources, depends=HEADERS.get(name, []), extra_compile_args=["-O3"],
+                             optional=True)
+                   for name, sources in SOURCES.items()])

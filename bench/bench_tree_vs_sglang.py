@@ -5,11 +5,16 @@ tokenizer manager builds one per request). Per request: build the key, match it,
 uncached suffix needs beyond the capacity, insert it with a value tensor of slot ids. Phases:
 - ``cold``: no capacity limit (the tree grows), then one ``evict all`` of the whole tree;
 - ``steady``: capacity = ``--capacity-fraction`` of the tokens the cold build held (LRU eviction).
-Each op (match, insert, evict) is timed on its own in CPU time (``time.thread_time``); after one
+Evict does the same work on both sides: SGLang's ``evict`` pops its leaves, hands each node's slot
+tensor to the allocator's ``free_segment`` (a no-op here) and drops the node; tierkv's
+``EvictionHeap.evict_device`` (the compiled loop when built) returns the evicted nodes' slot tensors and
+the side hands each to the same no-op ``free_segment``; both release the nodes and tensors in the timed
+op. Each op (match, insert, evict) is timed on its own in CPU time (``time.thread_time``); after one
 untimed pass each, a repeat runs both trees back to back, repeats alternate which goes first, and each
 ratio (SGLang time / tierkv time, above 1: tierkv faster) is reported as min and median over the
 repeats. A full collection of Python's cyclic GC (both trees are cyclic) lands in whichever op runs
-then and drags one repeat's ratio; ``--no-gc`` turns the collector off while timing. Workloads:
+then and drags one repeat's ratio: the objects that exist before the timed repeats (SGLang's and torch's
+imports, the workload) are frozen out of it (``gc.freeze``), and ``--no-gc`` turns the collector off. Workloads:
 - ``trace``: the first N prompts of conversation_trace.jsonl (12k tokens on average), page size 16;
 - ``chat``: short multi-turn keys (64-1024 tokens, shared system prompts), page size 1.
 
@@ -121,6 +126,7 @@ class TierkvSide:
     def __init__(self, page_size: int) -> None:
         self.tree = RadixTree(page_size)
         self.heap = EvictionHeap(self.tree, "device", get_policy("lru"))
+        self.allocator = _NoAllocator()
 
     def key(self, ids: array):
         return RadixKey(ids)
@@ -135,13 +141,10 @@ class TierkvSide:
         return self.tree.evictable_size + self.tree.protected_size
 
     def evict(self, num_tokens: int) -> None:
-        freed, tree = 0, self.tree
-        for node in self.heap.victims():
-            freed += len(node)
-            tree.clear_device_value(node)
-            tree.remove_leaf(node)
-            if freed >= num_tokens:
-                break
+        _, _, values = self.heap.evict_device(num_tokens)
+        free = self.allocator.free_segment
+        for value in values:  # as SGLang's evict does: each node's slots back to the allocator
+            free(value)
 
 
 class _NoAllocator:
@@ -210,6 +213,8 @@ def compare(sides, seqs: list[list[int]], page_size: int, capacity: int | None, 
     ratios: dict[str, list[float]] = {}
     for make in sides:  # one untimed pass each: the first pays for fresh memory (page faults), not the tree
         run(make(), arrays, values, page_size, capacity)
+    gc.collect()
+    gc.freeze()  # the imports' and the workload's objects: a full collection scans only what the trees made
     for r in range(repeats):
         times = {}
         for make in (sides if r % 2 == 0 else sides[::-1]):
@@ -218,6 +223,7 @@ def compare(sides, seqs: list[list[int]], page_size: int, capacity: int | None, 
         for op, tk in times["tierkv"].items():
             if tk > 0:
                 ratios.setdefault(op, []).append((times["sglang"][op] / tk, times["sglang"][op], tk))
+    gc.unfreeze()
     return ratios
 
 
@@ -263,7 +269,10 @@ def main() -> None:
 def tree_impl() -> str:
     import tierkv.radix as radix
 
-    return f"{radix.implementation()} key comparison"
+    from tierkv.eviction import heap
+
+    evict = "C" if heap.native_evict_device is not None else "Python"
+    return f"{radix.implementation()} key comparison, {evict} eviction loop"
 
 
 if __name__ == "__main__":

@@ -36,13 +36,15 @@ def cpu_copy_impl(request, monkeypatch):
 
 @pytest.fixture(params=["c", "python"])
 def tree_impl(request, monkeypatch):
-    """Run a tree test against the compiled key packing and comparison (tierkv/_radix.c) and the
-    pure-Python reference (keys and trees built inside the test pick it up)."""
+    """Run a tree test against the compiled key packing, comparison and eviction loop (tierkv/_radix.c)
+    and the pure-Python reference (keys and trees built inside the test pick it up)."""
     from tierkv import radix, radix_key
+    from tierkv.eviction import heap
 
     if request.param == "python":
         monkeypatch.setattr(radix, "native_common_prefix_len", None)
         monkeypatch.setattr(radix_key, "native_pack_int64", None)
+        monkeypatch.setattr(heap, "native_evict_device", None)
     elif radix.native_common_prefix_len is None:
         if os.environ.get("TIERKV_REQUIRE_NATIVE") == "1":
             pytest.fail("tierkv._radix is not built (TIERKV_REQUIRE_NATIVE=1)")

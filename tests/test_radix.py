@@ -370,3 +370,22 @@ def test_a_partial_last_page_that_matches_a_longer_edge_is_still_cut():
     result = tree.insert(RadixKey(list(range(1, 8))), list(range(7)))
     assert result.prefix_len == 4 and result.new_node is None
     tree.check_integrity()
+
+
+def test_a_long_new_suffix_is_a_view_of_the_callers_array_and_a_short_one_a_copy():
+    from array import array
+
+    tree = RadixTree(page_size=2)
+    _insert(tree, list(range(10)))
+    ids = array("q", range(100))
+    long_tail = tree.insert(RadixKey(ids), list(range(100))).new_node
+    assert isinstance(long_tail.key, memoryview) and long_tail.key.obj is ids  # not copied
+    assert list(long_tail.key) == list(range(10, 100))
+    with pytest.raises(BufferError):  # handed over (RadixKey's contract): the tree holds a view of it
+        ids.append(1)
+    short_tail = tree.insert(RadixKey(array("q", list(range(100)) + [7, 7])), list(range(102))).new_node
+    assert type(short_tail.key) is array and list(short_tail.key) == [7, 7]  # a view would pin 102 ids
+    path = tree.match(RadixKey(list(range(50)) + [0, 0]))  # splits the view: both halves stay views
+    assert path.num_tokens == 50 and list(path.nodes[-1].key) == list(range(10, 50))
+    assert [list(n.key) for n in path.nodes[-1].children.values()] == [list(range(50, 100))]
+    tree.check_integrity()

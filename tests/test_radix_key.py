@@ -84,3 +84,21 @@ def test_native_packing_takes_plain_ints_only_and_leaves_the_rest_to_the_referen
     for odd in ([1, True], [1, np.int64(2)], [1, 2.0], [2**63], [-(2**63) - 1], [1, None]):
         assert pack(odd) is None
     assert pack([]) == b""
+
+
+def test_a_stale_native_build_leaves_the_pure_python_tree(monkeypatch, caplog):
+    """A _radix build from another checkout (no API_VERSION, no evict_device) is ignored, not called."""
+    import sys
+    import types
+
+    import tierkv
+    from tierkv import radix_key
+
+    stale = types.ModuleType("tierkv._radix")
+    stale.common_prefix_len = lambda a, b, offset: 0
+    monkeypatch.setitem(sys.modules, "tierkv._radix", stale)
+    monkeypatch.setattr(tierkv, "_radix", stale, raising=False)
+    monkeypatch.delenv("TIERKV_PURE_PYTHON_TREE", raising=False)
+    assert radix_key.load_native("common_prefix_len") is None
+    assert radix_key.load_native("evict_device") is None
+    assert "API version 1" in caplog.text

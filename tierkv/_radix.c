@@ -5,15 +5,14 @@
  * token, twice per node walked) before comparing; here the comparison reads the buffers in place:
  * one memcmp for a whole match, memcmp over fixed chunks and then single elements to place a mismatch.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "_radix.h"
 #include <stdint.h>
 #include <string.h>
 
 #define CHUNK_ELEMS 64
 
-static int int64_view(PyObject *obj, Py_buffer *view, const char *name) {
-    if (PyObject_GetBuffer(obj, view, PyBUF_FORMAT) < 0) {
+int tierkv_int64_view(PyObject *obj, Py_buffer *view, const char *name) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) {
         return -1;
     }
     if (view->itemsize != 8 || view->format == NULL || strcmp(view->format, "q") != 0) {
@@ -50,10 +49,10 @@ static PyObject *common_prefix_len(PyObject *self, PyObject *const *args, Py_ssi
         return NULL;
     }
     Py_buffer va, vb;
-    if (int64_view(args[0], &va, "a") < 0) {
+    if (tierkv_int64_view(args[0], &va, "a") < 0) {
         return NULL;
     }
-    if (int64_view(args[1], &vb, "b") < 0) {
+    if (tierkv_int64_view(args[1], &vb, "b") < 0) {
         PyBuffer_Release(&va);
         return NULL;
     }
@@ -105,6 +104,9 @@ static PyObject *pack_int64(PyObject *self, PyObject *seq) {
 static PyMethodDef methods[] = {
     {"pack_int64", pack_int64, METH_O,
      "pack_int64(seq) -> bytes of int64s, or None if an item is not an int that fits in 64 bits"},
+    {"evict_device", (PyCFunction)(void (*)(void))tierkv_evict_device, METH_FASTCALL,
+     "evict_device(tree, heap, live, changed, seqs, key_of, recheck, num_tokens, on_evict) -> "
+     "(freed, nodes, values)"},
     {"common_prefix_len", (PyCFunction)(void (*)(void))common_prefix_len, METH_FASTCALL,
      "common_prefix_len(a, b, offset) -> equal leading elements of int64 arrays a and b[offset:]"},
     {NULL, NULL, 0, NULL},
@@ -112,4 +114,14 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "tierkv._radix", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__radix(void) { return PyModule_Create(&module); }
+/* 2: evict_device; common_prefix_len takes memoryviews of int64 arrays (node keys may be views) */
+#define API_VERSION 2
+
+PyMODINIT_FUNC PyInit__radix(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddIntConstant(m, "API_VERSION", API_VERSION) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -3,6 +3,10 @@
 Values stored on nodes (device slots, host slots, page hashes) are opaque to the tree: it only needs
 ``len()`` and slicing of them, so it never imports torch or knows about tiers.
 
+Node keys are ``array('q')`` token ids, or read-only-by-contract ``memoryview``s of the caller's key
+array (format ``q``, see :meth:`RadixTree._leaf_key`): both have ``len``, indexing, slicing, ``tobytes``
+and the buffer protocol; lists of token pairs in bigram mode.
+
 Invariants kept by the tree (checked by :meth:`RadixTree.check_integrity`):
 - every non-root node has a non-empty key whose length is a multiple of ``page_size``;
 - a node with a value has ``len(value) == len(key)``;
@@ -318,7 +322,7 @@ class RadixTree:
             node, pos = child, pos + n
         result.prefix_len = pos
         if pos < num_elems:
-            leaf = TreeNode(elems[pos:num_elems], extra_key, node, tick)  # a copy: the key's array is the caller's
+            leaf = TreeNode(self._leaf_key(elems, pos, num_elems), extra_key, node, tick)
             leaf.priority = priority
             node.children[self.child_key(leaf.key, extra_key)] = leaf
             self._attach(leaf, value[pos:num_elems] if pos or num_values > num_elems else value)  # one slice
@@ -328,6 +332,15 @@ class RadixTree:
         frontiers.device_changed.update(path)
         frontiers.host_changed.update(path)
         return result
+
+    def _leaf_key(self, elems: Any, start: int, end: int) -> Any:
+        """A new leaf's key ``elems[start:end]``: a view of the caller's token array when it is at least
+        half of it, else a copy. The copy was most of a long prompt's insert (SGLang copies too); the
+        array is the caller's to hand over (see RadixKey), and a view of a short tail would keep a whole
+        prompt alive for a few tokens, so a view holds at most twice the tokens its node keeps."""
+        if type(elems) is array and 2 * (end - start) >= len(elems):
+            return memoryview(elems)[start:end]
+        return elems[start:end]
 
     def add_leaf(self, parent: TreeNode, elems: list, extra_key: str | None) -> TreeNode:
         """A new valueless leaf under ``parent`` for the caller to give a value (an L3 prefetch's host slots).

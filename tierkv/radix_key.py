@@ -6,6 +6,7 @@ and engines that hold arrays (SGLang's scheduler does) hand them over in one mem
 
 from __future__ import annotations
 
+import logging
 import operator
 import os
 import reprlib
@@ -13,15 +14,27 @@ from array import array
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+log = logging.getLogger(__name__)
+
+
+NATIVE_API_VERSION = 2  # the API_VERSION of tierkv/_radix.c that the tree calls
+
 
 def load_native(name: str) -> Callable | None:
-    """A function of the compiled tree core (tierkv/_radix.c), or None when it is not built or when
-    ``TIERKV_PURE_PYTHON_TREE=1`` asks for the pure-Python reference."""
+    """A function of the compiled tree core (tierkv/_radix.c), or None when it is not built, when
+    ``TIERKV_PURE_PYTHON_TREE=1`` asks for the pure-Python reference, or when the build found is another
+    version (say, left on the path by an editable install of another checkout: it may lack the function
+    or refuse the keys the tree now holds)."""
     if os.environ.get("TIERKV_PURE_PYTHON_TREE") == "1":
         return None
     try:
         from tierkv import _radix
     except ImportError:
+        return None
+    version = getattr(_radix, "API_VERSION", 1)
+    if version != NATIVE_API_VERSION:
+        log.warning("ignoring %s: API version %s, expected %s (rebuild: python setup.py build_ext --inplace)",
+                    getattr(_radix, "__file__", _radix), version, NATIVE_API_VERSION)
         return None
     return getattr(_radix, name)
 

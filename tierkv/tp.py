@@ -121,7 +121,8 @@ def _digest_words(digest: str) -> list[int]:
 
 def _node_record(node: TreeNode, include_slots: bool) -> tuple:
     num_hashes = None if node.hash_values is None else len(node.hash_values)
-    record = (repr(node.key), node.extra_key, node.device_value is not None, node.host_value is not None,
+    key = node.key  # an array('q') or a memoryview of one (whose repr is an address), pairs in bigram mode
+    record = (repr(key) if isinstance(key, list) else key.tobytes(), node.extra_key, node.device_value is not None, node.host_value is not None,
               num_hashes, node.lock_ref, node.host_ref, node.hit_count, node.last_access_time,
               node.creation_time, node.priority)
     if include_slots:

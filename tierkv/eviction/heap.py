@@ -23,6 +23,13 @@ import itertools
 from typing import Any, Callable, Iterator
 
 from tierkv.eviction.base import Policy, eviction_order
+from tierkv.radix_key import load_native
+
+native_evict_device = load_native("evict_device")  # tests set it to None to run the pure-Python loop
+
+# keys that are a tuple of node slots, which the compiled loop reads itself instead of calling the key
+# function (tests check each against the function)
+_SLOT_KEYS = {Policy.key: ("last_access_time", "id")}
 
 _COMPACT_SLACK = 1024  # stale entries tolerated beyond twice the live ones before the heap is rebuilt
 
@@ -53,6 +60,51 @@ class EvictionHeap:
             changed.clear()  # keys move with time: ranked afresh on every call, as before
             return eviction_order(self._frontier(), self.order, self._next_leaf)
         return self._pop_all()
+
+    def evict_device(self, num_tokens: int, on_evict: Callable[[Any, bool], Any] | None = None
+                     ) -> tuple[int, list, list]:
+        """Evict device candidates in :meth:`victims` order until ``num_tokens`` are freed (none when
+        ``num_tokens`` <= 0): each loses its device value and leaves the tree when no tier holds it.
+        ``on_evict(node, removed)`` (a policy's hook) runs right after each node is evicted: a policy
+        whose state moves on eviction ranks the next candidates by it. Returns (tokens freed, nodes
+        evicted, their device values in the same order) for the caller to free the slots. The loop runs in tierkv/_radix.c when built (the tree's
+        keys are int64 arrays, the policy static), else in Python; both give the same victims.
+
+        Lock contract: locked nodes are never candidates; takes no lock.
+        """
+        if self.tier != "device":
+            raise ValueError(f"evict_device evicts the device tier, this heap ranks {self.tier!r}")
+        if num_tokens <= 0:
+            return 0, [], []
+        tree, native = self.tree, native_evict_device
+        if native is None or tree.bigram or not getattr(self.order, "static", True):
+            return self._evict_device_python(num_tokens, on_evict)
+        changed = tree.changed_nodes("device")
+        if changed is not self._changed:  # as in victims(): first call, or the tree was reset
+            self._changed, self._heap, self._live = changed, [], {}
+        recheck = getattr(self.order, "keys_rise_untouched", True)
+        key = _SLOT_KEYS.get(type(self.order).key) if isinstance(self.order, Policy) else None
+        result = native(tree, self._heap, self._live, changed, self._seq, key or self._key, recheck, num_tokens,
+                        on_evict)
+        self._compact()
+        return result
+
+    def _evict_device_python(self, num_tokens: int, on_evict: Callable[[Any, bool], Any] | None
+                             ) -> tuple[int, list, list]:
+        """:meth:`evict_device` in Python: the reference the compiled loop is tested against."""
+        tree, freed, nodes, values = self.tree, 0, [], []
+        for node in self.victims():
+            freed += len(node.key)
+            nodes.append(node)
+            values.append(tree.clear_device_value(node))
+            removed = node._host_value is None and not node.children
+            if removed:
+                tree.remove_leaf(node)
+            if on_evict is not None:
+                on_evict(node, removed)
+            if freed >= num_tokens:
+                break
+        return freed, nodes, values
 
     def _next_leaf(self, node: Any) -> Any:
         parent = node.parent
@@ -89,6 +141,9 @@ class EvictionHeap:
                 live[node.id] = seq
                 heapq.heappush(heap, (key_of(node), node.id, seq, node))
         changed.clear()
+        self._compact()
+
+    def _compact(self) -> None:
         if len(self._heap) > 2 * len(self._live) + _COMPACT_SLACK:
             live = self._live
             self._heap[:] = [e for e in self._heap if live.get(e[1]) == e[2]]  # in place: a pop loop holds it

@@ -1,0 +1,598 @@
+#include "_radix.h"
+#include <structmember.h>
+#include <stdint.h>
+
+/* The compiled eviction loop of tierkv._radix (module and key functions: _radix.c).
+ *
+ * evict_device(...) is EvictionHeap.evict_device's loop (tierkv/eviction/heap.py keeps the pure-Python
+ * reference, built on victims(), clear_device_value() and remove_leaf()): pop the persistent heap, check
+ * the candidate, drop its device value, unlink it when no tier holds it, re-rank what that changed.
+ * Why here: in Python each evicted node cost ~3 us of generator, heap, property and set bookkeeping,
+ * as much as SGLang's whole per-node work. The same entries, the same order: (key, node id, seq, node)
+ * tuples ranked by the policy's key function, one valid entry per node id in ``live``.
+ * TreeNode fields are read at their __slots__ offsets (looked up once per node type). */
+
+typedef struct {
+    PyTypeObject *type;
+    Py_ssize_t id, key, extra_key, parent, children, device_value, host_value, lock_ref, host_ref;
+} NodeLayout;
+
+static NodeLayout layout;
+
+#define SLOT(o, field) (*(PyObject **)((char *)(o) + layout.field))
+
+static int slot_offset(PyTypeObject *type, const char *name, Py_ssize_t *out) {
+    PyObject *descr = PyObject_GetAttrString((PyObject *)type, name);
+    if (descr == NULL) {
+        return -1;
+    }
+    if (!Py_IS_TYPE(descr, &PyMemberDescr_Type)) {
+        PyErr_Format(PyExc_TypeError, "%s.%s is not a __slots__ member", type->tp_name, name);
+        Py_DECREF(descr);
+        return -1;
+    }
+    PyMemberDef *member = ((PyMemberDescrObject *)descr)->d_member;
+    *out = member->offset;
+    Py_DECREF(descr);
+    return member->type == T_OBJECT_EX ? 0 : (PyErr_Format(PyExc_TypeError, "%s.%s: not an object slot",
+                                                           type->tp_name, name), -1);
+}
+
+static int bind_layout(PyTypeObject *type) {
+    if (layout.type == type) {
+        return 0;
+    }
+    NodeLayout l = {type, 0};
+    if (slot_offset(type, "id", &l.id) < 0 || slot_offset(type, "key", &l.key) < 0
+        || slot_offset(type, "extra_key", &l.extra_key) < 0 || slot_offset(type, "parent", &l.parent) < 0
+        || slot_offset(type, "children", &l.children) < 0
+        || slot_offset(type, "_device_value", &l.device_value) < 0
+        || slot_offset(type, "_host_value", &l.host_value) < 0
+        || slot_offset(type, "lock_ref", &l.lock_ref) < 0 || slot_offset(type, "host_ref", &l.host_ref) < 0) {
+        return -1;
+    }
+    Py_INCREF(type);
+    Py_XDECREF(layout.type);
+    layout = l;
+    return 0;
+}
+
+static int check_node(PyObject *node) {
+    if (!Py_IS_TYPE(node, layout.type)) {
+        PyErr_Format(PyExc_TypeError, "expected a %s, got %s", layout.type->tp_name, Py_TYPE(node)->tp_name);
+        return -1;
+    }
+    if (SLOT(node, id) == NULL || SLOT(node, key) == NULL || SLOT(node, extra_key) == NULL
+        || SLOT(node, parent) == NULL || SLOT(node, children) == NULL || SLOT(node, device_value) == NULL
+        || SLOT(node, host_value) == NULL || SLOT(node, lock_ref) == NULL || SLOT(node, host_ref) == NULL
+        || !PyDict_CheckExact(SLOT(node, children))) {
+        PyErr_SetString(PyExc_TypeError, "tree node with an unset slot or non-dict children");
+        return -1;
+    }
+    return 0;
+}
+
+/* The heap: heapq's layout and algorithm over (key, node id, seq, node) entries, with a comparison
+ * that reads exact ints and floats directly. A policy key is a tuple of them, so heapq's generic tuple
+ * comparison (an equality test and then an order test per nested item) cost ~1.5 us per pop at 5k
+ * entries; the order is the same one (lexicographic, shorter first), so both paths share one heap. */
+
+/* -1, 0, 1 for x <, ==, > y as far as an order test tells (NaN-free keys); -2 on error */
+static int obj_cmp(PyObject *x, PyObject *y) {
+    if (x == y) {
+        return 0;
+    }
+    if (PyLong_CheckExact(x) && PyLong_CheckExact(y)) {
+        int ox = 0, oy = 0;
+        long long a = PyLong_AsLongLongAndOverflow(x, &ox), b = PyLong_AsLongLongAndOverflow(y, &oy);
+        if (!ox && !oy) {
+            return (a > b) - (a < b);
+        }
+    } else if (PyFloat_CheckExact(x) && PyFloat_CheckExact(y)) {
+        double a = PyFloat_AS_DOUBLE(x), b = PyFloat_AS_DOUBLE(y);
+        if (a == b) {
+            return 0;
+        }
+        if (a < b || b < a) {
+            return a < b ? -1 : 1;
+        }
+    }
+    int eq = PyObject_RichCompareBool(x, y, Py_EQ);
+    if (eq != 0) {
+        return eq < 0 ? -2 : 0;
+    }
+    int lt = PyObject_RichCompareBool(x, y, Py_LT);
+    return lt < 0 ? -2 : (lt ? -1 : 1);
+}
+
+static int key_cmp(PyObject *x, PyObject *y) {
+    if (!PyTuple_CheckExact(x) || !PyTuple_CheckExact(y)) {
+        return obj_cmp(x, y);
+    }
+    Py_ssize_t nx = PyTuple_GET_SIZE(x), ny = PyTuple_GET_SIZE(y);
+    for (Py_ssize_t i = 0; i < nx && i < ny; i++) {
+        int c = obj_cmp(PyTuple_GET_ITEM(x, i), PyTuple_GET_ITEM(y, i));
+        if (c != 0) {
+            return c;
+        }
+    }
+    return (nx > ny) - (nx < ny);
+}
+
+/* entry a < entry b: 1, 0, -1 on error (entries are (key, id, seq, node) tuples) */
+static int entry_lt(PyObject *a, PyObject *b) {
+    if (!PyTuple_CheckExact(a) || !PyTuple_CheckExact(b) || PyTuple_GET_SIZE(a) < 3 || PyTuple_GET_SIZE(b) < 3) {
+        return PyObject_RichCompareBool(a, b, Py_LT);
+    }
+    Py_INCREF(a);
+    Py_INCREF(b);
+    int c = 0;
+    for (Py_ssize_t i = 0; i < 3 && c == 0; i++) {
+        c = (i == 0 ? key_cmp : obj_cmp)(PyTuple_GET_ITEM(a, i), PyTuple_GET_ITEM(b, i));
+    }
+    int lt = c == -2 ? -1 : c < 0;
+    if (c == 0) {  /* two entries of one node, one key, one seq: never in one heap, but stay exact */
+        lt = PyObject_RichCompareBool(a, b, Py_LT);
+    }
+    Py_DECREF(a);
+    Py_DECREF(b);
+    return lt;
+}
+
+/* a comparison ran Python code that changed the heap: refuse, as heapq does */
+static int heap_changed(PyObject *heap, Py_ssize_t size) {
+    if (PyList_GET_SIZE(heap) != size) {
+        PyErr_SetString(PyExc_RuntimeError, "eviction heap changed size during a comparison");
+        return 1;
+    }
+    return 0;
+}
+
+/* heapq._siftdown: the entry at pos moves toward the root (startpos) */
+static int sift_root(PyObject *heap, Py_ssize_t startpos, Py_ssize_t pos) {
+    Py_ssize_t size = PyList_GET_SIZE(heap);
+    while (pos > startpos) {
+        Py_ssize_t parentpos = (pos - 1) >> 1;
+        PyObject **arr = ((PyListObject *)heap)->ob_item;
+        int lt = entry_lt(arr[pos], arr[parentpos]);
+        if (lt < 0 || heap_changed(heap, size)) {
+            return -1;
+        }
+        if (!lt) {
+            break;
+        }
+        arr = ((PyListObject *)heap)->ob_item;
+        PyObject *tmp = arr[parentpos];
+        arr[parentpos] = arr[pos];
+        arr[pos] = tmp;
+        pos = parentpos;
+    }
+    return 0;
+}
+
+/* heapq._siftup: the smaller child rises until a leaf is reached, then that leaf's entry sifts back */
+static int sift_leaf(PyObject *heap, Py_ssize_t pos) {
+    Py_ssize_t endpos = PyList_GET_SIZE(heap), startpos = pos, limit = endpos >> 1;
+    while (pos < limit) {
+        Py_ssize_t childpos = 2 * pos + 1;
+        if (childpos + 1 < endpos) {
+            PyObject **arr = ((PyListObject *)heap)->ob_item;
+            int lt = entry_lt(arr[childpos], arr[childpos + 1]);
+            if (lt < 0 || heap_changed(heap, endpos)) {
+                return -1;
+            }
+            childpos += lt ^ 1;
+        }
+        PyObject **arr = ((PyListObject *)heap)->ob_item;
+        PyObject *tmp = arr[childpos];
+        arr[childpos] = arr[pos];
+        arr[pos] = tmp;
+        pos = childpos;
+    }
+    return sift_root(heap, startpos, pos);
+}
+
+static int heap_push(PyObject *heap, PyObject *entry) {
+    if (PyList_Append(heap, entry) < 0) {
+        return -1;
+    }
+    return sift_root(heap, 0, PyList_GET_SIZE(heap) - 1);
+}
+
+/* smallest entry (new reference); NULL without an error when the heap is empty */
+static PyObject *heap_pop(PyObject *heap) {
+    Py_ssize_t n = PyList_GET_SIZE(heap);
+    if (n == 0) {
+        return NULL;
+    }
+    PyObject *last = Py_NewRef(PyList_GET_ITEM(heap, n - 1));
+    if (PyList_SetSlice(heap, n - 1, n, NULL) < 0) {
+        Py_DECREF(last);
+        return NULL;
+    }
+    if (n == 1) {
+        return last;
+    }
+    PyObject *top = PyList_GET_ITEM(heap, 0);  /* its reference moves to the caller */
+    PyList_SET_ITEM(heap, 0, last);
+    if (sift_leaf(heap, 0) < 0) {
+        Py_DECREF(top);
+        return NULL;
+    }
+    return top;
+}
+
+typedef struct {
+    PyObject *root, *heap, *live, *changed, *seqs, *key_of, *on_evict;
+    Py_ssize_t key_slots[4], num_key_slots;  /* key_of given as slot names: the key is those slots */
+    PyObject *device, *host, *host_changed;  /* the tree's frontier sets (changed is device_changed) */
+    Py_ssize_t page_size, evicted_tokens;
+    PyObject *nodes, *values;
+} EvictCtx;
+
+/* RadixTree.is_device_leaf: 1, 0, or -1 on error */
+static int is_device_leaf(PyObject *n, PyObject *root) {
+    if (check_node(n) < 0) {
+        return -1;
+    }
+    if (n == root || SLOT(n, device_value) == Py_None) {
+        return 0;
+    }
+    int locked = PyObject_IsTrue(SLOT(n, lock_ref));
+    if (locked) {
+        return locked < 0 ? -1 : 0;
+    }
+    Py_ssize_t pos = 0;
+    PyObject *k, *child;
+    while (PyDict_Next(SLOT(n, children), &pos, &k, &child)) {
+        if (!Py_IS_TYPE(child, layout.type) || SLOT(child, device_value) == NULL) {
+            return check_node(child) < 0 ? -1 : 0;  /* the full check names what is wrong */
+        }
+        if (SLOT(child, device_value) != Py_None) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* the policy's key of ``node`` (new reference): a call, or a tuple of its slots read here (the base
+ * policy's key is (last_access_time, id): a Python call per ranked node cost more than the rest) */
+static PyObject *rank(EvictCtx *c, PyObject *node) {
+    if (c->num_key_slots == 0) {
+        return PyObject_CallOneArg(c->key_of, node);
+    }
+    PyObject *key = PyTuple_New(c->num_key_slots);
+    for (Py_ssize_t i = 0; key != NULL && i < c->num_key_slots; i++) {
+        PyObject *v = *(PyObject **)((char *)node + c->key_slots[i]);
+        if (v == NULL) {
+            Py_DECREF(key);
+            PyErr_SetString(PyExc_AttributeError, "a key slot of a tree node is unset");
+            return NULL;
+        }
+        PyTuple_SET_ITEM(key, i, Py_NewRef(v));
+    }
+    return key;
+}
+
+static int bind_key_slots(EvictCtx *c) {
+    if (!PyTuple_Check(c->key_of)) {
+        return 0;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(c->key_of);
+    if (n < 1 || n > 4) {
+        PyErr_SetString(PyExc_ValueError, "key_of as slot names takes 1 to 4 names");
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const char *name = PyUnicode_Check(PyTuple_GET_ITEM(c->key_of, i))
+                           ? PyUnicode_AsUTF8(PyTuple_GET_ITEM(c->key_of, i)) : NULL;
+        if (name == NULL) {
+            if (!PyErr_Occurred()) {
+                PyErr_SetString(PyExc_TypeError, "key_of slot names must be str");
+            }
+            return -1;
+        }
+        if (slot_offset(layout.type, name, &c->key_slots[i]) < 0) {
+            return -1;
+        }
+    }
+    c->num_key_slots = n;
+    return 0;
+}
+
+/* one valid entry for ``node`` ranked by ``key`` (new reference consumed), or by key_of(node) when NULL */
+static int push_node(EvictCtx *c, PyObject *node, PyObject *key) {
+    if (key == NULL && (key = rank(c, node)) == NULL) {
+        return -1;
+    }
+    PyObject *seq = PyIter_Next(c->seqs), *entry = NULL;
+    int rc = -1;
+    if (seq != NULL && PyDict_SetItem(c->live, SLOT(node, id), seq) == 0
+        && (entry = PyTuple_Pack(4, key, SLOT(node, id), seq, node)) != NULL) {
+        rc = heap_push(c->heap, entry);
+    } else if (seq == NULL && !PyErr_Occurred()) {
+        PyErr_SetString(PyExc_RuntimeError, "eviction heap sequence exhausted");
+    }
+    Py_DECREF(key);
+    Py_XDECREF(seq);
+    Py_XDECREF(entry);
+    return rc;
+}
+
+/* EvictionHeap._drain: push the changed nodes that are candidates now, then forget the changes */
+static int drain(EvictCtx *c) {
+    if (PySet_GET_SIZE(c->changed) == 0) {
+        return 0;
+    }
+    PyObject *it = PyObject_GetIter(c->changed), *node;
+    if (it == NULL) {
+        return -1;
+    }
+    while ((node = PyIter_Next(it)) != NULL) {
+        int cand = is_device_leaf(node, c->root);
+        if (cand < 0 || (cand && push_node(c, node, NULL) < 0)) {
+            Py_DECREF(node);
+            Py_DECREF(it);
+            return -1;
+        }
+        Py_DECREF(node);
+    }
+    Py_DECREF(it);
+    return PyErr_Occurred() ? -1 : PySet_Clear(c->changed);
+}
+
+/* RadixTree.child_key(node.key, node.extra_key) for int64 keys */
+static PyObject *child_key(EvictCtx *c, PyObject *node) {
+    Py_buffer view;
+    if (tierkv_int64_view(SLOT(node, key), &view, "node key") < 0) {
+        return NULL;
+    }
+    PyObject *first = NULL;
+    if (view.len < c->page_size * 8 || view.len == 0) {
+        PyErr_SetString(PyExc_ValueError, "node key shorter than a page");
+    } else if (c->page_size == 1) {
+        first = PyLong_FromLongLong(((const int64_t *)view.buf)[0]);
+    } else {
+        first = PyBytes_FromStringAndSize((const char *)view.buf, c->page_size * 8);
+    }
+    PyBuffer_Release(&view);
+    PyObject *extra = SLOT(node, extra_key);
+    if (first == NULL || extra == Py_None) {
+        return first;
+    }
+    PyObject *pair = PyTuple_Pack(2, extra, first);
+    Py_DECREF(first);
+    return pair;
+}
+
+/* on_evict(node, removed) when the caller gave a hook: a policy's state (GDSF's clock) may rank the
+ * parent that joins next */
+static int report(EvictCtx *c, PyObject *node, PyObject *removed) {
+    if (c->on_evict == Py_None) {
+        return 0;
+    }
+    PyObject *r = PyObject_CallFunctionObjArgs(c->on_evict, node, removed, NULL);
+    Py_XDECREF(r);
+    return r == NULL ? -1 : 0;
+}
+
+/* clear_device_value(node), then remove_leaf(node) when no tier holds it; ``node`` is a candidate */
+static int evict_one(EvictCtx *c, PyObject *node, Py_ssize_t *freed) {
+    Py_ssize_t num_tokens = PyObject_Size(SLOT(node, key));
+    if (num_tokens < 0 || PyList_Append(c->nodes, node) < 0 || PyList_Append(c->values, SLOT(node, device_value)) < 0) {
+        return -1;
+    }
+    Py_SETREF(SLOT(node, device_value), Py_NewRef(Py_None));
+    c->evicted_tokens += num_tokens;
+    *freed += num_tokens;
+    PyObject *parent = SLOT(node, parent);
+    if (PySet_Add(c->host_changed, node) < 0) {
+        return -1;
+    }
+    if (parent != Py_None && (PySet_Add(c->device, parent) < 0 || PySet_Add(c->changed, parent) < 0)) {
+        return -1;
+    }
+    if (SLOT(node, host_value) != Py_None || PyDict_GET_SIZE(SLOT(node, children)) != 0) {
+        return report(c, node, Py_False);
+    }
+    int held = PyObject_IsTrue(SLOT(node, host_ref));
+    if (held) {
+        if (held > 0) {
+            PyErr_Format(PyExc_RuntimeError, "node %S is locked", SLOT(node, id));
+        }
+        return -1;
+    }
+    PyObject *ck = child_key(c, node);
+    if (ck == NULL || check_node(parent) < 0) {
+        Py_XDECREF(ck);
+        return -1;
+    }
+    int rc = PyDict_DelItem(SLOT(parent, children), ck);
+    Py_DECREF(ck);
+    if (rc < 0 || PySet_Discard(c->device, node) < 0 || PySet_Discard(c->host, node) < 0
+        || PySet_Discard(c->changed, node) < 0 || PySet_Discard(c->host_changed, node) < 0) {
+        return -1;
+    }
+    return report(c, node, Py_True);
+}
+
+/* The next victim popped from the heap (new reference), NULL with no error when the heap is empty. */
+static PyObject *pop_victim(EvictCtx *c, int recheck) {
+    while (PyList_GET_SIZE(c->heap) > 0) {
+        PyObject *entry = heap_pop(c->heap);
+        if (entry == NULL) {
+            return NULL;
+        }
+        if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 4) {
+            Py_DECREF(entry);
+            PyErr_SetString(PyExc_TypeError, "eviction heap entry is not a (key, id, seq, node) tuple");
+            return NULL;
+        }
+        PyObject *key = PyTuple_GET_ITEM(entry, 0), *id = PyTuple_GET_ITEM(entry, 1);
+        PyObject *seq = PyTuple_GET_ITEM(entry, 2), *node = PyTuple_GET_ITEM(entry, 3);
+        PyObject *cur = PyDict_GetItemWithError(c->live, id);
+        int valid = cur == NULL ? 0 : (cur == seq ? 1 : PyObject_RichCompareBool(cur, seq, Py_EQ));
+        int cand = 0;
+        if (valid > 0 && PyDict_DelItem(c->live, id) == 0) {
+            cand = is_device_leaf(node, c->root);
+        }
+        if (PyErr_Occurred()) {
+            Py_DECREF(entry);
+            return NULL;
+        }
+        if (cand && recheck) {  /* the key rose since the push: take its place again */
+            PyObject *now = rank(c, node);
+            int same = now == NULL ? -1 : PyObject_RichCompareBool(now, key, Py_EQ);
+            if (same < 0) {
+                Py_XDECREF(now);
+                Py_DECREF(entry);
+                return NULL;
+            }
+            if (same == 0) {
+                cand = 0;
+                if (push_node(c, node, now) < 0) {  /* consumes now */
+                    Py_DECREF(entry);
+                    return NULL;
+                }
+            } else {
+                Py_DECREF(now);
+            }
+        }
+        if (cand) {
+            Py_INCREF(node);
+            Py_DECREF(entry);
+            return node;
+        }
+        Py_DECREF(entry);
+    }
+    return NULL;
+}
+
+/* After evicting ``node``: when the one change is its parent becoming a candidate ranked before the
+ * heap's top, that parent is the next victim (what pushing and popping it would give); the parent
+ * rejoins the heap otherwise. Returns the parent to evict next (new reference), or NULL (error set or not). */
+static PyObject *parent_next(EvictCtx *c, PyObject *node) {
+    PyObject *parent = SLOT(node, parent);
+    if (PySet_GET_SIZE(c->changed) != 1 || parent == Py_None || PySet_Contains(c->changed, parent) != 1) {
+        return NULL;
+    }
+    int cand = is_device_leaf(parent, c->root);
+    if (cand <= 0) {
+        return NULL;  /* not a candidate: the drain drops it */
+    }
+    PyObject *key = rank(c, parent);
+    if (key == NULL) {
+        return NULL;
+    }
+    int first = 1;
+    if (PyList_GET_SIZE(c->heap) > 0) {
+        PyObject *top = Py_NewRef(PyList_GET_ITEM(c->heap, 0));  /* (key, id) first when equal to it */
+        int cmp = key_cmp(key, PyTuple_GET_ITEM(top, 0));
+        cmp = cmp == 0 ? obj_cmp(SLOT(parent, id), PyTuple_GET_ITEM(top, 1)) : cmp;
+        first = cmp == -2 ? -1 : cmp <= 0;
+        Py_DECREF(top);
+    }
+    if (first < 0 || PySet_Clear(c->changed) < 0) {
+        Py_DECREF(key);
+        return NULL;
+    }
+    if (!first) {
+        push_node(c, parent, key);
+        return NULL;
+    }
+    Py_DECREF(key);
+    if (PyDict_DelItem(c->live, SLOT(parent, id)) < 0) {  /* an older entry of it, now stale */
+        if (!PyErr_ExceptionMatches(PyExc_KeyError)) {
+            return NULL;
+        }
+        PyErr_Clear();
+    }
+    return Py_NewRef(parent);
+}
+
+static int evict_loop(EvictCtx *c, Py_ssize_t num_tokens, int recheck) {
+    Py_ssize_t freed = 0;
+    PyObject *next = NULL;
+    if (drain(c) < 0) {
+        return -1;
+    }
+    while (freed < num_tokens) {
+        PyObject *node = next != NULL ? next : pop_victim(c, recheck);
+        next = NULL;
+        if (node == NULL) {
+            return PyErr_Occurred() ? -1 : 0;
+        }
+        int rc = evict_one(c, node, &freed);
+        if (rc == 0 && freed < num_tokens) {
+            next = parent_next(c, node);
+            rc = next == NULL && (PyErr_Occurred() || drain(c) < 0) ? -1 : 0;
+        }
+        Py_DECREF(node);
+        if (rc < 0) {
+            Py_XDECREF(next);
+            return -1;
+        }
+    }
+    Py_XDECREF(next);
+    return 0;
+}
+
+PyObject *tierkv_evict_device(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 9) {
+        PyErr_Format(PyExc_TypeError, "evict_device takes (tree, heap, live, changed, seqs, key_of, recheck, "
+                     "num_tokens, on_evict), got %zd arguments", nargs);
+        return NULL;
+    }
+    PyObject *tree = args[0];
+    EvictCtx c = {0};
+    c.heap = args[1], c.live = args[2], c.changed = args[3], c.seqs = args[4], c.key_of = args[5], c.on_evict = args[8];
+    int recheck = PyObject_IsTrue(args[6]);
+    Py_ssize_t num_tokens = PyLong_AsSsize_t(args[7]);
+    if (recheck < 0 || (num_tokens == -1 && PyErr_Occurred())) {
+        return NULL;
+    }
+    if (!PyList_CheckExact(c.heap) || !PyDict_CheckExact(c.live) || !PySet_CheckExact(c.changed)) {
+        PyErr_SetString(PyExc_TypeError, "evict_device needs the heap's list, live dict and changed set");
+        return NULL;
+    }
+    PyObject *frontiers = NULL, *page = NULL, *result = NULL;
+    c.root = PyObject_GetAttrString(tree, "root");
+    c.nodes = PyList_New(0), c.values = PyList_New(0);
+    if (c.root == NULL || c.nodes == NULL || c.values == NULL
+        || bind_layout(Py_TYPE(c.root)) < 0 || bind_key_slots(&c) < 0
+        || (frontiers = PyObject_GetAttrString(c.root, "_frontiers")) == NULL
+        || (c.device = PyObject_GetAttrString(frontiers, "device")) == NULL
+        || (c.host = PyObject_GetAttrString(frontiers, "host")) == NULL
+        || (c.host_changed = PyObject_GetAttrString(frontiers, "host_changed")) == NULL
+        || (page = PyObject_GetAttrString(tree, "page_size")) == NULL
+        || ((c.page_size = PyLong_AsSsize_t(page)) == -1 && PyErr_Occurred())) {
+        goto done;
+    }
+    if (!PySet_CheckExact(c.device) || !PySet_CheckExact(c.host) || !PySet_CheckExact(c.host_changed)) {
+        PyErr_SetString(PyExc_TypeError, "tree frontiers are not sets");
+        goto done;
+    }
+    int rc = evict_loop(&c, num_tokens, recheck);
+    if (c.evicted_tokens > 0) {  /* _account: every node evicted was unlocked; also after an error */
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        PyObject *size = PyObject_GetAttrString(tree, "evictable_size"), *delta = PyLong_FromSsize_t(c.evicted_tokens);
+        PyObject *left = size && delta ? PyNumber_Subtract(size, delta) : NULL;
+        int set = left ? PyObject_SetAttrString(tree, "evictable_size", left) : -1;
+        Py_XDECREF(size), Py_XDECREF(delta), Py_XDECREF(left);
+        if (type != NULL) {
+            PyErr_Restore(type, value, tb);
+        }
+        rc = set < 0 ? -1 : rc;
+    }
+    if (rc == 0) {
+        Py_ssize_t freed = c.evicted_tokens;
+        result = Py_BuildValue("(nOO)", freed, c.nodes, c.values);
+    }
+done:
+    Py_XDECREF(frontiers), Py_XDECREF(page), Py_XDECREF(c.root);
+    Py_XDECREF(c.device), Py_XDECREF(c.host), Py_XDECREF(c.host_changed), Py_XDECREF(c.nodes), Py_XDECREF(c.values);
+    return result;
+}
+

@@ -188,7 +188,8 @@ def _tokens_in_both_tiers(mode: str) -> int:
             replayer.serve(req)
         replayer.cache.flush()
         replayer.cache.check_integrity()
-        return sum(len(n) for n in replayer.cache.tree.nodes() if n.device_value is not None and n.host_value is not None)
+        nodes = replayer.cache.tree.nodes()
+        return sum(len(n) for n in nodes if n.device_value is not None and n.host_value is not None)
     finally:
         replayer.finish()
 

@@ -1,10 +1,10 @@
 """tierkv's L2 rules against HiCache's, by page simulation (issue 13 items 5 and 6).
 
 For each trace, policy, write policy and L1:L2 ratio, the simulator (tierkv.replay.sim) runs twice, one
-rule flipped: ``l2_evicts_l1_resident`` (tierkv: L2 eviction may drop the copy of a node still in L1;
-HiCache: only host-only leaves) and ``write_back_ancestors`` (tierkv: write-back copies the node's
-un-backed ancestors with it; HiCache: only the node, an ancestor when it is evicted in turn). Prints hit
-ratio, L2 hit ratio and tokens copied L1 -> L2 for both.
+rule on and off: ``l2_evicts_l1_resident`` (on, tierkv: L2 eviction may drop the copy of a node still in
+L1; off, HiCache: only host-only leaves) and ``write_back_ancestors`` (on, tierkv before: write-back
+copies the node's un-backed ancestors with it; off, HiCache and tierkv now: only the node, an ancestor
+when it is evicted in turn). Prints hit ratio, L2 hit ratio and tokens copied L1 -> L2 for both.
 
 Run:  python bench/hicache_rules.py data/traces/conversation_trace.jsonl.gz ../shared/data/traces/synthetic_trace.jsonl
           [--l1-tokens 500k] [--ratios 1,2,8] [--policies lru,gdsf]
@@ -34,26 +34,28 @@ def main() -> None:
     parser.add_argument("--ratios", default="1,2,8", help="L2 size as a multiple of L1")
     parser.add_argument("--policies", default="lru,gdsf")
     parser.add_argument("--limit", type=int, default=None)
+    parser.add_argument("--rules", default=",".join(RULES), help="which rules to flip")
     args = parser.parse_args()
     l1 = parse_size(args.l1_tokens)
-    print("| trace | policy | write policy | L1:L2 | rule | hit % tierkv | hit % HiCache | L2 hit % tierkv | "
-          "L2 hit % HiCache | copied tokens tierkv | copied tokens HiCache |")
+    print("| trace | policy | write policy | L1:L2 | rule | hit % on | hit % off | L2 hit % on | "
+          "L2 hit % off | copied tokens on | copied tokens off |")
     print("|" + " --- |" * 11)
     for path in args.traces:
         requests = load_trace(path, limit=args.limit).requests
         for policy in args.policies.split(","):
-            for rule, write_thresholds in RULES.items():
+            for rule in args.rules.split(","):
+                write_thresholds = RULES[rule]
                 for threshold in write_thresholds:
                     for ratio in (int(r) for r in args.ratios.split(",")):
                         base = dict(l1_tokens=l1, l2_tokens=l1 * ratio, eviction_policy=policy,
                                     write_threshold=threshold)
-                        ours, theirs = (simulate(requests, SimConfig(**base, **{rule: value}))
+                        on, off = (simulate(requests, SimConfig(**base, **{rule: value}))
                                         for value in (True, False))
                         print(f"| {Path(path).name.split('.')[0]} | {policy} | {WRITE_POLICY[threshold]} | 1:{ratio} "
-                              f"| {rule} | {100 * ours.hit_ratio:.2f} | {100 * theirs.hit_ratio:.2f} "
-                              f"| {100 * ours.l2_hit_tokens / ours.prompt_tokens:.2f} "
-                              f"| {100 * theirs.l2_hit_tokens / theirs.prompt_tokens:.2f} "
-                              f"| {ours.written_tokens:,} | {theirs.written_tokens:,} |", flush=True)
+                              f"| {rule} | {100 * on.hit_ratio:.2f} | {100 * off.hit_ratio:.2f} "
+                              f"| {100 * on.l2_hit_tokens / on.prompt_tokens:.2f} "
+                              f"| {100 * off.l2_hit_tokens / off.prompt_tokens:.2f} "
+                              f"| {on.written_tokens:,} | {off.written_tokens:,} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -35,8 +35,9 @@ def sim_config(mode: str, total_tokens: int, policy: str, page_size: int, admiss
     if mode == "l1":
         return SimConfig(l1_tokens=total_tokens, page_size=page_size, eviction_policy=policy)
     l1 = total_tokens // 9 // page_size * page_size
+    # exclusive tiers copy on eviction only: no write-through hit counting, as CacheConfig.write_threshold says
     return SimConfig(l1_tokens=l1, l2_tokens=total_tokens - l1, page_size=page_size, eviction_policy=policy,
-                     tier_mode=mode, admission=admission)
+                     tier_mode=mode, admission=admission, write_threshold=None if mode == "exclusive" else 1)
 
 
 def _run(job: tuple) -> dict:

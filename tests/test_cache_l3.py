@@ -560,3 +560,70 @@ class StorageTraffic(RuleBasedStateMachine):
 
 StorageTraffic.TestCase.settings = settings(max_examples=15, stateful_step_count=25, deadline=None)
 test_storage_traffic = StorageTraffic.TestCase
+
+
+# ---- write-back under an L1-only parent (L2 need not be a rooted subtree) -----------------------------
+def _leaf_in_l2_under_l1_parent(store_hangs: bool):
+    """write_back cache: a 2-page parent in L1 only and a 2-page leaf written back to L2 under it, its
+    L3 backup hanging (protected) when ``store_hangs``."""
+    cache = make_cache(page_size=PS, write_policy="write_back")
+    store = attach_fake(cache)
+    key = RadixKey(random_tokens(4 * PS, seed=20))
+    kv = compute_and_insert(cache, RadixKey(key.token_ids[: 2 * PS]), seed=21)
+    kv = torch.cat([kv, compute_and_insert(cache, key, seed=22)[:, :, 2 * PS:]], dim=2)
+    if store_hangs:
+        store.hang.clear()
+    assert cache.evict(1) == 2 * PS
+    leaf = cache.tree.match(key, touch=False).last_node
+    assert leaf.host_value is not None and leaf.parent.host_value is None and leaf.parent.device_value is not None
+    return cache, store, key, kv, leaf
+
+
+def test_backup_under_an_l1_parent_writes_the_leaf_pages_named_by_the_whole_prefix():
+    cache, store, key, kv, leaf = _leaf_in_l2_under_l1_parent(store_hangs=False)
+    cache.flush()
+    hashes = cache.storage.path_hashes(leaf)
+    assert sorted(store.blobs) == sorted(hashes[2:])  # the parent's pages wait for its own write-back
+    assert cache.storage.stats.backed_up_tokens == 2 * PS
+    cache.evict(cache.device_pool.num_slots)  # now the parent: written back, then backed up in turn
+    cache.flush()
+    assert sorted(store.blobs) == sorted(hashes)
+    drop_l1_l2(cache)
+    _, got = fetch_and_load(cache, key)
+    assert torch.equal(got, kv)
+    cache.close()
+
+
+def test_l1_keeps_a_parent_whose_l2_only_child_is_being_backed_up_when_l2_has_no_room():
+    cache, store, key, kv, leaf = _leaf_in_l2_under_l1_parent(store_hangs=True)
+    cache.step()  # the L3 backup of the leaf is running: its pages are protected
+    assert leaf.host_ref > 0
+    held = cache.host_pool.alloc(cache.host_pool.num_free_slots)  # L2 has no room for the parent
+    assert cache.evict(cache.device_pool.num_slots) == 0  # deleting it would delete pages in use
+    assert leaf.parent.device_value is not None
+    cache.check_integrity(caller_host_slots=held)
+    cache.host_pool.free(held)
+    store.hang.set()
+    cache.flush()
+    assert cache.evict(cache.device_pool.num_slots) == 2 * PS  # room again: written back
+    assert torch.equal(load_hit(cache, key), kv)
+    cache.check_integrity()
+    cache.close()
+
+
+def test_failed_write_back_puts_back_a_parent_whose_l2_only_child_is_being_backed_up():
+    cache, store, key, kv, leaf = _leaf_in_l2_under_l1_parent(store_hangs=True)
+    cache.step()
+    write_now = cache.transfer.write_now
+    cache.transfer.write_now = lambda device_slots, host_slots: OSError("injected")
+    free_before = cache.device_pool.num_free_slots
+    assert cache.evict(cache.device_pool.num_slots) == 0  # the copy failed: the parent is put back
+    assert cache.device_pool.num_free_slots == free_before and cache.stats.failed_copies == 1
+    assert leaf.parent.device_value is not None and leaf.parent.host_value is None
+    cache.check_integrity()
+    cache.transfer.write_now = write_now
+    store.hang.set()
+    cache.flush()
+    assert torch.equal(load_hit(cache, key), kv)
+    cache.check_integrity()
+    cache.close()

@@ -462,3 +462,67 @@ def test_failed_write_back_of_a_leaf_keeps_its_ancestors_in_l1(caches):
     assert len(match.device_indices) == 4 and match.host_hit_length == 0
     assert same_bits(cache.device_pool.read_tokens(match.device_indices), kv)
     cache.check_integrity()
+
+
+# ---- L2 need not be a rooted subtree (HiCache's write-back: only the evicted node is copied) ----------
+def test_write_back_copies_only_the_evicted_leaf_not_its_l1_parent(caches):
+    cache = caches(write_policy="write_back")
+    put(cache, list(range(8)), seed=1)
+    put(cache, list(range(12)), seed=2)  # a 4-token leaf under the 8-token parent
+    assert cache.evict(1) == 4  # the leaf only
+    assert cache.stats.written_tokens == 4  # not 12: the parent, still in L1, is copied when evicted
+    parent = cache.match_prefix(RadixKey(list(range(8)))).last_device_node
+    assert parent.device_value is not None and parent.host_value is None
+    assert cache.host_pool.num_free_slots == cache.host_pool.num_slots - 4
+    cache.check_integrity()
+    assert cache.evict(1) == 8  # now the parent: copied in turn
+    assert cache.stats.written_tokens == 12
+    assert cache.match_prefix(RadixKey(list(range(12)))).host_hit_length == 12
+    cache.check_integrity()
+
+
+def test_load_back_through_an_l1_resident_parent(caches):
+    cache = caches(write_policy="write_back", load_back_threshold=0)
+    parent_kv = put(cache, list(range(8)), seed=1)
+    leaf_kv = put(cache, list(range(12)), seed=2)[:, :, 8:]  # its first 8 slots duplicated the parent's
+    cache.evict(1)
+    match = cache.match_prefix(RadixKey(list(range(12))))
+    assert len(match.device_indices) == 8 and match.host_hit_length == 4
+    assert match.last_host_node.parent.host_value is None  # the parent is only in L1
+    load = cache.init_load_back(match.last_host_node)
+    assert load.pending.wait() and load.loaded_tokens == 4
+    assert same_bits(cache.device_pool.read_tokens(load.device_indices), torch.cat([parent_kv, leaf_kv], dim=2))
+    cache.step()
+    cache.check_integrity()
+
+
+def test_failed_write_back_of_a_parent_removes_its_l2_only_children(caches):
+    """The parent's copy fails: nothing leads to the child's L2 copy any more, so it goes too."""
+    cache = caches(write_policy="write_back")
+    put(cache, list(range(8)), seed=1)
+    put(cache, list(range(12)), seed=2)
+    cache.evict(1)  # the leaf goes to L2, under its L1-only parent
+    cache.transfer.write_now = lambda device_slots, host_slots: OSError("injected")
+    assert cache.evict(1) == 8
+    assert list(cache.tree.nodes()) == [] and cache.stats.failed_copies == 1
+    assert cache.host_pool.num_free_slots == cache.host_pool.num_slots  # the child's slots too
+    assert cache.device_pool.num_free_slots == cache.device_pool.num_slots
+    cache.check_integrity()
+
+
+def test_parent_refused_by_admission_takes_its_l2_only_children_with_it(caches):
+    """l2_admission (used twice) admits the leaf, not its parent: L1 evicting the parent deletes both."""
+    cache = caches(write_policy="write_back", eviction_policy="lru", l2_admission=True)
+    put(cache, list(range(12)), seed=1)
+    put(cache, list(range(12)), seed=1)  # used twice: admitted
+    put(cache, list(range(8)) + [100, 101], seed=2)  # splits it: the new 8-token parent is used once
+    leaf = cache.tree.match(RadixKey(list(range(12))), touch=False).last_node
+    parent = leaf.parent
+    assert len(leaf) == 4 and len(parent) == 8
+    assert cache.evict(2) == 4  # LRU: the 4-token leaf, written back
+    assert leaf.host_value is not None and leaf.device_value is None and parent.host_value is None
+    assert cache.evict(3) == 10  # the other leaf, then the parent: refused, it goes with its L2-only child
+    assert list(cache.tree.nodes()) == []
+    assert cache.host_pool.num_free_slots == cache.host_pool.num_slots
+    assert cache.stats.evicted_host_tokens == 4
+    cache.check_integrity()

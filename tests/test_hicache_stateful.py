@@ -234,6 +234,19 @@ class CacheMachine(RuleBasedStateMachine):
         self.cache.check_integrity(caller_device_slots=held)
 
     @invariant()
+    def every_path_is_loadable(self):
+        """L2 need not be a rooted subtree, but no node is unreachable: each ancestor of an L2 copy
+        holds its KV in L1 or L2 (write_back copies only the evicted node)."""
+        if not hasattr(self, "cache"):
+            return
+        for node in self.cache.tree.nodes():
+            if node.host_value is not None:
+                for n in self.cache.tree.path_to_root(node)[:-1]:
+                    assert n.device_value is not None or n.host_value is not None, "unreachable L2 copy"
+                    if n.host_value is None:
+                        event("L2 copy under an L1-only ancestor")
+
+    @invariant()
     def locked_prefixes_stay_in_l1(self):
         for node, indices, tokens, extra_key in getattr(self, "locks", []):
             path = self.cache.tree.path_to_root(node)

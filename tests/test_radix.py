@@ -214,6 +214,17 @@ def test_hit_and_access_times_follow_matches():
     assert node.last_access_time == t
 
 
+def test_check_integrity_allows_an_l2_copy_under_an_l1_only_parent():
+    """L2 need not be a rooted subtree: the leaf loads through its parent's L1 KV."""
+    tree = RadixTree(2)
+    _insert(tree, [1, 2, 3, 4])
+    leaf = _insert(tree, [1, 2, 3, 4, 5, 6, 7, 8]).new_node
+    leaf.host_value = list(range(len(leaf.key)))
+    tree.clear_device_value(leaf)
+    assert leaf.parent.host_value is None and leaf.parent.device_value is not None
+    tree.check_integrity()
+
+
 def _broken(tree: RadixTree, how: str) -> None:
     leaf = next(n for n in tree.nodes() if not n.children)
     if how == "value_length":
@@ -239,7 +250,10 @@ def _broken(tree: RadixTree, how: str) -> None:
         leaf.key = leaf.key[:-1]
         leaf.device_value = leaf.device_value[:-1]
         tree.evictable_size -= 1
-    elif how == "host_child":
+    elif how == "host_child":  # an L2 copy whose parent left both tiers: no path loads it
+        parent = leaf.parent
+        tree.evictable_size -= len(parent.device_value) + len(leaf.device_value)
+        leaf.device_value, parent.device_value = None, None
         leaf.host_value = list(range(len(leaf.key)))
     elif how == "negative_ref":
         leaf.host_ref = -1

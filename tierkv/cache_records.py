@@ -68,9 +68,9 @@ class _WriteBackBatch:
 
     device_slots: list[torch.Tensor] = field(default_factory=list)
     host_slots: list[torch.Tensor] = field(default_factory=list)
-    protected: list[TreeNode] = field(default_factory=list)  # host_ref held until the copy ends
-    backed_up: list[TreeNode] = field(default_factory=list)  # every node given host slots
-    evicted_slots: list[torch.Tensor] = field(default_factory=list)
+    protected: list[TreeNode] = field(default_factory=list)  # given host slots; host_ref held until the copy ends
+    # (node, its device slots): freed after the copy; None once a failed copy put them back on the node
+    evicted: list[tuple[TreeNode, torch.Tensor | None]] = field(default_factory=list)
 
 
 @dataclass

@@ -4,8 +4,10 @@ Thread contract: every public method runs on the scheduler thread. Background th
 I/O) never touch the tree; their results arrive through ack queues drained by :meth:`step`.
 
 Tier invariants (checked by :meth:`check_integrity`): nodes holding device slots form a subtree at the
-root, and so do nodes holding host slots; every node holds one or both. A node's slots in each tier are
-owned by it alone, and every allocated slot is owned by a node, an in-flight operation or a caller.
+root; every node holds one or both tiers' slots, so every path is loadable (L2 need not hold a rooted
+subtree: write-back copies only the evicted node, as HiCache's does, and a node leaving both tiers takes
+its L2-only descendants with it). A node's slots in each tier are owned by it alone, and every
+allocated slot is owned by a node, an in-flight operation or a caller.
 A node whose L1 load failed is ``invalid`` (locked, never matched) until its locks go; then it is dropped.
 """
 
@@ -24,7 +26,7 @@ from tierkv.cache_records import (CacheStats, LoadResult, MatchResult, PendingLo
 from tierkv.config import CacheConfig
 from tierkv.eviction import get_policy
 from tierkv.eviction.heap import EvictionHeap
-from tierkv.eviction.tiers import promote_loaded, tier_orders
+from tierkv.eviction.tiers import drop_host_subtree, promote_loaded, tier_orders
 from tierkv.failed_loads import FailedLoads
 from tierkv.layer_load import DeferredLoads, LayerLoads
 from tierkv.pools.kv import DeviceKVPool, HostKVPool, host_pool_tokens
@@ -227,7 +229,8 @@ class HiRadixCache(StorageTierMethods):
         return True
 
     def _unbacked_path(self, node: TreeNode) -> list[TreeNode]:
-        """``node`` and its ancestors without an L2 copy, root side first (host nodes form a rooted subtree)."""
+        """``node`` and the ancestors up to its nearest one with an L2 copy, root side first (all in L1:
+        every node holds one tier or both)."""
         path = []
         while node is not self.tree.root and node.host_value is None:
             path.append(node)
@@ -400,64 +403,101 @@ class HiRadixCache(StorageTierMethods):
     def evict(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` L1 slots if that many are evictable; returns the number freed.
 
-        Backed-up nodes drop their device slots and stay host-only; others are deleted, or under
-        write_back copied to L2 first (one batch copy, waited for). Lock contract: skips locked nodes.
+        Backed-up nodes drop their device slots and stay host-only; others are deleted with their
+        host-only descendants (no path to them is left), or under write_back copied to L2 first (the
+        node alone, as HiCache does: an ancestor is copied when evicted in turn; one batch copy, waited
+        for). Lock contract: skips locked nodes, and nodes without an L2 copy whose host-only
+        descendants are protected (host_ref: an L3 backup or prefetch reads them).
         """
-        freed, batch = 0, _WriteBackBatch()
+        freed, batch, kept = 0, _WriteBackBatch(), []
         write_back = self.config.writes_on_evict and self.transfer is not None
         for node in self._device_heap.victims() if num_tokens > 0 else ():
             if write_back and node.host_value is None and self._admit(node):
                 self._reserve_write_back(node, batch)
+            if node.host_value is None and node.host_ref:
+                kept.append(node)  # deleting it would delete L2 pages in use
+                continue
             freed += len(node)
             # freed only after the batch copy: a write-back may still read these slots
-            batch.evicted_slots.append(self.tree.clear_device_value(node))
-            if node.host_value is None:
-                self.tree.remove_leaf(node)
-            self.priority.on_evict(node, removed=node.host_value is None)
+            batch.evicted.append((node, self.tree.clear_device_value(node)))
+            removed = node.host_value is None
+            if removed:
+                self._remove_with_host_subtree(node)
+            self.priority.on_evict(node, removed=removed)
             if freed >= num_tokens:
                 break
-        self._finish_write_back(batch)
-        if batch.evicted_slots:
-            self.device_pool.free(torch.cat(batch.evicted_slots))
+        freed -= self._finish_write_back(batch)
+        evicted_slots = [slots for _, slots in batch.evicted if slots is not None]
+        if evicted_slots:
+            self.device_pool.free(torch.cat(evicted_slots))
+        self.tree.changed_nodes("device").update(kept)  # candidates again at the next call
         self.stats.evicted_device_tokens += freed
         return freed
 
+    def _remove_with_host_subtree(self, node: TreeNode) -> None:
+        """Delete ``node`` (in neither tier now) and its L2-only descendants, freeing their host slots."""
+        freed = drop_host_subtree(self.tree, node, self.priority)
+        if freed:
+            self.host_pool.free(torch.cat(freed))
+            self.stats.evicted_host_tokens += sum(len(v) for v in freed)
+        self.tree.remove_leaf(node)
+
     def _reserve_write_back(self, node: TreeNode, batch: "_WriteBackBatch") -> None:
-        """Give ``node`` and its ancestors not yet in L2 host slots, protected until the batch copy ends."""
-        path = self._unbacked_path(node)
-        num_tokens = sum(len(n) for n in path)
+        """Give ``node`` alone host slots, protected until the batch copy ends: its parent is in L1
+        (an L1 victim is a leaf of the device subtree), so its path stays loadable."""
+        num_tokens = len(node)
         self.tree.inc_host_ref(node)
         host_slots = self._alloc_host(num_tokens)
         if host_slots is None:
             self.tree.dec_host_ref(node)
             self.stats.write_skipped_tokens += num_tokens
             return
-        batch.device_slots.append(torch.cat([n.device_value for n in path]))
+        batch.device_slots.append(node.device_value)
         batch.host_slots.append(host_slots)
-        self._assign_host_values(path, host_slots)
+        node.host_value = host_slots
         batch.protected.append(node)
-        batch.backed_up.extend(path)
 
-    def _finish_write_back(self, batch: "_WriteBackBatch") -> None:
+    def _finish_write_back(self, batch: "_WriteBackBatch") -> int:
+        """Copy the batch; on failure drop the copies. Returns the device tokens put back into L1."""
         if not batch.protected:
-            return
+            return 0
         device_slots = torch.cat(batch.device_slots)
         error = self.transfer.write_now(device_slots, torch.cat(batch.host_slots))
         for n in batch.protected:
             self.tree.dec_host_ref(n)
-        if error is not None:
-            self.stats.failed_copies += 1
-            self.host_pool.free(torch.cat(batch.host_slots))
-            # deepest first, so a node is childless by the time it is removed
-            for n in sorted(batch.backed_up, key=lambda n: -len(self.tree.path_to_root(n))):
-                n.host_value = None
-                if n.device_value is None:
-                    self.tree.remove_leaf(n)
-            return
-        self.stats.written_tokens += len(device_slots)
-        if self.storage is not None:
-            for n in batch.protected:
-                self.storage.backup(n)
+        if error is None:
+            self.stats.written_tokens += len(device_slots)
+            if self.storage is not None:
+                for n in batch.protected:
+                    self.storage.backup(n)
+            return 0
+        self.stats.failed_copies += 1
+        self.host_pool.free(torch.cat(batch.host_slots))
+        for n in batch.protected:
+            n.host_value = None
+        restored = 0
+        # deepest first, so a node is childless by the time it is removed
+        for n in sorted(batch.protected, key=lambda n: -len(self.tree.path_to_root(n))):
+            if n.device_value is not None:
+                continue  # put back with a deeper node
+            if n.host_ref:  # host-only descendants in use (L3 I/O): keep their path in L1
+                restored += self._put_back(n, batch)
+            else:
+                self._remove_with_host_subtree(n)
+        return restored
+
+    def _put_back(self, node: TreeNode, batch: "_WriteBackBatch") -> int:
+        """Give ``node`` and the ancestors evicted with it their device slots back (not freed yet);
+        returns their tokens. Each such ancestor was evicted after it, in this same batch."""
+        index = {id(n): i for i, (n, _) in enumerate(batch.evicted)}
+        restored = 0
+        while node is not self.tree.root and node.device_value is None:
+            i = index[id(node)]
+            self.tree.set_device_value(node, batch.evicted[i][1])
+            batch.evicted[i] = (node, None)
+            restored += len(node)
+            node = node.parent
+        return restored
 
     def evict_host(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` L2 slots if possible; returns the number freed.

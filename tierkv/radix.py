@@ -11,7 +11,9 @@ Invariants kept by the tree (checked by :meth:`RadixTree.check_integrity`):
 - every non-root node has a non-empty key whose length is a multiple of ``page_size``;
 - a node with a value has ``len(value) == len(key)``;
 - children are keyed by :func:`RadixTree.child_key` of their key;
-- ``evictable_size + protected_size`` equals the device tokens held by the tree, split by lock state.
+- ``evictable_size + protected_size`` equals the device tokens held by the tree, split by lock state;
+- nodes holding device values form a subtree at the root; a node holding host values has a parent (or the
+  root) holding device or host values, so every node's path is loadable.
 """
 
 from __future__ import annotations
@@ -552,8 +554,11 @@ class RadixTree:
                 _check(len(node.hash_values) == len(node.key) // self.page_size, node, "hash count")
             if node.device_value is not None and node.parent is not self.root:
                 _check(node.parent.device_value is not None, node, "device child of evicted parent")
-            if node.host_value is not None and node.parent is not self.root:
-                _check(node.parent.host_value is not None, node, "host child of a parent not in host")
+            if node.host_value is not None and node.parent is not self.root:  # loadable: the path to the
+                # root holds KV in L1 or L2 all the way (L2 need not be a rooted subtree: write-back
+                # copies only the evicted node)
+                _check(node.parent.host_value is not None or node.parent.device_value is not None, node,
+                       "host child of a parent in neither tier")
             _check(node.lock_ref >= sum(c.lock_ref for c in node.children.values()), node,
                    "lock_ref below the sum of its children's")
             _check(node.host_ref >= sum(c.host_ref for c in node.children.values()), node,

@@ -290,21 +290,27 @@ class StorageController:
 
     # ---- backup -------------------------------------------------------------------------------
     def backup(self, node: TreeNode) -> None:
-        """Write ``node``'s path to L3 in the background. Lock contract: host_ref on ``node`` until retired."""
+        """Write the pages of ``node``'s path that L2 holds, from the last node of it L2 lacks down to
+        ``node``, to L3 in the background (an ancestor only in L1 is backed up when written back in turn;
+        chained hashes name each page's whole prefix). Lock contract: host_ref on ``node`` until retired."""
         path = self.tree.path_to_root(node)
-        if not path or any(n.host_value is None for n in path):
+        if not path or node.host_value is None:
             return
+        start = len(path) - 1
+        while start > 0 and path[start - 1].host_value is not None:
+            start -= 1
         hashes = self.path_hashes(node)
-        num_tokens = len(hashes) * self.page_size
+        above = sum(len(n) for n in path[:start]) // self.page_size  # pages of the prefix not written
+        num_tokens = (len(hashes) - above) * self.page_size
         pending = sum(b.num_tokens for b in self.backups)
         if pending + num_tokens > self.config.backup_max_pending_tokens:
             self.stats.backup_dropped_tokens += num_tokens
             return
-        slots = torch.cat([n.host_value for n in path])
+        slots = torch.cat([n.host_value for n in path[start:]])
         pages = self.host_pool.allocator.slots_to_pages(slots).tolist()
         self.tree.inc_host_ref(node)
-        backup = Backup(node, hashes, pages, slots, self.page_size,
-                        prefix_hashes=[] if self.pass_prefix_keys else None)
+        backup = Backup(node, hashes[above:], pages, slots, self.page_size,
+                        prefix_hashes=hashes[:above] if self.pass_prefix_keys else None)
         self.backups.append(backup)
         self.stats.backup_started += 1
         if self.skip_backup_writes:  # rank 0 writes the one copy; retired in queue order like any other

@@ -1,4 +1,4 @@
-"""A backup from L2 to L3 in flight: the pages of one node's path, protected in L2 until acknowledged."""
+"""A backup from L2 to L3 in flight: the L2 pages of one node's path, protected in L2 until acknowledged."""
 
 from __future__ import annotations
 
@@ -39,7 +39,8 @@ class Backup:
     written_pages: int = 0
     failed_pages: int = 0
     agreed_finished: bool = False  # scheduler thread only, once draining
-    prefix_hashes: list[str] | None = None  # [] for a store that wants each batch's prefix keys (from the root)
+    # for a store that wants each batch's prefix keys: the page hashes of the path above ``hashes``
+    prefix_hashes: list[str] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -11,7 +11,7 @@ Tier modes (``CacheConfig.tier_mode``):
 - ``inclusive``: write-through; a node is copied to L2 once it has ``write_threshold`` uses, and an L1
   eviction of a backed-up node keeps it in L2;
 - ``exclusive``: L2 holds what L1 dropped: a node is copied to L2 when L1 evicts it (if the policy
-  admits it), and loading it back into L1 frees its L2 copy (unless a child still needs it in L2).
+  admits it), and loading it back into L1 frees its L2 copy.
 
 Eviction keeps one heap per tier across calls (:class:`tierkv.eviction.heap.EvictionHeap`, as the
 cache does), so a call costs what it evicts, not the size of the frontier.
@@ -26,7 +26,7 @@ from tierkv.replay.trace import TraceRequest
 from tierkv.config import CacheConfig
 from tierkv.eviction import get_policy
 from tierkv.eviction.heap import EvictionHeap
-from tierkv.eviction.tiers import promote_loaded, tier_orders
+from tierkv.eviction.tiers import drop_host_subtree, promote_loaded, tier_orders
 from tierkv.radix import RadixKey, RadixTree, TreeNode
 
 TIER_MODES = ("inclusive", "exclusive")
@@ -47,9 +47,10 @@ class SimConfig:
     # L2 eviction may drop the L2 copy of a node still in L1 (tierkv); False: only host-only leaves, as
     # HiCache's evict_host does (README, "Differences from SGLang HiCache")
     l2_evicts_l1_resident: bool = True
-    # write_back copies a node's ancestors that L2 lacks along with it (tierkv, HiCache); False: only the
-    # node, an ancestor being copied when L1 evicts it in turn (its L2 subtree dropped if that copy fails)
-    write_back_ancestors: bool = True
+    # a copy on L1 eviction (write_back, exclusive) takes only the node, an ancestor being copied when L1
+    # evicts it in turn, its L2-only subtree dropped if that copy fails (HiCache, and the cache); True:
+    # the node's ancestors that L2 lacks are copied with it (the cache's rule before: L2 a rooted subtree)
+    write_back_ancestors: bool = False
 
     def __post_init__(self) -> None:
         if self.tier_mode not in TIER_MODES:
@@ -163,8 +164,8 @@ class PageSim:
                 self._copy_to_l2(node, ancestors=self.config.write_back_ancestors)
         self.tree.clear_device_value(node)
         removed = node.host_value is None
-        if removed:
-            self._drop_subtree(node)  # host-only children (no ancestor copies): unreachable now
+        if removed:  # its host-only descendants are unreachable now
+            self.l2_used -= sum(len(v) for v in drop_host_subtree(self.tree, node, self.policy))
             self.tree.remove_leaf(node)
         self.policy.on_evict(node, removed)
 
@@ -196,15 +197,6 @@ class PageSim:
     def _drop_host(self, node: TreeNode) -> None:
         node.host_value = None
         self.l2_used -= len(node)
-
-    def _drop_subtree(self, node: TreeNode) -> None:
-        """Remove ``node``'s descendants, all host-only (``node`` is an L1 leaf): without
-        ``write_back_ancestors`` they lose their path when ``node`` leaves both tiers."""
-        for child in list(node.children.values()):
-            self._drop_subtree(child)
-            self._drop_host(child)
-            self.tree.remove_leaf(child)
-            self.policy.on_evict(child, True)
 
     def _evict_l2(self, node: TreeNode) -> None:
         self._drop_host(node)

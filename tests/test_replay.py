@@ -120,3 +120,19 @@ def test_verify_catches_wrong_kv_in_a_reused_prefix(row):
             replayer.serve(req)
     finally:
         replayer.finish()
+
+
+def test_verify_refuses_reused_slots_that_are_not_whole_aligned_pages():
+    """verify reads K/V by page, so it first checks the slots are whole aligned pages: a prefix whose
+    page is shifted by one slot is an error, never a page read from the wrong place."""
+    req = TraceRequest(0, 1, 0, 1_024, 0, (7, 8))
+    replayer = TraceReplayer(ReplayConfig(l1_tokens=4_096, l2_tokens=12_288, verify=True))
+    try:
+        replayer.serve(req)
+        slots = replayer.cache.match_prefix(prompt_key(req.prompt_array())).device_indices
+        prompt = req.prompt_array()
+        replayer._verify(slots, prompt)  # the cache's own slots pass
+        with pytest.raises(AssertionError, match="whole aligned pages"):
+            replayer._verify(slots + 1, prompt)
+    finally:
+        replayer.finish()

@@ -141,6 +141,9 @@ class TraceReplayer:
         # L1's K and V rows, one float64 per token slot (REPLAY_KV_SPEC), as numpy: verify writes and
         # reads them by slot index, one scatter or gather per request (torch's indexing costs more)
         self.kv_rows = device_pool.buffer.view(REPLAY_KV_SPEC.num_kv, device_pool.num_slots).numpy()
+        # the same rows by page: slots come in whole aligned pages, so verify moves one page per index
+        # (a 16-token row) instead of one token per index
+        self.kv_pages = self.kv_rows.reshape(REPLAY_KV_SPEC.num_kv, -1, config.page_size)
         self.storage = None
         if config.l3 != "none":
             self.storage = L3Tier(self.cache, config.l3)
@@ -186,9 +189,10 @@ class TraceReplayer:
             self.result.uncached_requests += 1
             return False
         if self.config.verify and num_alloc:
-            slots = new_slots.numpy()
-            self.kv_rows[:, slots[:num_new]] = tokens[len(prefix):]  # K and V of each new token: its id
-            self.kv_rows[:, slots[num_new:]] = -1.0  # the partial page's padding
+            padded = np.full(num_alloc, -1.0)  # the partial page's padding
+            padded[:num_new] = tokens[len(prefix):]  # K and V of each new token: its id
+            pages = new_slots.numpy()[::page] // page
+            self.kv_pages[:, pages] = padded.reshape(-1, page)
         owned = self.cache.insert(key, torch.cat([prefix, new_slots]))
         leftover = new_slots[owned - len(prefix):]
         if len(leftover):
@@ -198,7 +202,16 @@ class TraceReplayer:
     def _verify(self, prefix: torch.Tensor, prompt: np.ndarray) -> None:
         if not len(prefix):
             return
-        kv = self.kv_rows[:, prefix.numpy()]
+        page = self.config.page_size
+        slots = prefix.numpy()
+        num_full = len(slots) // page * page  # a prompt's last page may be partial
+        firsts = slots[:num_full:page]
+        # the allocator hands out whole aligned pages; its copies check page endpoints, and so does this
+        if (firsts % page).any() or (slots[page - 1:num_full:page] - firsts != page - 1).any():
+            raise AssertionError("reused KV slots do not form whole aligned pages")
+        num_kv = self.kv_pages.shape[0]
+        kv = np.concatenate([self.kv_pages[:, firsts // page].reshape(num_kv, -1),
+                             self.kv_rows[:, slots[num_full:]]], axis=1)
         wrong = kv != prompt[:len(prefix)]
         if wrong.any():
             bad = np.flatnonzero(wrong.any(0))[:4].tolist()

@@ -40,6 +40,7 @@ from tierkv.cache.l3_backup import Backup
 from tierkv.storage.base import PageStore
 from tierkv.storage.config import StorageConfig
 from tierkv.storage.factory import BACKEND_OPTIONS, open_store, parse_spec
+from tierkv.cache.l3_pacing import BackupPacer
 from tierkv.cache.l3_prefetch import NUM_MAX_COUNTS, NUM_MIN_COUNTS, Prefetch
 from tierkv.storage.worker import IOWorker, stop_workers
 
@@ -124,6 +125,7 @@ class StorageController:
         self.costs.batch_pages = config.prefetch_batch_pages
         self._prefetch_worker = IOWorker("tierkv-prefetch")
         self._backup_worker = IOWorker("tierkv-backup")
+        self.pacer = BackupPacer()  # an engine marks its forward passes; backups wait for a gap (bounded)
 
     # ---- hashes -------------------------------------------------------------------------------
     def path_hashes(self, node: TreeNode) -> list[str]:
@@ -315,8 +317,8 @@ class StorageController:
         if self.skip_backup_writes:  # rank 0 writes the one copy; retired in queue order like any other
             backup.done.set()
             return
-        self._backup_worker.submit(partial(backup.run, self.store, self.host_pool,
-                                           self.config.prefetch_batch_pages))
+        self._backup_worker.submit(self.pacer.paced(partial(backup.run, self.store, self.host_pool,
+                                                            self.config.prefetch_batch_pages)))
 
     def _retire_backup(self, backup: Backup) -> None:
         self.tree.dec_host_ref(backup.node)

@@ -163,9 +163,11 @@ class Prefetch:
             if not self.cancel.is_set():
                 started_s = time.perf_counter()
                 present = store.batch_exists(self.hashes, **self._prefix_keys(0))
+                usable = present if present >= max(1, self.min_found_pages) else 0
                 if self.costs is not None:
                     self.costs.observe_l3_exists(time.perf_counter() - started_s)
-                self.found_pages = self._worth_reading(present)
+                    self.costs.observe_l3_lookup(self.num_pages, usable)
+                self.found_pages = self._worth_reading(usable)
         except Exception as exc:  # a failing backend finds nothing, never a crash
             self.failed = True
             log.warning("prefetch %s: storage lookup failed: %s: %s", self.request_id, type(exc).__name__, exc)
@@ -191,14 +193,12 @@ class Prefetch:
         finally:
             self.finished.set()
 
-    def _worth_reading(self, present: int) -> int:
-        """Of the ``present`` leading pages, those worth reading: none under ``min_found_pages``, else
-        the cost model's cut (ranks may cut differently: the agreed MIN of the cuts is read)."""
-        if present < max(1, self.min_found_pages):
-            return 0
-        if self.costs is None:
-            return present
-        return self.costs.l3_pages_to_fetch(self.anchor_len, present, self.page_size)
+    def _worth_reading(self, usable: int) -> int:
+        """Of the ``usable`` leading pages (0 when under ``min_found_pages``), those worth reading: the
+        cost model's cut (ranks may cut differently: the agreed MIN of the cuts is read)."""
+        if not usable or self.costs is None:
+            return usable
+        return self.costs.l3_pages_to_fetch(self.anchor_len, usable, self.page_size)
 
     def _read(self, store: PageStore, host_pool: HostKVPool, start: int, end: int) -> bool:
         pages = self.host_pages[start:end]

@@ -207,11 +207,11 @@ class CostModel:
         with self._lock:
             if self.l3_hit_fraction * full_hit_gain_s > estimates.l3_call_s:
                 return True
-            self.skipped_lookups += 1
             self._lookups_since_probe += 1
             if self._lookups_since_probe >= LOOKUP_PROBE_EVERY:
                 self._lookups_since_probe = 0
                 return True
+            self.skipped_lookups += 1
         return False
 
     def load_pays(self, start_tokens: int, num_tokens: int) -> bool:

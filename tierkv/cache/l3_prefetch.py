@@ -41,7 +41,6 @@ log = logging.getLogger(__name__)
 NUM_MIN_COUNTS = 3
 NUM_MAX_COUNTS = 1
 _FOUND_UNKNOWN = -1
-_AGREEMENT_POLL_S = 0.01
 _NO_SLOTS = torch.empty(0, dtype=torch.int64)
 
 
@@ -142,14 +141,14 @@ class Prefetch:
 
     def wait_worker(self, timeout_s: float) -> bool:
         """Wait until the worker is done, or its lookup found pages that wait for a step to agree their
-        count and grant their slots (waiting longer could only stall: that needs the caller's next step)."""
+        count and grant their slots (waiting longer could only stall: that needs the caller's next step).
+        Scheduler thread (it alone grants)."""
         deadline = time.monotonic() + timeout_s
-        while not self.finished.wait(_AGREEMENT_POLL_S):
-            if self.exists_done.is_set() and self.found_pages and not self.granted.is_set():
-                return True
-            if time.monotonic() >= deadline:
-                return False
-        return True
+        if not self.exists_done.wait(timeout_s):
+            return False
+        if self.found_pages and not self.granted.is_set():
+            return True
+        return self.finished.wait(max(0.0, deadline - time.monotonic()))
 
     # ---- worker thread ------------------------------------------------------------------------
     def _prefix_keys(self, start: int) -> dict[str, list[str]]:

@@ -382,7 +382,7 @@ class StorageController:
         num_tokens = min(prefetch.agreed_found, prefetch.num_pages) * self.page_size
         host_slots = self.cache.alloc_host(num_tokens) if num_tokens else None
         if host_slots is None:
-            self.stats.prefetch_no_room += num_tokens > 0
+            self.stats.prefetch_no_room += int(num_tokens > 0)
             self._revoke(prefetch)
             return
         prefetch.grant(host_slots, self.host_pool.allocator.slots_to_pages(host_slots).tolist())
@@ -391,7 +391,8 @@ class StorageController:
                                              self.config.prefetch_batch_pages))
 
     def _revoke(self, prefetch: Prefetch) -> None:
-        """Nothing was found: give the slots back now; the request proceeds without waiting."""
+        """Nothing (worth reading) was found, no room for it, or the first read failed: give back what
+        it holds now; the request proceeds without waiting."""
         prefetch.cancel.set()
         self.tree.dec_host_ref(prefetch.anchor)
         self.host_pool.free(prefetch.host_slots)

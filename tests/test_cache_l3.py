@@ -129,7 +129,7 @@ def test_best_effort_takes_what_is_done():
     cache.step()
     assert cache.check_prefetch_progress("r")  # goes at once, with nothing fetched yet
     assert cache.match_prefix(key).host_hit_length == 0
-    assert len(cache.storage.draining) == 1  # the worker still owns its slots
+    assert not cache.storage.draining and cache.storage.owned_host_slots() == []  # a lookup owns no slot
     cache.check_integrity()
     store.hang.set()
     cache.flush()
@@ -191,7 +191,7 @@ def test_revoke_when_nothing_is_stored():
     key = RadixKey(random_tokens(6 * PS, seed=5))
     m = cache.match_prefix(key)
     assert cache.prefetch_from_storage("r", m.last_host_node, key)
-    assert cache.storage.owned_host_slots()[0].numel() == 6 * PS
+    assert cache.storage.owned_host_slots()[0].numel() == 0  # no slot before L3 says what it holds
     cache.flush()
     assert cache.storage.stats.prefetch_revoked == 1
     assert cache.storage.owned_host_slots() == []
@@ -340,15 +340,23 @@ def test_progress_counts_layout_and_zero_is_no_news():
     assert cache.prefetch_from_storage("b", cache.tree.root, other)
     cache.storage.wait_idle()
     counts, flags = cache.local_progress()
-    assert counts[2:] == [0, 4, 1, 5, 0, 1, 1]  # backups done; then per prefetch: pages, finished, 1 + found
+    # backups done; then per prefetch: pages, finished, 1 + found. "a" waits for its slots; "b" found
+    # nothing and is done without any
+    assert counts[2:] == [0, 0, 0, 5, 0, 1, 1]
     assert flags == [0, 0]  # per prefetch: terminated (failed short or timed out)
     # a step that agrees on nothing (another rank is behind) changes nothing
     cache.apply_progress([0] * len(counts), [0] * len(flags))
     assert not cache.check_prefetch_progress("a")
-    assert cache.storage.stats.prefetch_revoked == 0
-    # the slowest rank got 2 pages of "a": every rank inserts exactly 2
-    cache.apply_progress(counts[:3] + [2, 1, 3, 0, 1, 1], [0, 0])
+    assert cache.storage.stats.prefetch_revoked == 0 and cache.storage.owned_host_slots()[0].numel() == 0
+    # the pages found agreed: "a" gets slots for its 4 and reads them; "b" is revoked
+    cache.apply_progress(counts[:2] + [0, 0, 0, 5, 0, 1, 1], [0, 0])
     assert cache.storage.stats.prefetch_revoked == 1
+    assert [len(s) for s in cache.storage.owned_host_slots()] == [4 * PS]
+    cache.storage.wait_idle()
+    counts, flags = cache.local_progress()
+    assert counts[2:] == [0, 4, 1, 5]
+    # the slowest rank got 2 pages of "a": every rank inserts exactly 2
+    cache.apply_progress(counts[:3] + [2, 1, 5], [0])
     assert cache.check_prefetch_progress("a") and cache.check_prefetch_progress("b")
     assert cache.match_prefix(key).host_hit_length == 2 * PS
     cache.check_integrity()
@@ -403,13 +411,15 @@ def test_two_ranks_agree_on_the_slowest():
         del stores[1].blobs[k]
     for cache in ranks:
         assert cache.prefetch_from_storage("r", cache.tree.root, key)
+    for _ in range(2):  # agree the pages found (each rank then takes slots for 3), then the pages read
+        for cache in ranks:
+            cache.storage.wait_idle()
+        progress = [c.local_progress() for c in ranks]
+        agreed_min = [min(a, b) for a, b in zip(*(p[0] for p in progress))]
+        agreed_max = [max(a, b) for a, b in zip(*(p[1] for p in progress))]
+        for cache in ranks:
+            cache.apply_progress(agreed_min, agreed_max)
     for cache in ranks:
-        cache.storage.wait_idle()
-    progress = [c.local_progress() for c in ranks]
-    agreed_min = [min(a, b) for a, b in zip(*(p[0] for p in progress))]
-    agreed_max = [max(a, b) for a, b in zip(*(p[1] for p in progress))]
-    for cache in ranks:
-        cache.apply_progress(agreed_min, agreed_max)
         assert cache.check_prefetch_progress("r")
         cache.check_integrity()
     shapes = [[(len(n), n.hash_values) for n in c.tree.nodes()] for c in ranks]

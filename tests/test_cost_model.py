@@ -2,7 +2,8 @@
 
 import pytest
 
-from tierkv.cache.cost_model import PROBE_EVERY, CostEstimates, CostModel, pages_worth_fetching
+from tierkv.cache.cost_model import (LOOKUP_PROBE_EVERY, PROBE_EVERY, CostEstimates, CostModel,
+                                     pages_worth_fetching)
 from tierkv.config import CacheConfig
 
 PAGE = 16
@@ -121,3 +122,28 @@ def test_load_pays_unless_exposed_load_is_slower():
 def test_config_rejects_a_bad_prefill_rate(bad):
     with pytest.raises((ValueError, TypeError), match="prefill_tokens_per_s"):
         CacheConfig(prefill_tokens_per_s=bad)
+
+
+def test_lookups_that_keep_finding_nothing_stop_but_probe_now_and_then():
+    # 10 ms of prefill per page against 1 ms per exists call: asking pays while hits come
+    model = CostModel(prefill_tokens_per_s=PAGE / 0.01, batch_pages=64, l3_call_s=0.001, l3_page_s=0.0)
+    assert model.l3_may_pay(0, 1, PAGE)
+    asked = 0
+    while model.l3_may_pay(0, 1, PAGE):  # every lookup finds nothing
+        model.observe_l3_lookup(1, 0)
+        asked += 1
+        assert asked < 100, "misses never stopped the lookups"
+    assert asked > 1  # a few early misses (L3 still filling) do not stop them at once
+    got = [model.l3_may_pay(0, 1, PAGE) for _ in range(LOOKUP_PROBE_EVERY - 1)]
+    assert got == [False] * (LOOKUP_PROBE_EVERY - 2) + [True]  # a probe after LOOKUP_PROBE_EVERY - 1 refusals
+    assert model.skipped_lookups == LOOKUP_PROBE_EVERY - 1
+    for _ in range(20):  # the probes find pages again: lookups resume
+        model.observe_l3_lookup(1, 1)
+    assert model.l3_may_pay(0, 1, PAGE)
+    assert model.l3_may_pay(0, 100, PAGE)  # a prompt whose full hit saves far more is asked anyway
+
+
+def test_a_lookup_whose_full_hit_does_not_pay_the_call_is_never_made():
+    model = CostModel(prefill_tokens_per_s=PAGE / 0.001, batch_pages=64, l3_call_s=0.001, l3_page_s=0.0)
+    assert not model.l3_may_pay(0, 1, PAGE)  # 1 ms saved at best, 1 ms to ask
+    assert model.skipped_lookups == 0  # not a hit-rate refusal: never probed

@@ -67,6 +67,14 @@ def _open_and_retire(cache, store, gate: str, worker_done) -> None:
     assert not cache.storage.draining
 
 
+def _start_reads(cache, prefetch, gate: str) -> None:
+    """For a stuck get: let the lookup finish and a step grant the prefetch its slots, so it reads."""
+    if gate == "get":
+        assert prefetch.exists_done.wait(10)
+        cache.step()
+        assert len(prefetch.host_pages) == KEY_PAGES
+
+
 @pytest.mark.parametrize("gate", ["exists", "get"])
 def test_reset_during_stuck_prefetch_keeps_its_host_slots(gate):
     cache, store = _gated_cache()
@@ -78,9 +86,10 @@ def test_reset_during_stuck_prefetch_keeps_its_host_slots(gate):
     m = cache.match_prefix(key1)
     assert cache.prefetch_from_storage("r1", m.last_host_node, key1)
     prefetch = cache.storage.prefetches["r1"]
+    _start_reads(cache, prefetch, gate)
     assert store.entered[gate].wait(10)
     cache.reset()  # flush gives up after io_wait_timeout_s: the worker is still inside the store
-    held = torch.tensor(prefetch.host_pages)
+    held = torch.tensor(prefetch.host_pages, dtype=torch.int64)  # none when stuck in the lookup
     assert cache.host_pool.allocator.owned_mask()[held].all()  # still owned by the stuck worker
     cache.check_integrity()
     # two prompts fill L2 again while the worker is stuck
@@ -125,22 +134,26 @@ def test_reset_during_stuck_backup_never_poisons_l3(gate):
     reader.close()
 
 
-def test_release_and_timeout_of_stuck_prefetch_keep_slots_until_it_returns():
+@pytest.mark.parametrize("gate", ["exists", "get"])
+def test_release_and_timeout_of_stuck_prefetch_keep_slots_until_it_returns(gate):
     cache, store = _gated_cache()
     key1 = _key(1)
     compute_and_insert(cache, key1, seed=2)
     cache.flush()
     drop_l1_l2(cache)
-    store.gates["get"].clear()
+    store.gates[gate].clear()
     m = cache.match_prefix(key1)
     assert cache.prefetch_from_storage("r1", m.last_host_node, key1)
     prefetch = cache.storage.prefetches["r1"]
-    assert store.entered["get"].wait(10)
+    _start_reads(cache, prefetch, gate)
+    assert store.entered[gate].wait(10)
     cache.release_prefetch("r1")
     cache.flush()
-    assert cache.host_pool.allocator.owned_mask()[torch.tensor(prefetch.host_pages)].all()
+    held = torch.tensor(prefetch.host_pages, dtype=torch.int64)
+    assert cache.host_pool.allocator.owned_mask()[held].all()
+    assert len(held) == (KEY_PAGES if gate == "get" else 0)  # a stuck lookup was never granted slots
     cache.check_integrity()
-    store.gates["get"].set()
+    store.gates[gate].set()
     assert prefetch.finished.wait(10)
     cache.flush()
     assert cache.host_pool.num_slots == cache.host_pool.allocator.num_free_slots

@@ -334,6 +334,9 @@ class HiRadixCache(StorageTierMethods):
         if self.storage is not None:  # the writes just retired may have started backups to L3
             self.storage.flush()
             self.step()
+            if self.storage.granted_in_last_step:  # that step handed prefetches their slots: wait for the reads
+                self.storage.flush()
+                self.step()
 
     def _finish_copies(self) -> None:
         """Start the deferred loads, wait for every L1<->L2 copy and retire what finished."""

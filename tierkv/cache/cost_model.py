@@ -9,6 +9,10 @@ running estimates, measured from completed work:
   the config fixes ``a`` (and ``b`` = 0) instead.
 - L3 get: seconds per call (the latency, from ``exists`` calls, which every prefetch makes) and seconds
   per page (a get batch's time less one call), as EWMAs.
+- L3 lookups: the fraction of the pages asked that the store held (usable), as an EWMA: a prefetch
+  is only started when the expected saving (that fraction of a full hit's) beats the ``exists`` call
+  every lookup costs, so a store that keeps finding nothing stops being asked (but is probed now and
+  then).
 - L2 -> L1 load: *exposed* seconds per token, the time the forward pass waited for layer-wise loads
   (what the overlap did not hide), as an EWMA.
 
@@ -31,6 +35,7 @@ EWMA_WEIGHT = 0.2  # of the newest sample: a few batches move the estimate, one 
 PREFILL_DECAY = 0.97  # per reported pass: the fit forgets over ~30 passes (load on a shared host changes)
 MIN_PREFILL_SAMPLES = 8  # passes before the fitted rate is trusted
 PROBE_EVERY = 32  # after this many skipped fetches, fetch once anyway: the L3 estimate must stay fresh
+LOOKUP_PROBE_EVERY = 8  # after this many lookups skipped for a poor hit rate, look up once anyway
 _TOKEN_SCALE, _PAIR_SCALE = 1e3, 1e6  # features near 1, so the fit's small ridge weighs them alike
 
 
@@ -104,6 +109,8 @@ class CostModel:
         self._exists_samples = self._load_samples = 0
         self.skipped_since_probe = 0
         self.skipped_fetches = 0
+        self.l3_hit_fraction = 1.0  # of the pages a lookup asks, those found usable (optimistic until measured)
+        self.skipped_lookups = self._lookups_since_probe = 0
 
     # ---- observations ----------------------------------------------------------------------------
     def observe_prefill(self, step_s: float, num_tokens: int, token_pairs: float) -> None:
@@ -123,6 +130,15 @@ class CostModel:
         with self._lock:
             self.l3_call_s = _ewma(self.l3_call_s, call_s, self._exists_samples == 0)
             self._exists_samples += 1
+
+    def observe_l3_lookup(self, asked_pages: int, found_pages: int) -> None:
+        """One lookup asked ``asked_pages`` and found the leading ``found_pages`` (0 when too few to use)."""
+        if asked_pages > 0:
+            with self._lock:
+                # from the optimistic prior, not replacing it: a few early misses (L3 still filling) must
+                # not stop the lookups that would find what later backups write
+                self.l3_hit_fraction = _ewma(self.l3_hit_fraction, min(found_pages, asked_pages) / asked_pages,
+                                             first=False)
 
     def observe_l3_get(self, call_s: float, num_pages: int) -> None:
         """One get batch of ``num_pages`` pages that took ``call_s``."""
@@ -177,13 +193,26 @@ class CostModel:
         return est.l3_call_s + est.fetch_s(num_pages, page_size)
 
     def l3_may_pay(self, start_tokens: int, max_pages: int, page_size: int) -> bool:
-        """Before a prefetch starts: whether fetching all ``max_pages`` could beat recomputing them
-        (the exists call included). A store too slow for even that is not asked at all."""
+        """Before a prefetch starts: whether asking L3 for ``max_pages`` is expected to save time. A
+        store too slow for even a full hit to beat recomputing it (the exists call included) is not
+        asked at all; otherwise the expected saving (the recent hit fraction of a full hit's) must beat
+        the exists call, and every ``LOOKUP_PROBE_EVERY``-th lookup refused for that is made anyway."""
         estimates = self.estimates()
         if estimates is None or max_pages <= 0:
             return max_pages > 0
-        fetch_s = estimates.l3_call_s + estimates.fetch_s(max_pages, page_size)
-        return estimates.recompute_s(start_tokens, start_tokens + max_pages * page_size) > fetch_s
+        full_hit_gain_s = estimates.recompute_s(start_tokens, start_tokens + max_pages * page_size) - \
+            estimates.fetch_s(max_pages, page_size)
+        if full_hit_gain_s <= estimates.l3_call_s:
+            return False
+        with self._lock:
+            if self.l3_hit_fraction * full_hit_gain_s > estimates.l3_call_s:
+                return True
+            self._lookups_since_probe += 1
+            if self._lookups_since_probe >= LOOKUP_PROBE_EVERY:
+                self._lookups_since_probe = 0
+                return True
+            self.skipped_lookups += 1
+        return False
 
     def load_pays(self, start_tokens: int, num_tokens: int) -> bool:
         """Whether loading ``num_tokens`` host tokens after position ``start_tokens`` into L1 beats

@@ -40,6 +40,7 @@ from tierkv.cache.l3_backup import Backup
 from tierkv.storage.base import PageStore
 from tierkv.storage.config import StorageConfig
 from tierkv.storage.factory import BACKEND_OPTIONS, open_store, parse_spec
+from tierkv.cache.l3_pacing import BackupPacer
 from tierkv.cache.l3_prefetch import NUM_MAX_COUNTS, NUM_MIN_COUNTS, Prefetch
 from tierkv.storage.worker import IOWorker, stop_workers
 
@@ -110,11 +111,11 @@ class StorageController:
         self.prefetches: dict[str, Prefetch] = {}  # by request id, in start order: running or revoked
         self.draining: list[Prefetch | Backup] = []  # let go while their worker may still touch their slots
         self.backups: deque[Backup] = deque()
+        self.granted_in_last_step = 0  # prefetches handed host slots by the last apply_progress (agreed)
         self._seed = functools.lru_cache(maxsize=MAX_CACHED_SEEDS)(self.namespace.seed)  # one per tenant, bounded
         tp = cache.tp
         # HiCache's backup_skip: one copy of MLA KV, written by rank 0 (reads still agree across ranks)
         self.skip_backup_writes = cache.device_pool.spec.attention == "mla" and tp.rank != 0
-        self.agree_found = tp.world_size > 1
         self.pass_prefix_keys = config.hicache_storage_pass_prefix_keys and store.accepts_prefix_keys
         self.max_tokens_in_flight = config.prefetch_max_tokens_in_flight
         if self.max_tokens_in_flight is None:  # HiCache: room for prefetches is what L2 has beyond L1
@@ -124,6 +125,7 @@ class StorageController:
         self.costs.batch_pages = config.prefetch_batch_pages
         self._prefetch_worker = IOWorker("tierkv-prefetch")
         self._backup_worker = IOWorker("tierkv-backup")
+        self.pacer = BackupPacer()  # an engine marks its forward passes; backups wait for a gap (bounded)
 
     # ---- hashes -------------------------------------------------------------------------------
     def path_hashes(self, node: TreeNode) -> list[str]:
@@ -167,29 +169,24 @@ class StorageController:
         anchor_hashes = self.path_hashes(anchor) if anchor_index else []
         prior = anchor_hashes[-1] if anchor_hashes else self._seed(key.extra_key)
         hashes = page_hashes(elems[anchor_len:], self.page_size, prior, self.namespace)
-        self.tree.inc_host_ref(anchor)  # before allocating: L2 eviction must not take the anchor
-        host_slots = self.cache.alloc_host(num_tokens)
-        if host_slots is None:
-            self.tree.dec_host_ref(anchor)
-            self.stats.prefetch_no_room += 1
-            return False
-        pages = self.host_pool.allocator.slots_to_pages(host_slots).tolist()
+        # host slots come later (_grant), for the pages L3 holds: L2 eviction must not take the anchor meanwhile
+        self.tree.inc_host_ref(anchor)
         config, ps = self.config, self.page_size
-        prefetch = Prefetch(request_id, anchor, anchor_len, key, hashes, host_slots, pages,
+        prefetch = Prefetch(request_id, anchor, anchor_len, key, hashes,
                             config.prefetch_timeout_base, config.prefetch_timeout_per_ki_token * ps / 1024,
-                            agree_found=self.agree_found, min_found_pages=-(-config.prefetch_threshold // ps),
+                            min_found_pages=-(-config.prefetch_threshold // ps),
                             prefix_hashes=anchor_hashes if self.pass_prefix_keys else None,
                             page_size=ps, costs=self.costs)
         self.prefetches[request_id] = prefetch
-        self._prefetch_worker.submit(partial(prefetch.run, self.store, self.host_pool,
-                                             self.config.prefetch_batch_pages))
+        self._prefetch_worker.submit(partial(prefetch.lookup, self.store))
         self.stats.prefetch_started += 1
         return True
 
     @property
     def tokens_in_flight(self) -> int:
-        """Host tokens held by prefetches not yet ended (running or draining): the rate limit's measure."""
-        return sum(len(p.host_slots) for p in self._counted())
+        """Host tokens held by prefetches not yet ended (running or draining), or asked for by those whose
+        lookup still runs: the rate limit's measure."""
+        return sum(p.reserved_tokens for p in self._counted())
 
     def check_prefetch(self, request_id: str) -> bool:
         """See HiRadixCache.check_prefetch_progress. Lock contract: on ending, releases the host_ref."""
@@ -210,8 +207,18 @@ class StorageController:
         ``max_wait_s``; the cache's next step agrees what it did. Lock contract: takes none."""
         prefetch = self.prefetches.get(request_id)
         if prefetch is not None and prefetch.state == "running":
-            expected_s = self.costs.expected_fetch_s(prefetch.num_pages, self.page_size)
+            # before the grant the worker has only its exists call to make; after it, the granted reads
+            num_pages = len(prefetch.host_pages) if prefetch.granted.is_set() else 0
+            expected_s = self.costs.expected_fetch_s(num_pages, self.page_size)
             prefetch.wait_worker(min(max_wait_s, max(2 * expected_s, MIN_PREFETCH_WAIT_S)))
+
+    def prefetch_phase(self, request_id: str) -> str | None:
+        """``lookup`` (exists running, or its count not yet agreed), ``reading`` (slots granted), or None
+        when the request has no running prefetch. Agreed state: alike on every TP rank."""
+        prefetch = self.prefetches.get(request_id)
+        if prefetch is None or prefetch.state != "running":
+            return None
+        return "reading" if prefetch.granted.is_set() else "lookup"
 
     def release(self, request_id: str) -> None:
         """See HiRadixCache.release_prefetch. Lock contract: releases the host_ref of a running prefetch."""
@@ -246,7 +253,7 @@ class StorageController:
     def _release_rest(self, prefetch: Prefetch, keep_tokens: int) -> None:
         self.tree.dec_host_ref(prefetch.anchor)
         rest = prefetch.host_slots[keep_tokens:]
-        if prefetch.agreed_finished:
+        if prefetch.agreed_finished or not prefetch.granted.is_set():  # no read job ever owned slots
             self.host_pool.free(rest)
             prefetch.state = "done"
         else:  # the worker may still write into them: keep them until it is agreed finished
@@ -316,8 +323,8 @@ class StorageController:
         if self.skip_backup_writes:  # rank 0 writes the one copy; retired in queue order like any other
             backup.done.set()
             return
-        self._backup_worker.submit(partial(backup.run, self.store, self.host_pool,
-                                           self.config.prefetch_batch_pages))
+        self._backup_worker.submit(self.pacer.paced(partial(backup.run, self.store, self.host_pool,
+                                                            self.config.prefetch_batch_pages)))
 
     def _retire_backup(self, backup: Backup) -> None:
         self.tree.dec_host_ref(backup.node)
@@ -352,6 +359,7 @@ class StorageController:
             raise ValueError(f"{len(min_counts)} MIN and {len(max_counts)} MAX progress counts for "
                              f"{len(counted)} prefetches")
         retirements = Retirements()
+        self.granted_in_last_step = 0
         for _ in range(min_counts[0]):
             backup = self.backups.popleft()
             backup.done.wait()
@@ -359,8 +367,10 @@ class StorageController:
         for i, item in enumerate(counted):
             item.agree(min_counts[1 + NUM_MIN_COUNTS * i: 1 + NUM_MIN_COUNTS * (i + 1)],
                        max_counts[NUM_MAX_COUNTS * i: NUM_MAX_COUNTS * (i + 1)])
-        for prefetch in counted:
-            if prefetch.state == "running" and prefetch.agreed_finished and prefetch.agreed_pages == 0:
+        for prefetch in [p for p in counted if p.state == "running"]:  # draining backups are never running
+            if prefetch.awaits_grant:
+                retirements.run(self._grant, prefetch)
+            elif prefetch.agreed_finished and prefetch.agreed_pages == 0:
                 retirements.run(self._revoke, prefetch)
         for item in [d for d in self.draining if d.agreed_finished]:
             self.draining.remove(item)  # first: a failing free must not be retried on a later step
@@ -372,8 +382,24 @@ class StorageController:
         item.state = "done"
         self.host_pool.free(item.host_slots)
 
+    def _grant(self, prefetch: Prefetch) -> None:
+        """The pages found are agreed: take host slots for those alone (evicting L2 only for them) and
+        let the worker read; nothing found, or no room, revokes it having taken nothing."""
+        num_tokens = min(prefetch.agreed_found, prefetch.num_pages) * self.page_size
+        host_slots = self.cache.alloc_host(num_tokens) if num_tokens else None
+        if host_slots is None:
+            self.stats.prefetch_no_room += int(num_tokens > 0)
+            self._revoke(prefetch)
+            return
+        prefetch.grant(host_slots, self.host_pool.allocator.slots_to_pages(host_slots).tolist())
+        self.granted_in_last_step += 1
+        self._prefetch_worker.submit(partial(prefetch.read, self.store, self.host_pool,
+                                             self.config.prefetch_batch_pages))
+
     def _revoke(self, prefetch: Prefetch) -> None:
-        """Nothing was found: give the slots back now; the request proceeds without waiting."""
+        """Nothing (worth reading) was found, no room for it, or the first read failed: give back what
+        it holds now; the request proceeds without waiting."""
+        prefetch.cancel.set()
         self.tree.dec_host_ref(prefetch.anchor)
         self.host_pool.free(prefetch.host_slots)
         prefetch.host_slots = prefetch.host_slots[:0]
@@ -418,7 +444,10 @@ class StorageController:
             item.cancel.set()
         self.wait_idle()
         running = [p for p in self.prefetches.values() if p.state == "running"]
-        for item in [*running, *self.backups]:
+        for prefetch in running:
+            if not prefetch.granted.is_set():  # its lookup owns no slot: nothing to drain
+                prefetch.state = "done"
+        for item in [*[p for p in running if p.state == "running"], *self.backups]:
             item.state = "draining"
             self.draining.append(item)
         self.prefetches.clear()

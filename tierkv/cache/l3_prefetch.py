@@ -1,14 +1,19 @@
 """A prefetch from L3 into L2 in flight: one object owning its host slots, hashes and completion state.
 
-The worker thread fills host pages in order and only ever raises ``completed_pages``, then sets
-``finished``. The scheduler thread sees that progress only through agreed counts (see
-:meth:`Prefetch.local_counts` / :meth:`Prefetch.agree`), so every TP rank decides alike. Two kinds of
-counts travel in the one per-step agreement:
+Order of work: the worker first asks the store which leading pages it holds (``exists``), cut to the
+pages worth reading (the cost model, ``min_found_pages``); that count is agreed; only then does the
+scheduler thread take host slots, for the agreed pages alone (evicting L2 only for those; see
+:meth:`tierkv.cache.l3.StorageController.apply_progress`), and hand them over (``granted``); the
+worker then reads into them. A prefetch whose L3 holds nothing takes no host slot and evicts nothing.
+
+The worker fills host pages in order and only ever raises ``completed_pages``, then sets ``finished``.
+The scheduler thread sees that progress only through agreed counts (see :meth:`Prefetch.local_counts`
+/ :meth:`Prefetch.agree`), so every TP rank decides alike. Two kinds of counts travel in the one
+per-step agreement:
 
 - MIN fields: a rank inserts only the pages every rank has, a prefetch is finished when it is finished
-  everywhere, and the pages to read are the leading run that *every* rank's L3 holds (with several
-  ranks the worker waits after ``exists`` until that count is agreed, then reads only it: a rank whose
-  L3 holds all 8 pages does not read 8 when another holds 3).
+  everywhere, and the pages to read are the leading run that *every* rank's L3 holds (and finds worth
+  reading): a rank whose L3 holds all 8 pages does not read 8 when another holds 3.
 - MAX fields: "terminated" (this rank's reads failed short, or its timeout passed). Terminated anywhere
   means terminated everywhere: no rank waits for pages that another rank can never contribute.
 
@@ -36,7 +41,7 @@ log = logging.getLogger(__name__)
 NUM_MIN_COUNTS = 3
 NUM_MAX_COUNTS = 1
 _FOUND_UNKNOWN = -1
-_AGREEMENT_POLL_S = 0.01
+_NO_SLOTS = torch.empty(0, dtype=torch.int64)
 
 
 @dataclass(eq=False)
@@ -44,13 +49,13 @@ class Prefetch:
     """Pages ``hashes`` (the key beyond ``anchor``, which starts ``anchor_len`` elements in) into ``host_slots``.
 
     While running it holds one host_ref on ``anchor``. ``state`` moves running -> done, or running ->
-    revoked (nothing found), or running -> draining (ended while the worker may still write into the
-    slots it kept; they are freed once the worker is agreed finished). ``agree_found`` (several TP
-    ranks): the worker reads only the leading run of pages that every rank found, once agreed, and
-    nothing when that run is under ``min_found_pages`` (the controller then revokes it). The timeout
-    budget is ``timeout_base_s`` plus ``timeout_per_page_s`` per page found (agreed), HiCache's rule.
-    ``costs`` (the cache's cost model) gets every call's time and cuts the read to the pages that are
-    cheaper to fetch than to recompute; the rest are recomputed.
+    revoked (nothing worth reading found), or running -> draining (ended while the worker may still
+    write into the slots it kept; they are freed once the worker is agreed finished). ``host_slots``
+    stay empty until the scheduler grants slots for the agreed pages found (:meth:`grant`); the worker
+    waits for that after ``exists`` and reads only the granted pages. A run under ``min_found_pages``
+    counts as nothing found. The timeout budget is ``timeout_base_s`` plus ``timeout_per_page_s`` per
+    page found (agreed), HiCache's rule. ``costs`` (the cache's cost model) gets every call's time and
+    cuts the pages found to those cheaper to fetch than to recompute; the rest are recomputed.
     """
 
     request_id: str
@@ -58,34 +63,50 @@ class Prefetch:
     anchor_len: int
     key: RadixKey
     hashes: list[str]
-    host_slots: torch.Tensor
-    host_pages: list[int]
     timeout_base_s: float
     timeout_per_page_s: float
+    host_slots: torch.Tensor = _NO_SLOTS  # granted by the scheduler once the pages found are agreed
+    host_pages: list[int] = field(default_factory=list)
     started_s: float = field(default_factory=time.monotonic)
     state: str = "running"
-    agree_found: bool = False
     min_found_pages: int = 0
     prefix_hashes: list[str] | None = None  # the anchor path's page hashes, for stores that want them
     page_size: int = 1
     costs: CostModel | None = None  # times every call; cuts the read to what beats recomputing
-    # written by the worker thread only
+    # written by the worker thread only; found_pages: the leading run present and worth reading
     found_pages: int = 0
     completed_pages: int = 0
     failed: bool = False
     cancel: threading.Event = field(default_factory=threading.Event)
     exists_done: threading.Event = field(default_factory=threading.Event)
     finished: threading.Event = field(default_factory=threading.Event)
-    # agreed across ranks; scheduler thread only (``found_agreed`` is how the worker learns agreed_found)
+    # agreed across ranks; scheduler thread only (``granted`` is how the worker learns its host pages)
     agreed_pages: int = 0
     agreed_finished: bool = False
     agreed_found: int = _FOUND_UNKNOWN
     agreed_terminated: bool = False
-    found_agreed: threading.Event = field(default_factory=threading.Event)
+    granted: threading.Event = field(default_factory=threading.Event)
 
     @property
     def num_pages(self) -> int:
         return len(self.hashes)
+
+    @property
+    def awaits_grant(self) -> bool:
+        """Running, the pages found agreed, no slots granted yet: the scheduler's move (see :meth:`grant`)."""
+        return self.state == "running" and self.agreed_found != _FOUND_UNKNOWN and not self.granted.is_set()
+
+    @property
+    def reserved_tokens(self) -> int:
+        """Host tokens this prefetch holds, or may ask for while its lookup runs (the rate limit's measure)."""
+        if self.granted.is_set() or self.state != "running":
+            return len(self.host_slots)
+        return self.num_pages * self.page_size
+
+    def grant(self, host_slots: torch.Tensor, host_pages: list[int]) -> None:
+        """Scheduler thread: the slots for the agreed pages found; the caller then submits :meth:`read`."""
+        self.host_slots, self.host_pages = host_slots, host_pages
+        self.granted.set()
 
     def local_counts(self) -> tuple[list[int], list[int]]:
         """This rank's progress: MIN fields (completed pages, finished, 1 + pages found), MAX (terminated)."""
@@ -105,8 +126,7 @@ class Prefetch:
         self.agreed_pages = max(self.agreed_pages, min(min_counts[0], self.num_pages))
         self.agreed_finished = self.agreed_finished or bool(min_counts[1])
         if self.agreed_found == _FOUND_UNKNOWN and min_counts[2] > 0:
-            self.agreed_found = min_counts[2] - 1
-            self.found_agreed.set()
+            self.agreed_found = min_counts[2] - 1  # the controller grants slots for it (awaits_grant)
         self.agreed_terminated = self.agreed_terminated or bool(max_counts[0])
 
     def may_stop(self, policy: str) -> bool:
@@ -120,35 +140,45 @@ class Prefetch:
         return self.agreed_finished
 
     def wait_worker(self, timeout_s: float) -> bool:
-        """Wait until the worker is done or, with several ranks, parked until a step agrees the pages
-        found (waiting longer could only stall: that agreement needs the caller's next step)."""
-        if not self.agree_found:
-            return self.finished.wait(timeout_s)
+        """Wait until the worker is done, or its lookup found pages that wait for a step to agree their
+        count and grant their slots (waiting longer could only stall: that needs the caller's next step).
+        Scheduler thread (it alone grants)."""
         deadline = time.monotonic() + timeout_s
-        while not self.finished.wait(_AGREEMENT_POLL_S):
-            if self.exists_done.is_set() and not self.found_agreed.is_set():
-                return True
-            if time.monotonic() >= deadline:
-                return False
-        return True
+        if not self.exists_done.wait(timeout_s):
+            return False
+        if self.found_pages and not self.granted.is_set():
+            return True
+        return self.finished.wait(max(0.0, deadline - time.monotonic()))
 
     # ---- worker thread ------------------------------------------------------------------------
     def _prefix_keys(self, start: int) -> dict[str, list[str]]:
         return prefix_keys_arg(self.prefix_hashes, self.hashes, start)
 
-    def run(self, store: PageStore, host_pool: HostKVPool, batch_pages: int) -> None:
-        """Query the leading run of present pages and read it into the host slots, batch by batch."""
+    def lookup(self, store: PageStore) -> None:
+        """The first job: how many leading pages the store holds that are worth reading. Finished here
+        when none are (nothing agreed then: a MIN); otherwise the scheduler grants slots and submits
+        :meth:`read`."""
         try:
-            if self.cancel.is_set():
-                return
-            try:
+            if not self.cancel.is_set():
                 started_s = time.perf_counter()
-                self.found_pages = store.batch_exists(self.hashes, **self._prefix_keys(0))
+                present = store.batch_exists(self.hashes, **self._prefix_keys(0))
+                usable = present if present >= max(1, self.min_found_pages) else 0
                 if self.costs is not None:
                     self.costs.observe_l3_exists(time.perf_counter() - started_s)
-            finally:  # a failed exists finds 0 pages: the other ranks must not wait for this one
-                self.exists_done.set()
-            num_pages = self._pages_to_read()
+                    self.costs.observe_l3_lookup(self.num_pages, usable)
+                self.found_pages = self._worth_reading(usable)
+        except Exception as exc:  # a failing backend finds nothing, never a crash
+            self.failed = True
+            log.warning("prefetch %s: storage lookup failed: %s: %s", self.request_id, type(exc).__name__, exc)
+        finally:  # a failed exists finds 0 pages: the other ranks must not wait for this one
+            self.exists_done.set()
+            if not self.found_pages or self.cancel.is_set():  # no read will follow
+                self.finished.set()
+
+    def read(self, store: PageStore, host_pool: HostKVPool, batch_pages: int) -> None:
+        """The second job, once granted: read the granted pages into their host slots, batch by batch."""
+        num_pages = len(self.host_pages)
+        try:
             for start in range(0, num_pages, batch_pages):
                 if self.cancel.is_set():
                     return
@@ -162,20 +192,12 @@ class Prefetch:
         finally:
             self.finished.set()
 
-    def _pages_to_read(self) -> int:
-        """The pages found here or, with several ranks, the count every rank found (0 when cancelled)."""
-        found = self.found_pages
-        if self.agree_found:
-            while not self.found_agreed.wait(_AGREEMENT_POLL_S):
-                if self.cancel.is_set():
-                    return 0
-            found = min(self.agreed_found, found)
-        if found < self.min_found_pages:
-            return 0  # too short to be worth it: revoked
-        if self.costs is None:
-            return found
-        # what is not read is recomputed: ranks may cut differently, the agreed MIN of pages still holds
-        return self.costs.l3_pages_to_fetch(self.anchor_len, found, self.page_size)
+    def _worth_reading(self, usable: int) -> int:
+        """Of the ``usable`` leading pages (0 when under ``min_found_pages``), those worth reading: the
+        cost model's cut (ranks may cut differently: the agreed MIN of the cuts is read)."""
+        if not usable or self.costs is None:
+            return usable
+        return self.costs.l3_pages_to_fetch(self.anchor_len, usable, self.page_size)
 
     def _read(self, store: PageStore, host_pool: HostKVPool, start: int, end: int) -> bool:
         pages = self.host_pages[start:end]

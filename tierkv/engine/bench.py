@@ -116,7 +116,8 @@ def replay(engine: Engine, workload: ChatWorkload, mode: str) -> ModeResult:
         stats = storage.stats
         result.l3_stats = {"started": stats.prefetch_started, "revoked": stats.prefetch_revoked,
                            "not_worth": stats.prefetch_not_worth,
-                           "cut_after_exists": engine.cache.cost_model.skipped_fetches}
+                           "cut_after_exists": engine.cache.cost_model.skipped_fetches,
+                           "lookups_skipped": engine.cache.cost_model.skipped_lookups}
     return result
 
 

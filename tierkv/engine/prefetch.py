@@ -49,11 +49,21 @@ class Prefetcher:
 
     def wait(self, request: Request, max_wait_s: float = MAX_ADMISSION_WAIT_S) -> bool:
         """``request``'s prefetch was not ready: wait for it (bounded by its expected time), then agree
-        progress in one cache step, and say whether it is ready now. Every TP rank calls this alike
+        progress in one cache step (two when that step grants the slots for what L3 holds: the reads
+        follow), and say whether it is ready now. Every TP rank calls this alike
         (readiness is agreed state), so the extra step's collective stays matched."""
-        self.cache.storage.wait_prefetch(request.rid, max_wait_s)
+        storage = self.cache.storage
+        phase = storage.prefetch_phase(request.rid)
+        storage.wait_prefetch(request.rid, max_wait_s)
         self.cache.step()
-        return self.ready(request)
+        if self.ready(request):
+            return True
+        if phase == "lookup" and storage.prefetch_phase(request.rid) == "reading":
+            # that step agreed what L3 holds and granted the slots: the reads start now, wait for them too
+            storage.wait_prefetch(request.rid, max_wait_s)
+            self.cache.step()
+            return self.ready(request)
+        return False
 
     def storage_tokens(self, request: Request, hit_tokens: int) -> int:
         """Of ``hit_tokens`` cached tokens found at admission, how many came from L3."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -107,7 +108,9 @@ class Scheduler:
         items, sampled = self._plan()
         loads = TimedLoads(self.cache.start_loading()) if self.config.layerwise_load else None
         started_s = time.perf_counter()
-        logits = self.runner.forward(items, loads)
+        storage = self.cache.storage
+        with storage.pacer.busy() if storage is not None else nullcontext():  # backups wait for a gap
+            logits = self.runner.forward(items, loads)
         report_step(self.cache.cost_model, items, logits, started_s, loads, self._loaded_tokens)
         self._loaded_tokens = 0
         return self._advance(sampled, logits)

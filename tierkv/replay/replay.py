@@ -248,10 +248,11 @@ class L3Tier:
             return match, 0
         prefetch = self.controller.prefetches.get(request_id)
         while not self.cache.check_prefetch_progress(request_id):
-            # the worker reads the store; its progress is agreed in step(). Blocking on the prefetch's
-            # own event instead of polling costs one wake-up per request.
+            # the worker reads the store; its progress is agreed in step() (which also grants the slots
+            # for what its lookup found). Blocking on the prefetch's own events instead of polling costs
+            # a wake-up or two per request.
             if prefetch is not None:
-                prefetch.finished.wait(self.controller.config.io_wait_timeout_s)
+                prefetch.wait_worker(self.controller.config.io_wait_timeout_s)
             self.cache.step()
         again = self.cache.match_prefix(key)
         before = len(match.device_indices) + match.host_hit_length

@@ -3,7 +3,7 @@
 Runs the page-level simulator (tierkv.replay.sim: the real tree and policy objects, slot counts instead
 of pools; it matches the full replay exactly on LRU) for every policy at every total capacity, as:
 - ``l1``: one tier of the whole capacity (the L1-only radix cache);
-- ``inclusive``: L1 = capacity / 9, L2 the rest, write-through (today's default tiers);
+- ``inclusive``: L1 = capacity / 9 (at least the longest prompt), L2 the rest, write-through;
 - ``exclusive``: the same split, L2 holds what L1 dropped (``CacheConfig(tier_mode="exclusive")``).
 MIN is the offline optimum of one tier of the whole capacity (tierkv.replay.optimal).
 
@@ -21,7 +21,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from tierkv.replay.optimal import belady_min
-from tierkv.replay.report import parse_sizes
+from tierkv.replay.report import longest_prompt_tokens, parse_sizes
 from tierkv.replay.sim import SimConfig, simulate
 from tierkv.replay.trace import load_trace
 from tierkv.eviction import POLICIES
@@ -30,11 +30,15 @@ MODES = ("l1", "inclusive", "exclusive")
 _TRACES: dict[str, list] = {}
 
 
-def sim_config(mode: str, total_tokens: int, policy: str, page_size: int, admission: bool = False) -> SimConfig:
-    """The simulated cache of ``mode`` at ``total_tokens`` (L1 a ninth of it when tiered)."""
+def sim_config(mode: str, total_tokens: int, policy: str, page_size: int, admission: bool = False,
+               min_l1_tokens: int = 0) -> SimConfig:
+    """The simulated cache of ``mode`` at ``total_tokens``: when tiered, L1 a ninth of it but at least
+    ``min_l1_tokens`` (the longest prompt: an engine cannot compute a prompt its KV pool cannot hold, and
+    refuses to start with one that small; see tierkv.replay.report.sweep_config)."""
     if mode == "l1":
         return SimConfig(l1_tokens=total_tokens, page_size=page_size, eviction_policy=policy)
     l1 = total_tokens // 9 // page_size * page_size
+    l1 = max(l1, min(-(-min_l1_tokens // page_size) * page_size, total_tokens // 2 // page_size * page_size))
     # exclusive tiers copy on eviction only: no write-through hit counting, as CacheConfig.write_threshold says
     return SimConfig(l1_tokens=l1, l2_tokens=total_tokens - l1, page_size=page_size, eviction_policy=policy,
                      tier_mode=mode, admission=admission, write_threshold=None if mode == "exclusive" else 1)
@@ -44,9 +48,10 @@ def _run(job: tuple) -> dict:
     path, mode, total, policy, page_size, admission = job
     requests = _TRACES.setdefault(path, load_trace(path).requests)
     start = time.process_time()
-    result = simulate(requests, sim_config(mode, total, policy, page_size, admission))
+    config = sim_config(mode, total, policy, page_size, admission, longest_prompt_tokens(requests))
+    result = simulate(requests, config)
     return {"trace": path, "mode": mode, "capacity_tokens": total, "policy": policy, "admission": admission,
-            "hit_ratio": result.hit_ratio, "written_tokens": result.written_tokens,
+            "l1_tokens": config.l1_tokens, "hit_ratio": result.hit_ratio, "written_tokens": result.written_tokens,
             "cpu_s": time.process_time() - start}
 
 

@@ -576,7 +576,8 @@ test_storage_traffic = StorageTraffic.TestCase
 def _leaf_in_l2_under_l1_parent(store_hangs: bool):
     """write_back cache: a 2-page parent in L1 only and a 2-page leaf written back to L2 under it, its
     L3 backup hanging (protected) when ``store_hangs``."""
-    cache = make_cache(page_size=PS, write_policy="write_back")
+    # whole-node eviction (HiCache's): evict(1) takes the whole leaf
+    cache = make_cache(page_size=PS, write_policy="write_back", split_victims=False)
     store = attach_fake(cache)
     key = RadixKey(random_tokens(4 * PS, seed=20))
     kv = compute_and_insert(cache, RadixKey(key.token_ids[: 2 * PS]), seed=21)

@@ -298,13 +298,16 @@ def test_load_back_under_write_back_keeps_the_host_path_it_loads(caches):
 
 
 # ---- L2 pressure -----------------------------------------------------------------------------------
-def test_full_l2_evicts_from_l2_before_writing(caches):
-    cache = caches(device_tokens=16, hicache_ratio=2.0)  # host: 32 tokens
+@pytest.mark.parametrize("split_victims", [False, True])
+def test_full_l2_evicts_from_l2_before_writing(caches, split_victims):
+    cache = caches(device_tokens=16, hicache_ratio=2.0, split_victims=split_victims)  # host: 32 tokens
     for i in range(3):
         _host_only(cache, list(range(100 * i, 100 * i + 12)), seed=i)
-    assert cache.stats.evicted_host_tokens >= 12  # the third write needed room
+    # the third write needed 4 more slots: a whole node goes, or only its last 4 tokens
+    assert cache.stats.evicted_host_tokens == (4 if split_victims else 12)
     assert cache.host_pool.allocator.num_used_slots <= 32
-    assert cache.match_prefix(RadixKey(list(range(12)))).host_hit_length == 0  # LRU victim
+    # the LRU victim: gone, or its first 8 tokens left in L2
+    assert cache.match_prefix(RadixKey(list(range(12)))).host_hit_length == (8 if split_victims else 0)
     assert cache.match_prefix(RadixKey(list(range(200, 212)))).host_hit_length == 12
     cache.check_integrity()
 
@@ -333,15 +336,21 @@ def test_evict_host_drops_backups_of_l1_nodes_and_deletes_host_only_ones(caches)
 
 
 # ---- eviction accounting ---------------------------------------------------------------------------
-def test_evict_frees_whole_nodes_and_skips_locked_ones(caches):
-    cache = caches(device_tokens=64)
-    put(cache, list(range(10)), seed=1)
+@pytest.mark.parametrize("split_victims", [False, True])
+def test_evict_frees_what_it_needs_and_skips_locked_ones(caches, split_victims):
+    cache = caches(device_tokens=64, split_victims=split_victims)
+    kv = put(cache, list(range(10)), seed=1)
     put(cache, list(range(20, 30)), seed=2)
     cache.flush()
     locked = cache.match_prefix(RadixKey(list(range(20, 30)))).last_device_node
     cache.inc_lock_ref(locked)
-    assert cache.evict(3) == 10  # node granularity
-    assert cache.evict(100) == 0  # the rest is locked
+    left = 7 if split_victims else 0  # the victim's first 7 tokens stay, or node granularity (HiCache)
+    assert cache.evict(3) == 10 - left
+    assert len(cache.match_prefix(RadixKey(list(range(10)))).device_indices) == left
+    if left:  # the head kept its KV and its rank: it goes next
+        assert same_bits(cache.device_pool.read_tokens(
+            cache.match_prefix(RadixKey(list(range(10)))).device_indices), kv[:, :, :left])
+    assert cache.evict(100) == left  # the rest is locked
     assert cache.evictable_size == 0 and cache.protected_size == 10
     cache.dec_lock_ref(locked)
     cache.check_integrity()
@@ -453,7 +462,7 @@ def test_failed_write_back_deletes_instead_of_keeping_bad_kv(caches):
 
 
 def test_failed_write_back_of_a_leaf_keeps_its_ancestors_in_l1(caches):
-    cache = caches(write_policy="write_back")
+    cache = caches(split_victims=False, write_policy="write_back")
     kv = put(cache, list(range(4)), seed=1)
     put(cache, list(range(8)), seed=2)
     cache.transfer.write_now = lambda device_slots, host_slots: OSError("injected")
@@ -466,7 +475,7 @@ def test_failed_write_back_of_a_leaf_keeps_its_ancestors_in_l1(caches):
 
 # ---- L2 need not be a rooted subtree (HiCache's write-back: only the evicted node is copied) ----------
 def test_write_back_copies_only_the_evicted_leaf_not_its_l1_parent(caches):
-    cache = caches(write_policy="write_back")
+    cache = caches(split_victims=False, write_policy="write_back")
     put(cache, list(range(8)), seed=1)
     put(cache, list(range(12)), seed=2)  # a 4-token leaf under the 8-token parent
     assert cache.evict(1) == 4  # the leaf only
@@ -482,7 +491,7 @@ def test_write_back_copies_only_the_evicted_leaf_not_its_l1_parent(caches):
 
 
 def test_load_back_through_an_l1_resident_parent(caches):
-    cache = caches(write_policy="write_back", load_back_threshold=0)
+    cache = caches(split_victims=False, write_policy="write_back", load_back_threshold=0)
     parent_kv = put(cache, list(range(8)), seed=1)
     leaf_kv = put(cache, list(range(12)), seed=2)[:, :, 8:]  # its first 8 slots duplicated the parent's
     cache.evict(1)
@@ -498,7 +507,7 @@ def test_load_back_through_an_l1_resident_parent(caches):
 
 def test_failed_write_back_of_a_parent_removes_its_l2_only_children(caches):
     """The parent's copy fails: nothing leads to the child's L2 copy any more, so it goes too."""
-    cache = caches(write_policy="write_back")
+    cache = caches(split_victims=False, write_policy="write_back")
     put(cache, list(range(8)), seed=1)
     put(cache, list(range(12)), seed=2)
     cache.evict(1)  # the leaf goes to L2, under its L1-only parent
@@ -511,14 +520,16 @@ def test_failed_write_back_of_a_parent_removes_its_l2_only_children(caches):
 
 
 def test_parent_refused_by_admission_takes_its_l2_only_children_with_it(caches):
-    """l2_admission (used twice) admits the leaf, not its parent: L1 evicting the parent deletes both."""
-    cache = caches(write_policy="write_back", eviction_policy="lru", l2_admission=True)
+    """l2_admission admits the leaf, not its parent: L1 evicting the parent deletes both. (A split
+    parent has had its child's uses and more, so the policy here is told whom to admit; tinylfu's
+    remembered frequency can rank a re-created child above its parent.)"""
+    cache = caches(split_victims=False, write_policy="write_back", eviction_policy="lru", l2_admission=True)
     put(cache, list(range(12)), seed=1)
-    put(cache, list(range(12)), seed=1)  # used twice: admitted
-    put(cache, list(range(8)) + [100, 101], seed=2)  # splits it: the new 8-token parent is used once
+    put(cache, list(range(8)) + [100, 101], seed=2)  # splits it under an 8-token parent
     leaf = cache.tree.match(RadixKey(list(range(12))), touch=False).last_node
     parent = leaf.parent
     assert len(leaf) == 4 and len(parent) == 8
+    cache.priority.admit = lambda node: node is leaf
     assert cache.evict(2) == 4  # LRU: the 4-token leaf, written back
     assert leaf.host_value is not None and leaf.device_value is None and parent.host_value is None
     assert cache.evict(3) == 10  # the other leaf, then the parent: refused, it goes with its L2-only child
@@ -526,3 +537,32 @@ def test_parent_refused_by_admission_takes_its_l2_only_children_with_it(caches):
     assert cache.host_pool.num_free_slots == cache.host_pool.num_slots
     assert cache.stats.evicted_host_tokens == 4
     cache.check_integrity()
+
+
+# ---- exclusive tiers: a finished load frees its L2 copies before L1 demotes for more room -------------
+def test_exclusive_alloc_promotes_a_finished_load_before_l2_evicts_for_demotions(caches):
+    cache = caches(device_tokens=16, hicache_ratio=2.0, tier_mode="exclusive", load_back_threshold=0)
+    kv_a = put(cache, list(range(8)), seed=1)
+    put(cache, list(range(100, 108)), seed=2)
+    put(cache, list(range(200, 208)), seed=3)  # demotes A: L1 holds B and C, L2 holds A
+    put(cache, list(range(300, 308)), seed=4)
+    put(cache, list(range(400, 408)), seed=5)
+    put(cache, list(range(500, 508)), seed=6)  # L2 (32 slots) now holds A, B, C and D
+    assert cache.host_pool.num_free_slots == 0
+    match = cache.match_prefix(RadixKey(list(range(8))))
+    load = cache.init_load_back(match.last_host_node)  # L2 evicts for the demotions: A's copy still counts
+    assert load.pending.wait() and same_bits(cache.device_pool.read_tokens(load.device_indices), kv_a)
+    evicted_before = cache.stats.evicted_host_tokens
+    cache.inc_lock_ref(load.last_node)
+    slots = cache.alloc_device(8)  # the load is done, not yet retired: its promotion frees A's 8 L2 slots
+    cache.dec_lock_ref(load.last_node)
+    assert slots is not None
+    assert cache.stats.evicted_host_tokens == evicted_before  # the demotion took A's slots, L2 lost nothing
+    assert cache.match_prefix(RadixKey(list(range(8)))).host_hit_length == 0  # A: in L1 only
+    cache.device_pool.free(slots)
+    cache.check_integrity()
+
+
+def test_split_victims_rejects_a_non_bool(caches):
+    with pytest.raises(ValueError, match="split_victims"):
+        CacheConfig(split_victims=1)

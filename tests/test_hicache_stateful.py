@@ -40,15 +40,17 @@ def expected_kv(tokens: list[int], extra_key) -> torch.Tensor:
 
 
 class CacheMachine(RuleBasedStateMachine):
-    @initialize(page_size=st.sampled_from([1, 4]), policy=st.sampled_from(["lru", "lfu", "fifo", "mru", "priority"]),
+    @initialize(page_size=st.sampled_from([1, 4]),
+                policy=st.sampled_from(["lru", "lfu", "fifo", "mru", "priority", "gdsf", "s3fifo"]),
                 write_policy=st.sampled_from(["write_through", "write_through_selective", "write_back"]),
                 layout=st.sampled_from(HOST_LAYOUTS), io_backend=st.sampled_from(["kernel", "direct"]),
-                ratio=st.sampled_from([1.5, 2.0]))
-    def setup(self, page_size, policy, write_policy, layout, io_backend, ratio):
+                ratio=st.sampled_from([1.5, 2.0]), tier_mode=st.sampled_from(["inclusive", "exclusive"]),
+                split_victims=st.booleans())
+    def setup(self, page_size, policy, write_policy, layout, io_backend, ratio, tier_mode, split_victims):
         pool = DeviceKVPool(SPEC, DEVICE_TOKENS, page_size, "cpu")
         config = CacheConfig(page_size=page_size, eviction_policy=policy, write_policy=write_policy,
                              host_layout=layout, io_backend=io_backend, hicache_ratio=ratio,
-                             load_back_threshold=2)
+                             load_back_threshold=2, tier_mode=tier_mode, split_victims=split_victims)
         self.cache = HiRadixCache(pool, config)
         # Copies start only when a rule lets them (see _complete_copies): runs replay deterministically
         # and writes stay in flight across other operations.

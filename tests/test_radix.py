@@ -403,3 +403,33 @@ def test_a_long_new_suffix_is_a_view_of_the_callers_array_and_a_short_one_a_copy
     assert path.num_tokens == 50 and list(path.nodes[-1].key) == list(range(10, 50))
     assert [list(n.key) for n in path.nodes[-1].children.values()] == [list(range(50, 100))]
     tree.check_integrity()
+
+
+# ---- split: an eviction cuts off the tail pages it needs -------------------------------------------
+def test_split_cuts_a_node_at_a_page_boundary_and_tells_the_hook():
+    tree = RadixTree(page_size=4)
+    seen = []
+    tree.split_hook = lambda top, bottom: seen.append((len(top), len(bottom)))
+    node = tree.insert(RadixKey(list(range(12))), list(range(100, 112))).new_node
+    top = tree.split(node, 8)
+    assert seen == [(8, 4)]
+    assert top.parent is tree.root and node.parent is top
+    assert list(top.device_value) == list(range(100, 108)) and list(node.device_value) == [108, 109, 110, 111]
+    assert tree.match(RadixKey(list(range(12))), touch=False).num_tokens == 12
+    tree.check_integrity()
+
+
+@pytest.mark.parametrize("num_elements", [0, 12, 16, -4, 6, 4.0, "4"])
+def test_split_rejects_a_bad_cut_and_leaves_the_tree_unchanged(num_elements):
+    tree = RadixTree(page_size=4)
+    node = tree.insert(RadixKey(list(range(12))), list(range(12))).new_node
+    with pytest.raises(ValueError, match="num_elements"):
+        tree.split(node, num_elements)
+    assert len(node) == 12 and node.parent is tree.root
+    tree.check_integrity()
+
+
+def test_split_rejects_the_root():
+    tree = RadixTree()
+    with pytest.raises(ValueError, match="root"):
+        tree.split(tree.root, 1)

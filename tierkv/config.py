@@ -34,6 +34,9 @@ class CacheConfig:
     enable_host: bool = True
     tier_mode: str = "inclusive"
     l2_admission: bool = False  # ask the eviction policy (Policy.admit) before copying a node to L2
+    # an eviction takes only the pages it still needs from its last victim, splitting the node (False:
+    # whole nodes, as HiCache evicts; README, "Eviction policies and tiers")
+    split_victims: bool = True
     # fetch from L3 / load from L2 only what is cheaper than recomputing it (tierkv.cache.cost_model);
     # prefill_tokens_per_s fixes the prefill rate instead of measuring the engine's
     cost_aware: bool = True
@@ -45,6 +48,7 @@ class CacheConfig:
         check_choice("write_policy", self.write_policy, sorted(WRITE_POLICIES))
         check_choice("tier_mode", self.tier_mode, TIER_MODES)
         check_bool("l2_admission", self.l2_admission)
+        check_bool("split_victims", self.split_victims)
         check_bool("cost_aware", self.cost_aware)
         if self.prefill_tokens_per_s is not None:
             check_number("prefill_tokens_per_s", self.prefill_tokens_per_s, minimum=0, exclusive_minimum=True)

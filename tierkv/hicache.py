@@ -55,6 +55,7 @@ class HiRadixCache(StorageTierMethods):
         self.device_pool = device_pool
         self.tree = RadixTree(self.config.page_size, bigram=self.config.bigram)
         self.priority = get_policy(self.config.eviction_policy)
+        self.tree.split_hook = self.priority.on_split  # a split node's halves keep its rank
         device_order, host_order = tier_orders(self.priority, self.config.tier_mode)
         self._device_heap = EvictionHeap(self.tree, "device", device_order)
         self._host_heap = EvictionHeap(self.tree, "host", host_order)
@@ -404,7 +405,8 @@ class HiRadixCache(StorageTierMethods):
 
     # ---- eviction ----------------------------------------------------------------------------
     def evict(self, num_tokens: int) -> int:
-        """Free at least ``num_tokens`` L1 slots if that many are evictable; returns the number freed.
+        """Free at least ``num_tokens`` L1 slots if that many are evictable; returns the number freed (with
+        ``split_victims``, the default, the last victim gives only the whole pages still needed).
 
         Backed-up nodes drop their device slots and stay host-only; others are deleted with their
         host-only descendants (no path to them is left), or under write_back copied to L2 first (the
@@ -415,6 +417,7 @@ class HiRadixCache(StorageTierMethods):
         freed, batch, kept = 0, _WriteBackBatch(), []
         write_back = self.config.writes_on_evict and self.transfer is not None
         for node in self._device_heap.victims() if num_tokens > 0 else ():
+            self._split_victim(node, num_tokens - freed)
             if write_back and node.host_value is None and self._admit(node):
                 self._reserve_write_back(node, batch)
             if node.host_value is None and node.host_ref:
@@ -436,6 +439,14 @@ class HiRadixCache(StorageTierMethods):
         self.tree.changed_nodes("device").update(kept)  # candidates again at the next call
         self.stats.evicted_device_tokens += freed
         return freed
+
+    def _split_victim(self, node: TreeNode, num_tokens: int) -> None:
+        """Cut ``node`` so that it keeps only its last ``num_tokens`` (whole pages) when it holds more: the
+        eviction then takes those and the head stays, ranked as before (``split_victims``)."""
+        page = self.config.page_size
+        num_tokens = -(-num_tokens // page) * page
+        if self.config.split_victims and len(node) > num_tokens:
+            self.tree.split(node, len(node) - num_tokens)
 
     def _remove_with_host_subtree(self, node: TreeNode) -> None:
         """Delete ``node`` (in neither tier now) and its L2-only descendants, freeing their host slots."""
@@ -503,13 +514,15 @@ class HiRadixCache(StorageTierMethods):
         return restored
 
     def evict_host(self, num_tokens: int) -> int:
-        """Free at least ``num_tokens`` L2 slots if possible; returns the number freed.
+        """Free at least ``num_tokens`` L2 slots if possible; returns the number freed (``split_victims``:
+        the last victim gives only the whole pages still needed).
 
         Host-only leaves are deleted; L1-resident leaves just drop their backup. Lock contract: skips
         nodes with host_ref (in-flight writes, loads, backups) and locked host-only nodes.
         """
         freed, evicted_slots = 0, []
         for node in self._host_heap.victims() if num_tokens > 0 else ():
+            self._split_victim(node, num_tokens - freed)
             freed += len(node)
             evicted_slots.append(node.host_value)
             node.host_value = None
@@ -526,6 +539,8 @@ class HiRadixCache(StorageTierMethods):
     def _alloc_device(self, num_tokens: int) -> torch.Tensor | None:
         slots = self.device_pool.alloc(num_tokens)
         if slots is None:
+            if self.config.tier_mode == "exclusive" and self.transfer is not None and self.transfer.loads:
+                self.loading_check()  # promote finished loads first: the demotions take their L2 slots
             self.evict(num_tokens - self.device_pool.num_free_slots)
             slots = self.device_pool.alloc(num_tokens)
         return slots

@@ -204,6 +204,9 @@ class RadixTree:
         self.root.lock_ref = 1  # the root is never evicted
         self.evictable_size = 0
         self.protected_size = 0
+        # called as split_hook(top, bottom) after every split, so per-node state kept outside the tree (an
+        # eviction policy's, by node id) follows the new top node: it holds the same tokens' KV, same uses
+        self.split_hook: Callable[[TreeNode, TreeNode], None] | None = None
 
     # ---- keys ---------------------------------------------------------------------------------------
     def elements(self, key: RadixKey) -> list:
@@ -359,6 +362,21 @@ class RadixTree:
         parent.children[child_key] = leaf
         return leaf
 
+    def split(self, node: TreeNode, num_elements: int) -> TreeNode:
+        """Split ``node`` so its first ``num_elements`` (whole pages) become a new parent; returns that parent.
+
+        An eviction that needs only part of a node's tokens splits off its tail and evicts that.
+        Lock contract: takes no lock; both halves keep the node's lock and host_ref counts.
+        """
+        if node is self.root or node.parent is None:
+            raise ValueError("the root cannot be split")
+        if not isinstance(num_elements, int) or not 0 < num_elements < len(node.key):
+            raise ValueError(f"num_elements must be in 1..{len(node.key) - 1} to split node {node.id}, "
+                             f"got {num_elements!r}")
+        if num_elements % self.page_size:
+            raise ValueError(f"num_elements {num_elements} is not a multiple of page_size {self.page_size}")
+        return self._split(node, num_elements)
+
     def _split(self, child: TreeNode, n: int) -> TreeNode:
         """Split ``child`` so its first ``n`` elements become a new parent; returns that parent."""
         top = TreeNode(child.key[:n], child.extra_key, child.parent, child.creation_time)
@@ -379,6 +397,8 @@ class RadixTree:
         child.key = child.key[n:]
         child.parent = top
         top.children[self.child_key(child.key, child.extra_key)] = child
+        if self.split_hook is not None:
+            self.split_hook(top, child)
         return top
 
     # ---- values and accounting ----------------------------------------------------------------------

@@ -65,6 +65,13 @@ class Policy:
         override it call it last, so :meth:`uses` still counts the uses before this one."""
         self._uses[node.id] = self._uses.get(node.id, 0) + 1
 
+    def on_split(self, top: PolicyNode, bottom: PolicyNode) -> None:
+        """The tree split ``bottom``: ``top`` (new) holds its first tokens and has had the same uses.
+        Subclasses with per-node state copy it to ``top`` and call this too."""
+        uses = self._uses.get(bottom.id)
+        if uses is not None:
+            self._uses[top.id] = uses
+
     def on_evict(self, node: PolicyNode, removed: bool) -> None:
         """``node`` left a tier; ``removed`` when it left the tree altogether (no tier holds it).
         Subclasses that override it call it last."""
@@ -86,14 +93,15 @@ def depth_tokens(node: PolicyNode) -> int:
     return depth
 
 
-def fingerprint(node: PolicyNode) -> int:
-    """A hint (not an identity) that a re-created node is one seen before: parent id and first elements.
+def fingerprint(node: PolicyNode, element_tokens: int = 1) -> int:
+    """A hint (not an identity) that a re-created node is one seen before: parent id and first 8 tokens
+    (first elements covering them: a page simulator's element is a whole page).
 
     Parents are usually internal nodes that outlive their evicted leaves, so a conversation's next
     turn re-creating the same tail (longer now) under the same parent maps to the same fingerprint.
     """
     parent = node.parent
-    return hash((parent.id if parent is not None else 0, tuple(node.key[:8])))
+    return hash((parent.id if parent is not None else 0, tuple(node.key[:-(-8 // element_tokens)])))
 
 
 def eviction_order(candidates: list, priority: Callable[[Any], tuple],

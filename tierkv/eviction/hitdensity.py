@@ -69,8 +69,13 @@ class HitDensity(Policy):
         self.last_use[node.id] = now
         super().on_access(node)
 
+    def on_split(self, top: PolicyNode, bottom: PolicyNode) -> None:
+        if bottom.id in self.last_use:
+            self.last_use[top.id] = self.last_use[bottom.id]
+        super().on_split(top, bottom)
+
     def on_insert(self, node: PolicyNode) -> None:
-        ghost = self.ghosts.pop(fingerprint(node))
+        ghost = self.ghosts.pop(fingerprint(node, self.element_tokens))
         if ghost is not None:  # a use the cache missed: learn its gap all the same
             last_use, cls = ghost
             self.hits[cls][_bin(node.last_access_time - last_use)] += 1
@@ -85,7 +90,7 @@ class HitDensity(Policy):
     def _record_removal(self, node: PolicyNode) -> None:
         prev = self.last_use.pop(node.id, node.last_access_time)
         self.mean_eviction_age += 0.01 * (self.now - prev - self.mean_eviction_age)
-        expired = [self.ghosts.add(fingerprint(node), (prev, self._class(node)))]
+        expired = [self.ghosts.add(fingerprint(node, self.element_tokens), (prev, self._class(node)))]
         horizon = max(self.min_horizon_ticks, self.horizon_factor * self.mean_eviction_age)
         expired += self.ghosts.pop_older(lambda ghost: self.now - ghost[0] > horizon)
         for ghost in expired:

@@ -119,13 +119,18 @@ class S3FIFO(Policy):
         return (1, node.last_access_time, node.id)
 
     def on_insert(self, node: PolicyNode) -> None:
-        if self.ghosts.pop(fingerprint(node)) is not None:
+        if self.ghosts.pop(fingerprint(node, self.element_tokens)) is not None:
             self.returned.add(node.id)
+
+    def on_split(self, top: PolicyNode, bottom: PolicyNode) -> None:
+        if bottom.id in self.returned:
+            self.returned.add(top.id)
+        super().on_split(top, bottom)
 
     def on_evict(self, node: PolicyNode, removed: bool) -> None:
         if removed:
             self.returned.discard(node.id)
-            self.ghosts.add(fingerprint(node))
+            self.ghosts.add(fingerprint(node, self.element_tokens))
         super().on_evict(node, removed)
 
 
@@ -153,16 +158,21 @@ class ARC(Policy):
         return (node.last_access_time + (self.t2_bonus if self._in_t2(node) else 0), node.id)
 
     def on_insert(self, node: PolicyNode) -> None:
-        was_t2 = self.ghosts.pop(fingerprint(node))
+        was_t2 = self.ghosts.pop(fingerprint(node, self.element_tokens))
         if was_t2 is None:
             return
         self.returned.add(node.id)
         delta = self.step_ticks if was_t2 else -self.step_ticks
         self.t2_bonus = max(0, self.t2_bonus + delta)
 
+    def on_split(self, top: PolicyNode, bottom: PolicyNode) -> None:
+        if bottom.id in self.returned:
+            self.returned.add(top.id)
+        super().on_split(top, bottom)
+
     def on_evict(self, node: PolicyNode, removed: bool) -> None:
         if removed:
-            self.ghosts.add(fingerprint(node), int(self._in_t2(node)))
+            self.ghosts.add(fingerprint(node, self.element_tokens), int(self._in_t2(node)))
             self.returned.discard(node.id)
         super().on_evict(node, removed)
 
@@ -186,13 +196,18 @@ class TinyLFU(Policy):
         return (self.frequency(node), node.last_access_time, node.id)
 
     def on_insert(self, node: PolicyNode) -> None:
-        past = self.history.pop(fingerprint(node))
+        past = self.history.pop(fingerprint(node, self.element_tokens))
         if past:
             self.remembered[node.id] = past // 2  # halved: old popularity decays
 
+    def on_split(self, top: PolicyNode, bottom: PolicyNode) -> None:
+        if bottom.id in self.remembered:
+            self.remembered[top.id] = self.remembered[bottom.id]
+        super().on_split(top, bottom)
+
     def on_evict(self, node: PolicyNode, removed: bool) -> None:
         if removed:
-            self.history.add(fingerprint(node), self.frequency(node))
+            self.history.add(fingerprint(node, self.element_tokens), self.frequency(node))
             self.remembered.pop(node.id, None)
         super().on_evict(node, removed)
 
@@ -214,14 +229,32 @@ class GDSF(Policy):
         self.attention_tokens = attention_tokens
         self.clock = 0.0
         self._base: dict[int, tuple[int, float]] = {}  # node id -> (access tick, clock at that access)
+        self._cost: dict[int, float] = {}  # node id -> prefill cost per slot
 
     def value_per_slot(self, node: PolicyNode) -> float:
-        mid = (depth_tokens(node) + len(node) / 2) * self.element_tokens
-        return self.uses(node) * (1.0 + mid / self.attention_tokens)
+        return self.uses(node) * self.cost_per_slot(node)
+
+    def cost_per_slot(self, node: PolicyNode) -> float:
+        """Prefill cost of one of the node's tokens, at its middle position; fixed once known, a split
+        sharing it with both halves: what the KV cost to compute does not change when an eviction cuts
+        the node (else the tail of a node demoted page by page would rank above its head, and L2 keep
+        deep pages it cannot load without the ones it dropped)."""
+        cost = self._cost.get(node.id)
+        if cost is None:
+            mid = (depth_tokens(node) + len(node) / 2) * self.element_tokens
+            cost = self._cost[node.id] = 1.0 + mid / self.attention_tokens
+        return cost
 
     def on_access(self, node: PolicyNode) -> None:
         self._base[node.id] = (node.last_access_time, self.clock)
         super().on_access(node)
+
+    def on_split(self, top: PolicyNode, bottom: PolicyNode) -> None:
+        if bottom.id in self._base:
+            self._base[top.id] = self._base[bottom.id]
+        if bottom.id in self._cost:
+            self._cost[top.id] = self._cost[bottom.id]
+        super().on_split(top, bottom)
 
     def h(self, node: PolicyNode) -> float:
         tick, base = self._base.get(node.id, (None, 0.0))
@@ -237,4 +270,5 @@ class GDSF(Policy):
         if removed:  # a move to another tier is no eviction from the cache: the clock stays
             self.clock = max(self.clock, self.h(node))
             self._base.pop(node.id, None)
+            self._cost.pop(node.id, None)
         super().on_evict(node, removed)

@@ -131,6 +131,7 @@ class SchedulerTiers:
         self.tree = RadixTree(self.page_size)
         self.allocator = SlotAllocator(geometry.host_pages * self.page_size, self.page_size)
         self.priority = get_policy(config.eviction_policy)
+        self.tree.split_hook = self.priority.on_split
         self._host_heap = EvictionHeap(self.tree, "host", self.priority)
         self.namespace = geometry.hash_namespace()
         self.store = store

@@ -59,6 +59,7 @@ class ReplayConfig:
     load_back_threshold: int = 10
     tier_mode: str = "inclusive"
     l2_admission: bool = False
+    split_victims: bool = True  # CacheConfig.split_victims
     l3_tokens: int | None = None  # a bounded L3's capacity, for MIN's bound (None: unbounded)
 
     def __post_init__(self) -> None:
@@ -79,7 +80,7 @@ class ReplayConfig:
         return CacheConfig(page_size=self.page_size, eviction_policy=self.eviction_policy,
                            write_policy=self.write_policy, load_back_threshold=self.load_back_threshold,
                            enable_host=self.l2_tokens is not None, tier_mode=self.tier_mode,
-                           l2_admission=self.l2_admission)
+                           l2_admission=self.l2_admission, split_victims=self.split_victims)
 
     @property
     def total_tokens(self) -> int:

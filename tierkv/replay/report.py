@@ -273,14 +273,22 @@ def write_json(report: dict, path: str | Path) -> None:
 
 
 # ---- capacity sweep -----------------------------------------------------------------------------------
-def sweep_config(config: ReplayConfig, total_tokens: int) -> ReplayConfig:
-    """The tiered config at ``total_tokens`` of L1 + L2, split in the ratio of ``config`` (L3 off)."""
+def sweep_config(config: ReplayConfig, total_tokens: int, min_l1_tokens: int = 0) -> ReplayConfig:
+    """The tiered config at ``total_tokens`` of L1 + L2, split in the ratio of ``config`` (L3 off), with
+    L1 at least ``min_l1_tokens`` (the longest prompt: an engine refuses to start with a KV pool that
+    cannot hold one whole request, as vLLM checks max_model_len against it)."""
     page = config.page_size
     if config.l2_tokens is None:
         return replace(config, l1_tokens=max(page, total_tokens // page * page), l3="none")
-    l1 = max(page, total_tokens * config.l1_tokens // config.total_tokens // page * page)
+    l1 = max(page, total_tokens * config.l1_tokens // config.total_tokens // page * page,
+             min(-(-min_l1_tokens // page) * page, total_tokens // 2 // page * page))
     l2 = max(l1 + page, (total_tokens - l1) // page * page)
     return replace(config, l1_tokens=l1, l2_tokens=l2, l3="none")
+
+
+def longest_prompt_tokens(requests: list) -> int:
+    """The longest prompt of a trace, in tokens."""
+    return max((r.input_length for r in requests), default=0)
 
 
 def _sweep_hit_ratios(requests: list, config: ReplayConfig, engine: str, on_request) -> tuple[float, float]:
@@ -307,7 +315,7 @@ def run_sweep(trace: Trace, config: ReplayConfig, sizes: list[int], console: Con
     with Progress(TextColumn("{task.description:<16}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console or Console(stderr=True), transient=True) as bar:
         for total in sizes:
-            tiered_cfg = sweep_config(config, total)
+            tiered_cfg = sweep_config(config, total, longest_prompt_tokens(requests))
             opt = belady_min(requests, tiered_cfg.total_tokens, config.page_size).hit_ratio
             task = bar.add_task(f"sweep {total:,}", total=2 * len(requests) * len(names))
             per_policy = {}

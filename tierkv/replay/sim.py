@@ -51,6 +51,10 @@ class SimConfig:
     # evicts it in turn, its L2-only subtree dropped if that copy fails (HiCache, and the cache); True:
     # the node's ancestors that L2 lacks are copied with it (the cache's rule before: L2 a rooted subtree)
     write_back_ancestors: bool = False
+    split_victims: bool = True  # an eviction takes only the pages it needs of its last victim (as the cache)
+    # a what-if the cache does not do: an exclusive load's L2 slots take the pages L1 demotes to make room
+    # for it (a swap), instead of L2 evicting for them while the loaded copies still count
+    swap_loads: bool = False
 
     def __post_init__(self) -> None:
         if self.tier_mode not in TIER_MODES:
@@ -80,6 +84,7 @@ class PageSim:
         self.tree = RadixTree(1)
         self.policy = get_policy(config.eviction_policy)
         self.policy.element_tokens = self.page
+        self.tree.split_hook = self.policy.on_split
         self.l1_pages = config.l1_tokens // self.page
         self.l2_pages = (config.l2_tokens or 0) // self.page
         self.l2_used = 0
@@ -108,7 +113,9 @@ class PageSim:
             self.result.l2_hit_tokens += sum(len(n) for n in host_part) * self.page
             last = host_part[-1]
         self.tree.inc_lock_ref(last)
-        num_new = len(pages) - hit
+        # slots for every new token, a last partial page included (the engine computes it; the tree
+        # keeps whole pages only, so it is freed after the insert)
+        num_new = -(-req.input_length // self.page) - hit
         room = self._make_room_l1(num_new)
         self.tree.dec_lock_ref(last)
         if room:
@@ -137,7 +144,12 @@ class PageSim:
         if num * self.page < self.config.load_back_threshold:
             return False
         self.tree.inc_lock_ref(host_part[-1])
+        swap = self.config.tier_mode == "exclusive" and self.config.swap_loads
+        if swap:  # the loaded pages' L2 slots take the pages L1 demotes to make room for them
+            self.l2_used -= sum(len(n) for n in host_part if not n.host_ref)
         ok = self._make_room_l1(num)
+        if swap:
+            self.l2_used += sum(len(n) for n in host_part if not n.host_ref)
         self.tree.dec_lock_ref(host_part[-1])
         if not ok:
             return False
@@ -152,6 +164,9 @@ class PageSim:
         if self.l1_used + num_pages <= self.l1_pages:
             return True
         for victim in self.l1_heap.victims():
+            need = self.l1_used + num_pages - self.l1_pages
+            if self.config.split_victims and len(victim) > need:
+                self.tree.split(victim, len(victim) - need)  # the head stays in L1, ranked as before
             self._evict_l1(victim)
             if self.l1_used + num_pages <= self.l1_pages:
                 return True
@@ -182,6 +197,9 @@ class PageSim:
             for victim in self.l2_heap.victims():
                 if victim.device_value is not None and not self.config.l2_evicts_l1_resident:
                     continue  # HiCache's rule: only host-only leaves leave L2 (re-marked when L1 drops it)
+                need = self.l2_used + num - self.l2_pages
+                if self.config.split_victims and len(victim) > need:
+                    self.tree.split(victim, len(victim) - need)
                 self._evict_l2(victim)
                 if self.l2_used + num <= self.l2_pages:
                     break
@@ -211,7 +229,7 @@ def from_cache_config(cache: CacheConfig, l1_tokens: int, l2_tokens: int | None)
     return SimConfig(l1_tokens=l1_tokens, l2_tokens=l2_tokens, page_size=cache.page_size,
                      eviction_policy=cache.eviction_policy, tier_mode=cache.tier_mode,
                      write_threshold=cache.write_threshold, admission=cache.l2_admission,
-                     load_back_threshold=cache.load_back_threshold)
+                     load_back_threshold=cache.load_back_threshold, split_victims=cache.split_victims)
 
 
 def simulate(requests: list[TraceRequest], config: SimConfig) -> SimResult:

@@ -136,3 +136,14 @@ def test_verify_refuses_reused_slots_that_are_not_whole_aligned_pages():
             replayer._verify(slots + 1, prompt)
     finally:
         replayer.finish()
+
+
+def test_sweep_gives_l1_at_least_the_longest_prompt():
+    """An engine cannot compute a prompt longer than its KV pool: the sweep's tiered L1 never is."""
+    from tierkv.replay.report import sweep_config
+
+    config = ReplayConfig(l1_tokens=500_000, l2_tokens=4_000_000, page_size=16)
+    assert sweep_config(config, 1_000_000).l1_tokens == 111_104  # a ninth
+    tiered = sweep_config(config, 1_000_000, min_l1_tokens=126_195)
+    assert tiered.l1_tokens == 126_208 and tiered.l1_tokens + tiered.l2_tokens <= 1_000_000
+    assert sweep_config(config, 10_000_000, min_l1_tokens=126_195).l1_tokens == 1_111_104

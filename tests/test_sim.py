@@ -79,3 +79,23 @@ def test_lazy_ancestors_lose_the_l2_leaf_when_the_ancestor_cannot_be_copied():
     assert 1 * PAGE not in sim.tree.root.children  # then C = (3,), whose copy takes the L2 page
     assert sim.l2_used == PAGE and _node(sim, 3).host_value is not None
     assert sim.result.written_tokens == 2 * PAGE
+
+
+def test_swap_loads_what_if_keeps_the_l2_page_a_load_makes_l2_evict():
+    """Exclusive tiers, L1 one block, L2 two. Loading A back makes L1 demote C while A's L2 copy still
+    counts, so L2 (A, B) evicts B; the swap what-if lets C take A's slot, and B still hits."""
+    results = {}
+    for swap in (False, True):
+        sim = _sim(l1_tokens=PAGE, l2_tokens=2 * PAGE, tier_mode="exclusive", write_threshold=None,
+                   swap_loads=swap)
+        results[swap] = _serve(sim, (1,), (2,), (3,), (1,), (2,))
+        assert sim.l2_used <= sim.l2_pages
+    assert results[False] == [0, 0, 0, PAGE, 0]
+    assert results[True] == [0, 0, 0, PAGE, PAGE]
+
+
+def test_split_victims_evicts_only_the_pages_it_needs():
+    """L1 two blocks: a one-block request after a two-block one takes only one block of it."""
+    for split, kept in ((False, 0), (True, PAGE)):
+        sim = _sim(l1_tokens=2 * PAGE, split_victims=split)
+        assert _serve(sim, (1, 2), (3,), (1, 2)) == [0, 0, kept]

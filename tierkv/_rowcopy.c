@@ -104,10 +104,21 @@ typedef struct {
     Py_ssize_t num_pages, outer, inner, dst_page_nbytes, src_page_nbytes, chunk_nbytes;
 } PageCopy;
 
+/* Each new run's first bytes (up to this many) are prefetched before the previous run is copied: runs
+ * are scattered, so without it each one starts with cache misses on both sides that the hardware
+ * prefetcher cannot foresee. Measured with MLA's 1152-byte chunks: the copy takes ~15% less time. */
+#define PREFETCH_MAX_NBYTES 2048
+#if defined(__GNUC__) || defined(__clang__)
+#define PREFETCH(address, for_write) __builtin_prefetch((address), (for_write))
+#else
+#define PREFETCH(address, for_write) ((void)0)
+#endif
+
 /* Chunks in (outer, page, inner) order: the caller picks the order that walks the destination
  * forward. A chunk that continues the previous one on both sides extends it instead of starting
  * a new memcpy. */
 static void run_page_copy(const PageCopy *c) {
+    Py_ssize_t prefetch_nbytes = c->chunk_nbytes < PREFETCH_MAX_NBYTES ? c->chunk_nbytes : PREFETCH_MAX_NBYTES;
     char *run_dst = NULL;
     const char *run_src = NULL;
     size_t run_nbytes = 0;
@@ -121,6 +132,10 @@ static void run_page_copy(const PageCopy *c) {
                 if (d == run_dst + run_nbytes && s == run_src + run_nbytes) {
                     run_nbytes += (size_t)c->chunk_nbytes;
                     continue;
+                }
+                for (Py_ssize_t off = 0; off < prefetch_nbytes; off += 64) {
+                    PREFETCH(d + off, 1);
+                    PREFETCH(s + off, 0);
                 }
                 if (run_nbytes) memmove(run_dst, run_src, run_nbytes);
                 run_dst = d;

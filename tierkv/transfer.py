@@ -212,7 +212,7 @@ class CopyHandle:
             self.wait()
 
 
-@dataclass
+@dataclass(slots=True)
 class _Queued:
     handle: CopyHandle
     payload: Any
@@ -340,12 +340,13 @@ class TransferController:
         if self.use_cuda:
             handle = self._submit_cuda(kind, src, src_slots, dst, dst_slots)
         elif self._copy_inline(kind, src_slots):
-            handle = CopyHandle(cpu_event=_COPIED)
-            handle.error = _copy_here(kind, self._cpu_copies[kind].run_now, src_slots, dst_slots)
+            handle = CopyHandle(cpu_event=_COPIED,
+                                error=_copy_here(kind, self._cpu_copies[kind].run_now, src_slots, dst_slots))
         else:
             handle = self._submit_to_worker(kind, src_slots, dst_slots)
         acks.append(_Queued(handle, payload))
-        raise_interrupt(handle.error)
+        if handle.error is not None:
+            raise_interrupt(handle.error)
         return handle
 
     def _submit_to_worker(self, kind: str, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> CopyHandle:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from functools import cached_property
 from types import ModuleType
 
 import numpy as np
@@ -73,9 +74,13 @@ class ChunkCopy:
         chunk_nbytes = src.rows.shape[1] * (src.page_size if whole_pages else 1)
         self._buffers = (dst.rows_np, src.rows_np, dst_base, src_base)
         self._sizes = (dst.page_stride_nbytes, src.page_stride_nbytes, inner, chunk_nbytes)
-        # the slot path's arguments held in C: a copy's call then parses its two slot arrays only
-        self._slots = native.SlotCopier(*self._buffers, *self._sizes, src.page_size, dst.allocator.num_pages,
-                                        src.allocator.num_pages, name)
+        self._slot_rule = (src.page_size, dst.allocator.num_pages, src.allocator.num_pages, name)
+
+    @cached_property
+    def _slots(self) -> "native.SlotCopier":
+        """The slot path's arguments held in C: a copy's call then parses its two slot arrays only (built
+        on first use: a layer-wise load makes a ChunkCopy per layer and never copies slots)."""
+        return native.SlotCopier(*self._buffers, *self._sizes, *self._slot_rule)
 
     def __call__(self, src_pages: torch.Tensor, dst_pages: torch.Tensor) -> None:
         native.copy_pages(*self._buffers, _int64_array(dst_pages), _int64_array(src_pages), *self._sizes)

@@ -76,6 +76,18 @@ def test_page_tensors_of_other_dtypes_and_strides_are_converted():
     assert torch.equal(host.gather_pages(torch.tensor([7, 2])).view(torch.uint8), expected.view(torch.uint8))
 
 
+@pytest.mark.parametrize("form", ["int64", "int32", "strided", "numpy", "numpy_strided"])
+def test_slot_arrays_of_any_form_copy_the_same_pages(form):
+    """The slot path takes CPU int64 tensors and arrays as they are and converts the rest, as the page path."""
+    device, host = random_pools(SPECS[1], "page_first", 2)
+    expected = device.gather_pages(torch.tensor([4, 5]))
+    src_slots, dst_slots = torch.tensor([8, 9, 10, 11]), torch.tensor([14, 15, 4, 5])
+    convert = {"int64": lambda t: t, "int32": lambda t: t.int(), "strided": lambda t: torch.stack([t, t], 1)[:, 0],
+               "numpy": lambda t: t.numpy(), "numpy_strided": lambda t: np.stack([t.numpy(), t.numpy()], 1)[:, 0]}[form]
+    cpu_copy.ChunkCopy(device, host).copy_slots(convert(src_slots), convert(dst_slots))
+    assert torch.equal(host.gather_pages(torch.tensor([7, 2])).view(torch.uint8), expected.view(torch.uint8))
+
+
 def test_a_pool_off_the_cpu_builds_without_a_numpy_view():
     """Accelerator pools (``meta`` stands in for CUDA here) never reach the native copy."""
     pool = DeviceKVPool(SPECS[0], 32, 4, "meta")
@@ -166,5 +178,5 @@ def test_a_native_build_of_another_api_version_is_ignored(caplog):
     stale = types.ModuleType("tierkv._rowcopy")  # a build from before API_VERSION existed
     with caplog.at_level(logging.WARNING, logger="tierkv.cpu_copy"):
         assert cpu_copy.usable_native(stale) is None
-    assert "API version 1, expected 2" in caplog.text
+    assert f"API version 1, expected {cpu_copy.NATIVE_API_VERSION}" in caplog.text
     assert cpu_copy.usable_native(None) is None

@@ -71,6 +71,7 @@ class _WriteBackBatch:
     protected: list[TreeNode] = field(default_factory=list)  # given host slots; host_ref held until the copy ends
     # (node, its device slots): freed after the copy; None once a failed copy put them back on the node
     evicted: list[tuple[TreeNode, torch.Tensor | None]] = field(default_factory=list)
+    raised: BaseException | None = None  # by the copy (an interrupt): re-raised once the pass is settled
 
 
 @dataclass

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from functools import cached_property
 from types import ModuleType
 
 import numpy as np
@@ -21,7 +22,7 @@ from tierkv.pools.kv import PagedKVBuffer, rows_adjacent_per_page
 
 log = logging.getLogger(__name__)
 
-NATIVE_API_VERSION = 2  # the API_VERSION of tierkv/_rowcopy.c that this module calls
+NATIVE_API_VERSION = 3  # the API_VERSION of tierkv/_rowcopy.c that this module calls
 
 
 def usable_native(module: ModuleType | None) -> ModuleType | None:
@@ -73,8 +74,13 @@ class ChunkCopy:
         chunk_nbytes = src.rows.shape[1] * (src.page_size if whole_pages else 1)
         self._buffers = (dst.rows_np, src.rows_np, dst_base, src_base)
         self._sizes = (dst.page_stride_nbytes, src.page_stride_nbytes, inner, chunk_nbytes)
-        self._slot_pools = (src.page_size, dst.allocator.num_pages, src.allocator.num_pages)
-        self.name = name  # for errors
+        self._slot_rule = (src.page_size, dst.allocator.num_pages, src.allocator.num_pages, name)
+
+    @cached_property
+    def _slots(self) -> "native.SlotCopier":
+        """The slot path's arguments held in C: a copy's call then parses its two slot arrays only (built
+        on first use: a layer-wise load makes a ChunkCopy per layer and never copies slots)."""
+        return native.SlotCopier(*self._buffers, *self._sizes, *self._slot_rule)
 
     def __call__(self, src_pages: torch.Tensor, dst_pages: torch.Tensor) -> None:
         native.copy_pages(*self._buffers, _int64_array(dst_pages), _int64_array(src_pages), *self._sizes)
@@ -84,10 +90,10 @@ class ChunkCopy:
         """Copy the whole pages of these token slots (equally many on both sides), checked as the slot
         allocator checks them: a ValueError names the first problem and nothing is copied. One native
         call, no tensor op (the path of small copies). ``check_only``: check, copy nothing."""
-        src_array, dst_array = _int64_array(src_slots), _int64_array(dst_slots)
-        if len(src_array) != len(dst_array):
-            raise ValueError(f"{self.name}: {len(src_array)} source slots vs {len(dst_array)} destination slots")
-        native.copy_pages(*self._buffers, dst_array, src_array, *self._sizes, *self._slot_pools, check_only)
+        try:  # the common case, CPU int64 tensors or arrays, goes to C as it is
+            self._slots.copy_slots(src_slots, dst_slots, check_only)
+        except (TypeError, BufferError, RuntimeError):  # another dtype or device, strided, or autograd
+            self._slots.copy_slots(_int64_array(src_slots), _int64_array(dst_slots), check_only)
 
 
 def _int64_array(pages: torch.Tensor | np.ndarray) -> np.ndarray:

@@ -438,6 +438,8 @@ class HiRadixCache(StorageTierMethods):
             self.device_pool.free(torch.cat(evicted_slots))
         self.tree.changed_nodes("device").update(kept)  # candidates again at the next call
         self.stats.evicted_device_tokens += freed
+        if batch.raised is not None:  # let it through now that no slot is left loose
+            raise batch.raised
         return freed
 
     def _split_victim(self, node: TreeNode, num_tokens: int) -> None:
@@ -476,7 +478,10 @@ class HiRadixCache(StorageTierMethods):
         if not batch.protected:
             return 0
         device_slots = torch.cat(batch.device_slots)
-        error = self.transfer.write_now(device_slots, torch.cat(batch.host_slots))
+        try:
+            error = self.transfer.write_now(device_slots, torch.cat(batch.host_slots))
+        except BaseException as exc:  # Ctrl-C mid-copy (or bad slots): settled as a failed copy, raised later
+            error = batch.raised = exc
         for n in batch.protected:
             self.tree.dec_host_ref(n)
         if error is None:

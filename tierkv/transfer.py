@@ -131,6 +131,29 @@ def _page_mapping(kind: str, src: PagedKVBuffer, src_slots: torch.Tensor, dst: P
     return src_pages, dst_pages
 
 
+def _copy_here(kind: str, run: Callable[[torch.Tensor, torch.Tensor], None], src_slots: torch.Tensor,
+               dst_slots: torch.Tensor) -> BaseException | None:
+    """Run a copy on this thread: None when it succeeded, else its error, logged (its KV must not be
+    used). Bad slots raise ValueError (nothing was copied). An interrupt (KeyboardInterrupt, SystemExit:
+    not an Exception) is returned like any failure, since the copy may have stopped half-way: the caller
+    first hands the failure to whatever owns the copy's slots, then re-raises it (:func:`raise_interrupt`)."""
+    try:
+        run(src_slots, dst_slots)
+    except ValueError:
+        raise
+    except BaseException as exc:
+        log.error("%s copy failed: %r", kind, exc)
+        return exc
+    return None
+
+
+def raise_interrupt(error: BaseException | None) -> None:
+    """Re-raise ``error`` when it is an interrupt rather than a failed copy (not an Exception: Ctrl-C,
+    ``sys.exit``), once the failed copy is settled: it must not end as a copy error."""
+    if error is not None and not isinstance(error, Exception):
+        raise error
+
+
 # CPU writes up to this size run on the submitting thread: a hand-off to the worker (queue, event,
 # GIL switches) costs 30-100 us, more than copying this many bytes. Larger ones go to the worker (the
 # scheduler does not wait for writes), and run on the caller's thread after all if it waits for one
@@ -189,7 +212,7 @@ class CopyHandle:
             self.wait()
 
 
-@dataclass
+@dataclass(slots=True)
 class _Queued:
     handle: CopyHandle
     payload: Any
@@ -218,16 +241,13 @@ class TransferController:
         self.delay_hook: Callable[[str], None] | None = None  # tests inject per-rank delays here
 
     def write(self, device_slots: torch.Tensor, host_slots: torch.Tensor, payload: Any = None) -> CopyHandle:
-        """Queue an L1 -> L2 copy of whole pages; its ack carries ``payload``."""
-        handle = self._submit("write", self.device_pool, device_slots, self.host_pool, host_slots)
-        self.writes.append(_Queued(handle, payload))
-        return handle
+        """Queue an L1 -> L2 copy of whole pages; its ack carries ``payload``. A failed copy is reported on
+        the handle; an interrupt during a copy run here propagates once its ack is queued, failed."""
+        return self._submit("write", self.device_pool, device_slots, self.host_pool, host_slots, self.writes, payload)
 
     def load(self, host_slots: torch.Tensor, device_slots: torch.Tensor, payload: Any = None) -> CopyHandle:
-        """Queue an L2 -> L1 copy of whole pages; its ack carries ``payload``."""
-        handle = self._submit("load", self.host_pool, host_slots, self.device_pool, device_slots)
-        self.loads.append(_Queued(handle, payload))
-        return handle
+        """Queue an L2 -> L1 copy of whole pages; its ack carries ``payload``. Failures as for :meth:`write`."""
+        return self._submit("load", self.host_pool, host_slots, self.device_pool, device_slots, self.loads, payload)
 
     def load_layers(self, host_slots: torch.Tensor, device_slots: torch.Tensor, payloads: Sequence[Any]
                     ) -> CopyHandle:
@@ -277,18 +297,13 @@ class TransferController:
                        dst.row_dim_order)
 
     def write_now(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> BaseException | None:
-        """Copy L1 -> L2 and wait (write_back on eviction); returns the error if the copy failed."""
-        try:
-            if self.use_cuda:
-                self._write_now_cuda(device_slots, host_slots)
-            else:
-                self._cpu_copies["write"].run_now(device_slots, host_slots)
-        except ValueError:  # bad slots: nothing was copied
-            raise
-        except Exception as exc:  # a failed copy is reported, the caller keeps the KV out of L2
-            log.error("write-back copy failed: %s", exc)
-            return exc
-        return None
+        """Copy L1 -> L2 and wait (write_back on eviction); returns the error if the copy failed (the
+        caller keeps the KV out of L2). Bad slots raise ValueError (nothing copied); an interrupt
+        (KeyboardInterrupt, SystemExit) propagates, and the caller must treat the copy as failed."""
+        run = self._write_now_cuda if self.use_cuda else self._cpu_copies["write"].run_now
+        error = _copy_here("write-back", run, device_slots, host_slots)
+        raise_interrupt(error)
+        return error
 
     def _write_now_cuda(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
         src_pages, dst_pages = _page_mapping("write", self.device_pool, device_slots, self.host_pool, host_slots)
@@ -318,20 +333,24 @@ class TransferController:
         return out
 
     def _submit(self, kind: str, src: PagedKVBuffer, src_slots: torch.Tensor, dst: PagedKVBuffer,
-                dst_slots: torch.Tensor) -> CopyHandle:
+                dst_slots: torch.Tensor, acks: deque[_Queued], payload: Any) -> CopyHandle:
+        """Start a copy and queue its ack. A copy run here reports its failure on the handle, like one
+        run by the worker; an interrupt is re-raised only once the failed ack is queued, so that the ack
+        releases the slots and locks of ``payload`` as for any failed copy."""
         if self.use_cuda:
-            return self._submit_cuda(kind, src, src_slots, dst, dst_slots)
+            handle = self._submit_cuda(kind, src, src_slots, dst, dst_slots)
+        elif self._copy_inline(kind, src_slots):
+            handle = CopyHandle(cpu_event=_COPIED,
+                                error=_copy_here(kind, self._cpu_copies[kind].run_now, src_slots, dst_slots))
+        else:
+            handle = self._submit_to_worker(kind, src_slots, dst_slots)
+        acks.append(_Queued(handle, payload))
+        if handle.error is not None:
+            raise_interrupt(handle.error)
+        return handle
+
+    def _submit_to_worker(self, kind: str, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> CopyHandle:
         copy = self._cpu_copies[kind]
-        if self._copy_inline(kind, src_slots, copy.bytes_per_slot):
-            handle = CopyHandle(cpu_event=_COPIED)
-            try:
-                copy.run_now(src_slots, dst_slots)
-            except ValueError:  # bad slots: nothing was copied
-                raise
-            except BaseException as exc:  # reported through the handle, as from the worker
-                log.error("%s copy failed: %s", kind, exc)
-                handle.error = exc
-            return handle
         mapping = copy.check(src_slots, dst_slots)
         handle = CopyHandle()
 
@@ -341,10 +360,11 @@ class TransferController:
                     self.delay_hook(kind)
                 copy.run(mapping)
             except BaseException as exc:  # reported through the handle, never lost in the thread
-                log.error("%s copy failed: %s", kind, exc)
+                log.error("%s copy failed: %r", kind, exc)
                 handle.error = exc
             finally:
                 handle.cpu_event.set()
+            raise_interrupt(handle.error)  # run by a waiting thread: Ctrl-C reaches it (the worker ignores it)
 
         self._worker.submit(handle, job)
         handle.run_here = partial(self._run_here, handle)
@@ -362,14 +382,14 @@ class TransferController:
             handle.cuda_event.record(stream)
         return handle
 
-    def _copy_inline(self, kind: str, src_slots: torch.Tensor, bytes_per_slot: int) -> bool:
+    def _copy_inline(self, kind: str, src_slots: torch.Tensor) -> bool:
         """True when a CPU copy is better run here than handed to the worker: a load (its callers wait
         for it at once: a hand-off would only add its own cost) or a small write, when nothing is queued
         or running ahead of it (copies still land in submission order) and no test delays copies.
         The handle and ack queues behave the same; the ack is simply complete at once."""
         if self.delay_hook is not None:
             return False
-        if kind == "write" and len(src_slots) * bytes_per_slot > _INLINE_COPY_MAX_BYTES:
+        if kind == "write" and len(src_slots) * self._cpu_copies[kind].bytes_per_slot > _INLINE_COPY_MAX_BYTES:
             return False
         return self._worker.idle()
 
@@ -428,12 +448,14 @@ class _CopyWorker:
 
     A thread waiting for a copy the worker has not started runs it (and the copies queued ahead of it)
     itself: a waited-for copy then costs no hand-off, and order holds because copies never overlap.
-    Lock contract: ``_cond`` guards ``_jobs``, ``_busy`` and ``_stopping``; no copy runs under it.
+    Lock contract: ``_lock`` (``_cond``'s lock) guards ``_jobs``, ``_busy`` and ``_stopping``; no copy
+    runs under it.
     """
 
     def __init__(self) -> None:
         self._jobs: deque[tuple[CopyHandle, Callable[[], None]]] = deque()
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()  # taken bare where no wait or notify follows: half the cost per copy
+        self._cond = threading.Condition(self._lock)
         self._busy = False  # a copy is running, on the worker or on a waiting thread
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="tierkv-transfer", daemon=True)
@@ -446,7 +468,7 @@ class _CopyWorker:
 
     def idle(self) -> bool:
         """Nothing queued or running."""
-        with self._cond:
+        with self._lock:
             return not self._jobs and not self._busy
 
     def run_until(self, handle: CopyHandle) -> None:
@@ -486,4 +508,7 @@ class _CopyWorker:
                     return
                 _, job = self._jobs.popleft()
                 self._busy = True
-            self._run_one(job)
+            try:
+                self._run_one(job)
+            except BaseException:  # an interrupt a job re-raises for a waiting thread: here, on to the next
+                pass

@@ -8,7 +8,7 @@ of pools; it matches the full replay exactly on LRU) for every policy at every t
 MIN is the offline optimum of one tier of the whole capacity (tierkv.replay.optimal).
 
 Run:  /work/venv/bin/python bench/policy_sweep.py TRACE [TRACE...] [--sizes 1M,4.5M,10M]
-          [--policies lru,gdsf,...] [--modes l1,inclusive,exclusive] [--json OUT] [--jobs 2] [--swap-loads]
+          [--policies lru,gdsf,...] [--modes l1,inclusive,exclusive] [--json OUT] [--jobs 2] [--swap-loads] [--whole-nodes]
 """
 
 from __future__ import annotations
@@ -46,12 +46,14 @@ def sim_config(mode: str, total_tokens: int, policy: str, page_size: int, admiss
 
 
 def _run(job: tuple) -> dict:
-    path, mode, total, policy, page_size, admission, swap_loads = job
+    path, mode, total, policy, page_size, admission, swap_loads, whole_nodes = job
     requests = _TRACES.setdefault(path, load_trace(path).requests)
     start = time.process_time()
     config = sim_config(mode, total, policy, page_size, admission, longest_prompt_tokens(requests))
     if swap_loads and mode == "exclusive":  # a what-if the cache does not do (SimConfig.swap_loads)
         config = dataclasses.replace(config, swap_loads=True)
+    if whole_nodes:  # HiCache's eviction granularity
+        config = dataclasses.replace(config, split_victims=False)
     result = simulate(requests, config)
     return {"trace": path, "mode": mode, "capacity_tokens": total, "policy": policy, "admission": admission,
             "l1_tokens": config.l1_tokens, "hit_ratio": result.hit_ratio, "written_tokens": result.written_tokens,
@@ -59,10 +61,12 @@ def _run(job: tuple) -> dict:
 
 
 def sweep(traces: list[str], sizes: list[int], policies: list[str], modes: list[str], page_size: int = 16,
-          jobs: int = 2, admission: bool = False, swap_loads: bool = False) -> list[dict]:
+          jobs: int = 2, admission: bool = False, swap_loads: bool = False, whole_nodes: bool = False
+          ) -> list[dict]:
     """Every (trace, mode, size, policy) point, each with MIN and its fraction of MIN."""
     optimum = {(t, s): belady_min(load_trace(t).requests, s, page_size).hit_ratio for t in traces for s in sizes}
-    work = [(t, m, s, p, page_size, admission, swap_loads) for t in traces for m in modes for s in sizes for p in policies]
+    work = [(t, m, s, p, page_size, admission, swap_loads, whole_nodes)
+            for t in traces for m in modes for s in sizes for p in policies]
     points = []
     with ProcessPoolExecutor(jobs) as pool:
         for p in pool.map(_run, work):
@@ -102,11 +106,13 @@ def main() -> None:
     ap.add_argument("--admission", action="store_true", help="tiers ask the policy before copying to L2")
     ap.add_argument("--swap-loads", action="store_true",
                     help="what-if: an exclusive load's L2 slots take the pages L1 demotes for it (not in the cache)")
+    ap.add_argument("--whole-nodes", action="store_true", help="evict whole nodes, as HiCache (split_victims=False)")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--json", metavar="OUT")
     args = ap.parse_args()
     points = sweep(args.traces, parse_sizes(args.sizes), args.policies.split(","), args.modes.split(","),
-                   args.page_size, args.jobs, args.admission, args.swap_loads)
+                   args.page_size, args.jobs, args.admission, args.swap_loads,
+                   args.whole_nodes)
     print(markdown(points))
     if args.json:
         Path(args.json).write_text(json.dumps(points, indent=1) + "\n")

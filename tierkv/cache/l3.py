@@ -69,6 +69,7 @@ class StorageStats:
     backed_up_tokens: int = 0
     backup_present_tokens: int = 0
     backup_failed_pages: int = 0
+    backup_not_worth_tokens: int = 0  # the cost model judged writing them costlier than their reads save
 
 
 def resolve_namespace(namespace: HashNamespace | str, algorithm: str | None) -> HashNamespace:
@@ -299,7 +300,8 @@ class StorageController:
     def backup(self, node: TreeNode) -> None:
         """Write the pages of ``node``'s path that L2 holds, from the last node of it L2 lacks down to
         ``node``, to L3 in the background (an ancestor only in L1 is backed up when written back in turn;
-        chained hashes name each page's whole prefix). Lock contract: host_ref on ``node`` until retired."""
+        chained hashes name each page's whole prefix), unless the cost model judges the write costlier
+        than its expected reads save. Lock contract: host_ref on ``node`` until retired."""
         path = self.tree.path_to_root(node)
         if not path or node.host_value is None:
             return
@@ -317,10 +319,15 @@ class StorageController:
         pages = self.host_pool.allocator.slots_to_pages(slots).tolist()
         self.tree.inc_host_ref(node)
         backup = Backup(node, hashes[above:], pages, slots, self.page_size,
-                        prefix_hashes=hashes[:above] if self.pass_prefix_keys else None)
+                        prefix_hashes=hashes[:above] if self.pass_prefix_keys else None, costs=self.costs)
         self.backups.append(backup)
         self.stats.backup_started += 1
         if self.skip_backup_writes:  # rank 0 writes the one copy; retired in queue order like any other
+            backup.done.set()
+            return
+        if not self.costs.backup_pays(above * self.page_size, len(backup.hashes), self.page_size):
+            # queued done, like a rank that does not write: every rank's queue stays alike
+            self.stats.backup_not_worth_tokens += num_tokens
             backup.done.set()
             return
         self._backup_worker.submit(self.pacer.paced(partial(backup.run, self.store, self.host_pool,

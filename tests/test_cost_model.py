@@ -182,17 +182,19 @@ def test_unknown_prefill_rate_backs_up_everything():
     assert backup_worth_writing(None, 0, 5, PAGE)
     model = CostModel()  # nothing reported yet
     model.observe_l3_write(1.0, 1)
-    assert model.backup_pays(0, 5, PAGE) and model.skipped_backups == 0
+    assert model.backup_pages(0, 5, PAGE) == 5 and model.skipped_backups == 0
 
 
 def test_backups_are_written_until_a_write_is_measured_then_refused_with_probes():
-    model = CostModel(prefill_tokens_per_s=1e7)  # 1.6 us to recompute a page: no write can pay
-    assert model.backup_pays(0, 4, PAGE)  # the write's cost is not known yet: write, and measure it
+    model = CostModel(prefill_tokens_per_s=1e7, batch_pages=4)  # 1.6 us to recompute a page: no write pays
+    assert model.backup_pages(0, 10, PAGE) == 10  # the write's cost is not known yet: write, and measure it
     model.observe_l3_write(cpu_s=4e-4, num_pages=4)
     assert model.l3_write_s_per_page == pytest.approx(1e-4)
-    got = [model.backup_pays(0, 4, PAGE) for _ in range(BACKUP_PROBE_EVERY)]
-    assert got == [False] * (BACKUP_PROBE_EVERY - 1) + [True]  # a probe keeps the estimates fresh
+    got = [model.backup_pages(0, 10, PAGE) for _ in range(BACKUP_PROBE_EVERY)]
+    # a probe keeps the estimates fresh: one get batch, not the whole backup
+    assert got == [0] * (BACKUP_PROBE_EVERY - 1) + [4]
     assert model.skipped_backups == BACKUP_PROBE_EVERY
+    assert model.backup_pages(0, 10, PAGE) == 0
 
 
 def test_read_back_fraction_falls_with_unread_writes_and_recovers_with_reads():
@@ -200,9 +202,9 @@ def test_read_back_fraction_falls_with_unread_writes_and_recovers_with_reads():
     model = CostModel(prefill_tokens_per_s=PAGE / 0.016, l3_page_s=1e-3)
     assert model.read_back_fraction == 1.0  # the prior: early writes are trusted
     model.observe_l3_write(cpu_s=3e-3, num_pages=1)
-    assert model.backup_pays(0, 1, PAGE)
+    assert model.backup_pages(0, 1, PAGE) == 1
     written = 1
-    while model.backup_pays(0, 1, PAGE):  # nothing is ever read back
+    while model.backup_pages(0, 1, PAGE):  # nothing is ever read back
         model.observe_l3_write(cpu_s=3e-3, num_pages=1)
         written += 1
         assert written < 1000, "unread writes never stopped the backups"
@@ -210,7 +212,7 @@ def test_read_back_fraction_falls_with_unread_writes_and_recovers_with_reads():
     assert model.read_back_fraction < 0.2
     for _ in range(10):  # later lookups read the pages back (4 a batch): the model changes its mind
         model.observe_l3_get(call_s=4e-3, num_pages=4)
-    assert model.read_back_fraction > 0.2 and model.backup_pays(0, 1, PAGE)
+    assert model.read_back_fraction > 0.2 and model.backup_pages(0, 1, PAGE) == 1
 
 
 def test_read_back_fraction_counts_recent_writes_most():
@@ -226,4 +228,4 @@ def test_read_back_fraction_counts_recent_writes_most():
 def test_disabled_model_backs_up_everything():
     model = CostModel(prefill_tokens_per_s=1e9, enabled=False)
     model.observe_l3_write(cpu_s=1.0, num_pages=1)
-    assert all(model.backup_pays(0, 1, PAGE) for _ in range(3)) and model.skipped_backups == 0
+    assert [model.backup_pages(0, 2, PAGE) for _ in range(3)] == [2, 2, 2] and model.skipped_backups == 0

@@ -24,7 +24,7 @@ Backups (:func:`backup_worth_writing`): a page written to L3 is worth its writin
 read-back fraction, the fetch it enables saves more than the write costs. The write's cost is CPU: on a
 host whose forward passes share the CPU and the GIL with the backup thread (this engine on a CPU), that
 CPU comes out of the forward passes, so a small model with a slow-to-write store backs up only a probe
-now and then (every ``BACKUP_PROBE_EVERY``-th refusal), which keeps both estimates fresh. The checksum
+now and then (one get batch every ``BACKUP_PROBE_EVERY``-th refusal), which keeps both estimates fresh. The checksum
 helpers of large pages (>= 1 MiB, GIL-free, see tierkv.storage.overlap) are not counted.
 
 The decision (:func:`pages_worth_fetching`) is a pure function of a :class:`CostEstimates` snapshot,
@@ -268,21 +268,22 @@ class CostModel:
             self.skipped_lookups += 1
         return False
 
-    def backup_pays(self, start_tokens: int, num_pages: int, page_size: int) -> bool:
-        """Whether to write a backup of ``num_pages`` pages from position ``start_tokens`` (see
-        :func:`backup_worth_writing`): yes until a write has been measured; every ``BACKUP_PROBE_EVERY``-th
-        refusal writes anyway, so the write cost and the read-back fraction stay measured."""
+    def backup_pages(self, start_tokens: int, num_pages: int, page_size: int) -> int:
+        """Of a backup of ``num_pages`` pages from position ``start_tokens``, how many leading pages to
+        write (see :func:`backup_worth_writing`): all until a write has been measured or while writing
+        pays; 0 when it does not, but every ``BACKUP_PROBE_EVERY``-th refusal writes one get batch (a
+        probe: enough to keep the write cost and the read-back fraction measured, no more)."""
         with self._lock:
             measured = self._write_samples > 0
         if not measured or backup_worth_writing(self.estimates(), start_tokens, num_pages, page_size):
-            return True
+            return num_pages
         with self._lock:
             self.skipped_backups += 1
             self._backups_since_probe += 1
             if self._backups_since_probe >= BACKUP_PROBE_EVERY:
                 self._backups_since_probe = 0
-                return True
-        return False
+                return min(num_pages, self.batch_pages)
+        return 0
 
     def load_pays(self, start_tokens: int, num_tokens: int) -> bool:
         """Whether loading ``num_tokens`` host tokens after position ``start_tokens`` into L1 beats

@@ -315,19 +315,18 @@ class StorageController:
         if pending + num_tokens > self.config.backup_max_pending_tokens:
             self.stats.backup_dropped_tokens += num_tokens
             return
-        slots = torch.cat([n.host_value for n in path[start:]])
+        num_pages = len(hashes) - above
+        if not self.skip_backup_writes:  # the leading pages worth writing (a probe's few when none are)
+            num_pages = self.costs.backup_pages(above * self.page_size, num_pages, self.page_size)
+            self.stats.backup_not_worth_tokens += num_tokens - num_pages * self.page_size
+        slots = torch.cat([n.host_value for n in path[start:]])[: num_pages * self.page_size]
         pages = self.host_pool.allocator.slots_to_pages(slots).tolist()
         self.tree.inc_host_ref(node)
-        backup = Backup(node, hashes[above:], pages, slots, self.page_size,
+        backup = Backup(node, hashes[above: above + num_pages], pages, slots, self.page_size,
                         prefix_hashes=hashes[:above] if self.pass_prefix_keys else None, costs=self.costs)
         self.backups.append(backup)
         self.stats.backup_started += 1
-        if self.skip_backup_writes:  # rank 0 writes the one copy; retired in queue order like any other
-            backup.done.set()
-            return
-        if not self.costs.backup_pays(above * self.page_size, len(backup.hashes), self.page_size):
-            # queued done, like a rank that does not write: every rank's queue stays alike
-            self.stats.backup_not_worth_tokens += num_tokens
+        if self.skip_backup_writes or not num_pages:  # queued done (MLA: rank 0 writes the one copy)
             backup.done.set()
             return
         self._backup_worker.submit(self.pacer.paced(partial(backup.run, self.store, self.host_pool,

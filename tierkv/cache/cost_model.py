@@ -18,7 +18,7 @@ running estimates, measured from completed work:
 - L3 writes: the backup thread's CPU seconds per page written, as an EWMA, and the read-back
   fraction: pages read from L3 per page written, as decayed counts that start at one read per write
   with the weight of ``READ_BACK_PRIOR_PAGES`` pages (reads come a conversation turn after the writes
-  they find, so the first writes are trusted until the reads can answer).
+  they find: the first writes are trusted, and probes keep the fraction measured once backups stop).
 
 Backups (:func:`backup_worth_writing`): a page written to L3 is worth its writing only when, weighted by the
 read-back fraction, the fetch it enables saves more than the write costs. The write's cost is CPU: on a
@@ -48,7 +48,9 @@ MIN_PREFILL_SAMPLES = 8  # passes before the fitted rate is trusted
 PROBE_EVERY = 32  # after this many skipped fetches, fetch once anyway: the L3 estimate must stay fresh
 LOOKUP_PROBE_EVERY = 8  # after this many lookups skipped for a poor hit rate, look up once anyway
 BACKUP_PROBE_EVERY = 8  # after this many backups skipped as not paying, write one anyway
-READ_BACK_PRIOR_PAGES = 16  # the read-back fraction starts at 1 with the weight of one get batch of pages
+# The read-back fraction starts at 1 with the weight of a few pages: the first writes happen, and a store
+# whose pages never come back stops being written within a few backups (probes keep it measured).
+READ_BACK_PRIOR_PAGES = 4
 READ_BACK_DECAY = 0.995  # per page written: the fraction follows the last few hundred pages
 _TOKEN_SCALE, _PAIR_SCALE = 1e3, 1e6  # features near 1, so the fit's small ridge weighs them alike
 

@@ -6,7 +6,7 @@ from tests.storage_util import attach_fake, compute_and_insert, make_cache, rand
 from tierkv.cache import cost_model
 from tierkv.radix import RadixKey
 
-BACKUP_PROBE_EVERY = getattr(cost_model, "BACKUP_PROBE_EVERY", 8)
+BACKUP_PROBE_EVERY = getattr(cost_model, "BACKUP_PROBE_EVERY", 32)
 PS = 16
 PAGES = 4
 PROBE_PAGES = 2
@@ -14,7 +14,8 @@ PROBE_PAGES = 2
 
 def test_refused_backups_write_nothing_and_release_their_pages():
     # recompute at 1e12 tokens/s: no page is worth any write once a write has been measured
-    cache = make_cache(page_size=PS, prefill_tokens_per_s=1e12)
+    num_tokens = (BACKUP_PROBE_EVERY + 1) * PAGES * PS  # L1 holds every key: nothing is evicted meanwhile
+    cache = make_cache(page_size=PS, device_tokens=num_tokens, prefill_tokens_per_s=1e12)
     store = attach_fake(cache, prefetch_batch_pages=PROBE_PAGES)
     keys = [RadixKey(random_tokens(PAGES * PS, seed=100 + i)) for i in range(BACKUP_PROBE_EVERY + 1)]
     compute_and_insert(cache, keys[0], seed=1)

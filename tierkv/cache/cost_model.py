@@ -47,7 +47,7 @@ PREFILL_DECAY = 0.97  # per reported pass: the fit forgets over ~30 passes (load
 MIN_PREFILL_SAMPLES = 8  # passes before the fitted rate is trusted
 PROBE_EVERY = 32  # after this many skipped fetches, fetch once anyway: the L3 estimate must stay fresh
 LOOKUP_PROBE_EVERY = 8  # after this many lookups skipped for a poor hit rate, look up once anyway
-BACKUP_PROBE_EVERY = 8  # after this many backups skipped as not paying, write one anyway
+BACKUP_PROBE_EVERY = 32  # after this many backups skipped as not paying, write one get batch anyway
 # The read-back fraction starts at 1 with the weight of a few pages: the first writes happen, and a store
 # whose pages never come back stops being written within a few backups (probes keep it measured).
 READ_BACK_PRIOR_PAGES = 4

@@ -13,6 +13,7 @@ import torch
 from tierkv.hashing import HashNamespace, page_hashes
 from tierkv.pools.kv import HostKVPool
 from tierkv.pools.spec import KVSpec
+from tierkv.storage import native
 from tierkv.storage.base import PageStore, StoreStats
 from tierkv.storage.factory import open_store
 from tierkv.storage.page_format import HEADER_SIZE
@@ -405,6 +406,7 @@ def test_file_symlinks_planted_in_the_store_are_never_followed(tmp_path):
 
 
 def test_file_write_error_is_false_and_counted(tmp_path, monkeypatch):
+    monkeypatch.setattr(native, "pageio", None)  # the Python loop, whose writes this test breaks
     store = open_store(f"file:{tmp_path}", "ns", PAGE_NBYTES)
     keys, pages = make_keys(2), make_pages(2)
 
@@ -426,6 +428,7 @@ def _store_warnings(caplog) -> list:
 def test_file_full_disk_warns_once_and_backs_off_writes(tmp_path, monkeypatch, caplog):
     """One warning, not one per page per backup; later writes skip the disk (issue 11, item 11)."""
     import tierkv.storage.file as file_backend
+    monkeypatch.setattr(native, "pageio", None)  # the Python loop, whose writes this test breaks
     store = open_store(f"file:{tmp_path}", "ns", PAGE_NBYTES, {"retry_backoff_s": 30.0})
     keys, pages = make_keys(10), make_pages(10)
     assert store.batch_set(keys[:2], pages[:2]) == [True, True]
@@ -450,6 +453,7 @@ def test_file_full_disk_warns_once_and_backs_off_writes(tmp_path, monkeypatch, c
 def test_store_warnings_are_rate_limited_with_a_count(tmp_path, monkeypatch, caplog):
     """A failing disk that is not full (EIO) is tried page by page, but logs once per interval."""
     import tierkv.storage.file as file_backend
+    monkeypatch.setattr(native, "pageio", None)  # the Python loop, whose writes this test breaks
     store = open_store(f"file:{tmp_path}", "ns", PAGE_NBYTES)
     now = [0.0]
     store._error_log.clock = lambda: now[0]  # a fake clock: no waiting, no timing

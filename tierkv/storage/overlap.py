@@ -14,7 +14,10 @@ from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Callable
+
+import numpy as np
 
 from tierkv.storage.page_format import PageFormat, PageFormatError, copy_with_checksum
 
@@ -170,3 +173,76 @@ class Verifier:
             return self._failures
         self._submit()
         return self._failures + [failure for group in self._groups for failure in group.result()]
+
+
+# With the native checksums (tierkv.storage.native) a helper's job is one call without the GIL per group
+# of pages, whatever their size: pages of any size overlap, in groups that ``ramp`` sizes.
+def _checked_group(pageio: ModuleType, fmt: PageFormat, indexes: list[int], keys: list[str], headers: np.ndarray,
+                   payloads: list[memoryview]) -> list[tuple[int, PageFormatError]]:
+    digests = pageio.xxh3_many(payloads)
+    return [(indexes[i], err) for i, err in fmt.check_headers(keys, headers, payloads, digests)]
+
+
+def _headers_group(pageio: ModuleType, fmt: PageFormat, keys: list[str], payloads: list[memoryview]) -> np.ndarray:
+    return fmt.filled_headers(keys, pageio.xxh3_many(payloads))
+
+
+class _Jobs:
+    """Helper jobs that read the caller's pages: leaving the context cancels those not started and
+    waits for the others, so a batch never returns while a helper still reads its pages."""
+
+    def __init__(self) -> None:
+        self._futures: list[Future] = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for future in self._futures:
+            future.cancel()
+        for future in self._futures:
+            if not future.cancelled():
+                future.exception()
+
+
+class GroupChecks(_Jobs):
+    """Unkeyed pages read, verified group by group (native xxh3, then one vectorised header compare) in a
+    helper thread while the caller reads the next group."""
+
+    def __init__(self, fmt: PageFormat, pool: Callable[[], ThreadPoolExecutor], pageio: ModuleType) -> None:
+        super().__init__()
+        self._fmt, self._pool, self._pageio = fmt, pool, pageio
+
+    def add(self, indexes: list[int], keys: list[str], headers: np.ndarray, payloads: list[memoryview]) -> None:
+        """Check the pages at ``indexes`` of the batch (``headers``: their stored headers, rows the caller
+        will not reuse)."""
+        if keys:
+            self._futures.append(self._pool().submit(_checked_group, self._pageio, self._fmt, indexes, keys, headers,
+                                                     payloads))
+
+    def failures(self) -> list[tuple[int, PageFormatError]]:
+        """(index, error) of every page added that failed verification, once all are checked."""
+        return [failure for future in self._futures for failure in future.result()]
+
+
+class GroupHeaders(_Jobs):
+    """Headers of unkeyed pages to write, range by range (native xxh3), computed in helper threads ahead of
+    the caller, who sends one range while the next one is hashed."""
+
+    def __init__(self, fmt: PageFormat, keys: list[str], payloads: list[memoryview], ranges: list[tuple[int, int]],
+                 pool: Callable[[], ThreadPoolExecutor], pageio: ModuleType) -> None:
+        super().__init__()
+        if len(ranges) == 1:  # nothing to overlap with: computed when asked, no hand-off
+            self._futures = []
+            self._here = (fmt, keys, payloads, pageio)
+            return
+        helpers = pool()
+        self._futures = [helpers.submit(_headers_group, pageio, fmt, keys[start:end], payloads[start:end])
+                         for start, end in ranges]
+
+    def get(self, index: int) -> np.ndarray:
+        """The (pages, 48) headers of range ``index`` (waits for them)."""
+        if not self._futures:
+            fmt, keys, payloads, pageio = self._here
+            return _headers_group(pageio, fmt, keys, payloads)
+        return self._futures[index].result()

@@ -19,7 +19,8 @@ from tierkv.storage.factory import open_store
 from tierkv.storage.page_format import HEADER_SIZE
 
 PAGE_NBYTES = 3000  # deliberately not a power of two
-BACKENDS = ["memory", "file", "redis", "mooncake"]
+# file-python: the file store's Python I/O loop (keyed stores and builds without tierkv._pageio use it)
+BACKENDS = ["memory", "file", "file-python", "redis", "mooncake"]
 
 
 def make_keys(num_pages: int, model: str = "m", seed: int = 0) -> list[str]:
@@ -56,8 +57,10 @@ class Backend:
         if self.name == "memory":
             from tierkv.storage.memory import MemoryStore
             store = MemoryStore(namespace, page_nbytes, blobs=self.shared_blobs, **extra)
-        elif self.name == "file":
+        elif self.name.startswith("file"):
             store = open_store(f"file://{self.tmp_path}/l3", namespace, page_nbytes, extra)
+            if self.name == "file-python":
+                store._native = None
         elif self.name == "redis":
             store = open_store(self.server.url, namespace, page_nbytes,
                                {"key_prefix": f"t{os.getpid()}:", "timeout_s": 1.0, "retry_backoff_s": 0.05,
@@ -77,7 +80,7 @@ class Backend:
         """Flip one stored byte at ``offset`` of the blob (payload, then the header as a trailer)."""
         if self.name == "memory":
             store.blobs[store._slot(key)][offset] ^= 0xFF
-        elif self.name == "file":
+        elif self.name.startswith("file"):
             with open(store.path(key), "r+b") as f:
                 f.seek(offset)
                 byte = f.read(1)
@@ -275,7 +278,7 @@ def test_one_writer_and_one_reader_thread_never_see_a_torn_page(backend):
 BLOB_NBYTES = PAGE_NBYTES + HEADER_SIZE
 
 
-@pytest.mark.parametrize("backend", ["memory", "file"], indirect=True)
+@pytest.mark.parametrize("backend", ["memory", "file", "file-python"], indirect=True)
 def test_max_bytes_bounds_the_store_evicting_the_least_recently_used(backend):
     """Issue 15, item 5: a bounded L3 evicts by recency (reads count as use) and never exceeds its bound."""
     store = backend.open(max_bytes=4 * BLOB_NBYTES + 100)

@@ -145,6 +145,16 @@ class Verifier:
         self._groups: list[Future] = []
         self._failures: list[tuple[int, PageFormatError]] = []  # of pages checked in place
 
+    def __enter__(self) -> "Verifier":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for group in self._groups:  # a failed batch: its pages must not be read after it returns
+            group.cancel()
+        for group in self._groups:
+            if not group.cancelled():
+                group.exception()
+
     @property
     def overlapped(self) -> bool:
         """Whether pages go to the helpers (else each is checked in place as it is added)."""
@@ -206,23 +216,29 @@ class _Jobs:
 
 
 class GroupChecks(_Jobs):
-    """Unkeyed pages read, verified group by group (native xxh3, then one vectorised header compare) in a
-    helper thread while the caller reads the next group."""
+    """Unkeyed pages read, verified group by group (native xxh3, then one vectorised header compare):
+    in a helper thread while the caller reads the next group, or ``in_place`` when added."""
 
-    def __init__(self, fmt: PageFormat, pool: Callable[[], ThreadPoolExecutor], pageio: ModuleType) -> None:
+    def __init__(self, fmt: PageFormat, pool: Callable[[], ThreadPoolExecutor], pageio: ModuleType,
+                 in_place: bool) -> None:
         super().__init__()
-        self._fmt, self._pool, self._pageio = fmt, pool, pageio
+        self._fmt, self._pool, self._pageio, self._in_place = fmt, pool, pageio, in_place
+        self._failures: list[tuple[int, PageFormatError]] = []  # of groups checked in place
 
     def add(self, indexes: list[int], keys: list[str], headers: np.ndarray, payloads: list[memoryview]) -> None:
         """Check the pages at ``indexes`` of the batch (``headers``: their stored headers, rows the caller
         will not reuse)."""
-        if keys:
+        if not keys:
+            return
+        if self._in_place:
+            self._failures += _checked_group(self._pageio, self._fmt, indexes, keys, headers, payloads)
+        else:
             self._futures.append(self._pool().submit(_checked_group, self._pageio, self._fmt, indexes, keys, headers,
                                                      payloads))
 
     def failures(self) -> list[tuple[int, PageFormatError]]:
         """(index, error) of every page added that failed verification, once all are checked."""
-        return [failure for future in self._futures for failure in future.result()]
+        return self._failures + [failure for future in self._futures for failure in future.result()]
 
 
 class GroupHeaders(_Jobs):
@@ -230,11 +246,10 @@ class GroupHeaders(_Jobs):
     the caller, who sends one range while the next one is hashed."""
 
     def __init__(self, fmt: PageFormat, keys: list[str], payloads: list[memoryview], ranges: list[tuple[int, int]],
-                 pool: Callable[[], ThreadPoolExecutor], pageio: ModuleType) -> None:
+                 pool: Callable[[], ThreadPoolExecutor], pageio: ModuleType, in_place: bool) -> None:
         super().__init__()
-        if len(ranges) == 1:  # nothing to overlap with: computed when asked, no hand-off
-            self._futures = []
-            self._here = (fmt, keys, payloads, pageio)
+        self._fmt, self._keys, self._payloads, self._pageio, self._ranges = fmt, keys, payloads, pageio, ranges
+        if in_place or len(ranges) == 1:  # computed when asked (nothing to overlap with one range)
             return
         helpers = pool()
         self._futures = [helpers.submit(_headers_group, pageio, fmt, keys[start:end], payloads[start:end])
@@ -243,6 +258,6 @@ class GroupHeaders(_Jobs):
     def get(self, index: int) -> np.ndarray:
         """The (pages, 48) headers of range ``index`` (waits for them)."""
         if not self._futures:
-            fmt, keys, payloads, pageio = self._here
-            return _headers_group(pageio, fmt, keys, payloads)
+            start, end = self._ranges[index]
+            return _headers_group(self._pageio, self._fmt, self._keys[start:end], self._payloads[start:end])
         return self._futures[index].result()

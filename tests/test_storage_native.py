@@ -2,9 +2,10 @@
 cost hits, never wrong bytes or a hang, and a batch is one call, not Python work per page."""
 
 import errno
+import json
 import os
-import resource
-import signal
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -12,7 +13,6 @@ import pytest
 import torch
 import xxhash
 
-import tierkv.storage.file as file_backend
 from tests.test_storage_backends import PAGE_NBYTES, empty_pages, make_keys, make_pages
 from tierkv.storage import native
 from tierkv.storage.factory import open_store
@@ -130,41 +130,54 @@ def test_a_fifo_planted_as_a_page_is_a_miss_not_a_hang(tmp_path, use_native):
     assert store.stats.corrupt_pages == 1 and not os.path.exists(store.path(keys[1]))
 
 
-@pytest.fixture
-def file_size_limit():
-    """Writes past ``PAGE_NBYTES // 2`` bytes of a file fail with EFBIG (a real kernel refusal)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (PAGE_NBYTES // 2, hard))
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-        signal.signal(signal.SIGXFSZ, previous)
+# Run in a child process: a file size limit holds for every write of the process, pytest's own
+# output file included.
+_LIMITED_WRITES = """
+import errno, json, logging, os, resource, signal, sys
+import tierkv.storage.file as file_backend
+from tests.test_storage_backends import PAGE_NBYTES, empty_pages, make_keys, make_pages
+from tierkv.storage.factory import open_store
+root, refusal = sys.argv[1], sys.argv[2] == "refusal"
+if refusal:  # count EFBIG as a disk refusal: the batch stops, writes back off
+    file_backend._DISK_REFUSALS = file_backend._DISK_REFUSALS | {errno.EFBIG}
+logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+store = open_store(f"file:{root}", "ns", PAGE_NBYTES, {"retry_backoff_s": 30.0})
+keys, pages = make_keys(5), make_pages(5)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+resource.setrlimit(resource.RLIMIT_FSIZE, (PAGE_NBYTES // 2, hard))  # writes past it fail with EFBIG
+written = [store.batch_set(keys, pages), store.batch_set(keys, pages)]
+resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+print(json.dumps({"written": written, "errors": store.stats.errors, "set_pages": store.stats.set_pages,
+                  "backing_off": not store.write_backoff.ready(), "native": store._native is not None,
+                  "read": store.batch_get(keys, empty_pages(5))}))
+"""
 
 
-def test_native_write_failures_are_false_counted_and_leave_no_temp_file(tmp_path, file_size_limit):
-    store = open_store(f"file:{tmp_path}", "ns", PAGE_NBYTES)
-    keys, pages = make_keys(3), make_pages(3)
-    assert store.batch_set(keys, pages) == [False] * 3  # not a disk refusal: each page is tried
-    assert store.stats.errors == 3 and store.stats.set_pages == 0
-    assert store.write_backoff.ready()
+def _limited_writes(tmp_path, mode: str) -> tuple[dict, str]:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", _LIMITED_WRITES, str(tmp_path), mode], capture_output=True,
+                         text=True, cwd=root, env={**os.environ, "PYTHONPATH": root}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.splitlines()[-1]), out.stderr
+
+
+def test_native_write_failures_are_false_counted_and_leave_no_temp_file(tmp_path):
+    """A real kernel refusal (EFBIG past a file size limit) that is not a full disk: each page is tried."""
+    result, _ = _limited_writes(tmp_path, "error")
+    assert result["native"] and result["written"] == [[False] * 5] * 2
+    assert result["errors"] == 10 and result["set_pages"] == 0 and not result["backing_off"]
+    assert result["read"] == [False] * 5
     assert not [p for p in tmp_path.rglob("*") if p.is_file()]
 
 
-def test_native_disk_refusal_stops_the_batch_and_backs_off(tmp_path, file_size_limit, monkeypatch, caplog):
-    """A refusal the next page would hit too (here EFBIG, counted as one) ends the batch after one
-    attempt; writes back off, reads go on."""
-    monkeypatch.setattr(file_backend, "_DISK_REFUSALS", file_backend._DISK_REFUSALS | {errno.EFBIG})
-    store = open_store(f"file:{tmp_path}", "ns", PAGE_NBYTES, {"retry_backoff_s": 30.0})
-    keys, pages = make_keys(5), make_pages(5)
-    with caplog.at_level("WARNING"):
-        assert store.batch_set(keys, pages) == [False] * 5
-        assert store.batch_set(keys, pages) == [False] * 5  # inside the backoff: not even tried
-    assert not store.write_backoff.ready() and store.stats.errors == 10
-    assert "disk full or read-only" in caplog.text
+def test_native_disk_refusal_stops_the_batch_and_backs_off(tmp_path):
+    """A refusal the next page would hit too (EFBIG counted as one) ends the batch after one attempt;
+    writes back off (the second batch is not even tried), reads go on."""
+    result, log = _limited_writes(tmp_path, "refusal")
+    assert result["native"] and result["written"] == [[False] * 5] * 2
+    assert result["errors"] == 10 and result["backing_off"] and "disk full or read-only" in log
     assert not [p for p in tmp_path.rglob("*") if p.is_file()]
-    assert store.batch_get(keys, empty_pages(5)) == [False] * 5
 
 
 def test_native_read_statuses_name_each_fault(tmp_path):

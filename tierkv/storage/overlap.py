@@ -6,6 +6,11 @@ with a spare core a batch costs about its I/O time, not I/O plus one hashing pas
 to the helpers in groups of about ``GROUP_NBYTES`` (one hand-off per group, not per page: a hand-off
 costs more than hashing a small page).
 
+With the native checksums (:mod:`tierkv.storage.native`), :class:`GroupChecks` and :class:`GroupHeaders`
+hand a helper one GIL-free xxh3 call and one vectorised header compare per range instead of Python work
+per page. Helpers hide the hash only when a core is idle: it is a pass over memory either way, and on
+a busy 2-core machine the hand-offs and a cold read on another core cost more than they hide.
+
 A batch never returns before its helper jobs have finished with its pages (the caller owns them).
 Each store owns its helper threads (``pool``: made on first use, shut down when the store closes).
 """

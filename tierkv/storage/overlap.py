@@ -76,7 +76,25 @@ def _headers(fmt: PageFormat, keys: list[str], views: list[memoryview]) -> list[
     return [fmt.header(key, view) for key, view in zip(keys, views)]
 
 
-class Headers:
+class _Jobs:
+    """Helper jobs that read the caller's pages: leaving the context cancels those not started and
+    waits for the others, so a batch never returns while a helper still reads its pages."""
+
+    def __init__(self) -> None:
+        self._futures: list[Future] = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for future in self._futures:
+            future.cancel()
+        for future in self._futures:
+            if not future.cancelled():
+                future.exception()
+
+
+class Headers(_Jobs):
     """The headers of a batch of pages to write, computed ahead in a helper thread, group by group.
 
     Use as a context manager: leaving it cancels the groups not yet started (a failed batch).
@@ -84,33 +102,23 @@ class Headers:
 
     def __init__(self, fmt: PageFormat, keys: list[str], views: list[memoryview],
                  pool: Callable[[], ThreadPoolExecutor]) -> None:
+        super().__init__()
         self._fmt, self._keys, self._views = fmt, keys, views
         self._per_group = pages_per_group(fmt.payload_nbytes)
-        self._groups: list[Future] = []
         # one group (nothing to overlap it with) or small pages: each header when asked, no hand-off,
         # the page still in cache when it is sent
         if len(keys) > self._per_group and fmt.payload_nbytes >= MIN_OVERLAP_PAGE_NBYTES:
             helpers = pool()
-            self._groups = [helpers.submit(_headers, fmt, keys[start:start + self._per_group],
-                                           views[start:start + self._per_group])
-                            for start in range(0, len(keys), self._per_group)]
+            self._futures = [helpers.submit(_headers, fmt, keys[start:start + self._per_group],
+                                            views[start:start + self._per_group])
+                             for start in range(0, len(keys), self._per_group)]
 
     def get(self, index: int) -> bytes:
         """Page ``index``'s header (waits for its group)."""
-        if not self._groups:
+        if not self._futures:
             return self._fmt.header(self._keys[index], self._views[index])
         group, offset = divmod(index, self._per_group)
-        return self._groups[group].result()[offset]
-
-    def __enter__(self) -> "Headers":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for future in self._groups:
-            future.cancel()
-        for future in self._groups:  # started ones still read the caller's pages: wait for them
-            if not future.cancelled():
-                future.exception()
+        return self._futures[group].result()[offset]
 
 
 @dataclass
@@ -135,7 +143,7 @@ def _verify_group(fmt: PageFormat, checks: list[_Check]) -> list[tuple[int, Page
     return failures
 
 
-class Verifier:
+class Verifier(_Jobs):
     """Verifies the pages of a batch as they arrive, in a helper thread, while the next ones are read.
 
     :meth:`add` each page read (with its header); :meth:`failures` waits and names the pages that
@@ -143,22 +151,12 @@ class Verifier:
     """
 
     def __init__(self, fmt: PageFormat, pool: Callable[[], ThreadPoolExecutor]) -> None:
+        super().__init__()
         self._fmt, self._pool = fmt, pool
         self._per_group = pages_per_group(fmt.payload_nbytes)
         self._in_place = fmt.payload_nbytes < MIN_OVERLAP_PAGE_NBYTES
         self._pending: list[_Check] = []
-        self._groups: list[Future] = []
         self._failures: list[tuple[int, PageFormatError]] = []  # of pages checked in place
-
-    def __enter__(self) -> "Verifier":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for group in self._groups:  # a failed batch: its pages must not be read after it returns
-            group.cancel()
-        for group in self._groups:
-            if not group.cancelled():
-                group.exception()
 
     @property
     def overlapped(self) -> bool:
@@ -177,17 +175,17 @@ class Verifier:
 
     def _submit(self) -> None:
         if self._pending:
-            self._groups.append(self._pool().submit(_verify_group, self._fmt, self._pending))
+            self._futures.append(self._pool().submit(_verify_group, self._fmt, self._pending))
             self._pending = []
 
     def failures(self) -> list[tuple[int, PageFormatError]]:
         """(index, error) of every page added that failed verification, once all are checked."""
-        if not self._groups:  # a batch of one group: checked here, nothing left to overlap it with
+        if not self._futures:  # a batch of one group: checked here, nothing left to overlap it with
             self._failures += _verify_group(self._fmt, self._pending)
             self._pending = []
             return self._failures
         self._submit()
-        return self._failures + [failure for group in self._groups for failure in group.result()]
+        return self._failures + [failure for future in self._futures for failure in future.result()]
 
 
 # With the native checksums (tierkv.storage.native) a helper's job is one call without the GIL per group
@@ -200,24 +198,6 @@ def _checked_group(pageio: ModuleType, fmt: PageFormat, indexes: list[int], keys
 
 def _headers_group(pageio: ModuleType, fmt: PageFormat, keys: list[str], payloads: list[memoryview]) -> np.ndarray:
     return fmt.filled_headers(keys, pageio.xxh3_many(payloads))
-
-
-class _Jobs:
-    """Helper jobs that read the caller's pages: leaving the context cancels those not started and
-    waits for the others, so a batch never returns while a helper still reads its pages."""
-
-    def __init__(self) -> None:
-        self._futures: list[Future] = []
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for future in self._futures:
-            future.cancel()
-        for future in self._futures:
-            if not future.cancelled():
-                future.exception()
 
 
 class GroupChecks(_Jobs):

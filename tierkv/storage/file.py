@@ -284,9 +284,9 @@ class FileStore(PageStore):
         """The batch in one native call: each page read, hashed chunk by chunk as it lands and its header
         compared with what it must hold; pages that fail are explained, rejected and dropped here.
 
-        Checked in place, not in helpers: the kernel's copy leaves a page out of this core's cache, so
-        the hash is a pass over memory either way, and on a busy 2-core machine helpers cost more than
-        they hide (bench_storage, load 4.9: 8 MiB gets 0.49 of raw with helpers, 0.78 in place)."""
+        Checked in place, not in helpers: here the chunk is still in cache, in a helper it is a cold pass
+        over memory plus a hand-off, and on a busy 2-core machine helpers cost more than they hide (both
+        side by side at load 4.9: 8 MiB gets 0.49 of raw with helpers, 0.78 in place)."""
         headers = np.zeros((len(keys), HEADER_SIZE), dtype=np.uint8)
         results = self._native.read_pages(
             self._subdir_fds(dirs, keys, "read"), [(key + PAGE_SUFFIX).encode() for key in keys], views, headers,

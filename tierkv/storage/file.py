@@ -292,19 +292,16 @@ class FileStore(PageStore):
             self._subdir_fds(dirs, keys, "read"), [(key + PAGE_SUFFIX).encode() for key in keys], views, headers,
             self.format.header_templates(keys), self.page_nbytes, CHUNK_NBYTES, CHECKSUM_OFFSET,
             self._index is not None)  # touch: a hit refreshes the page's mtime, the LRU order after a restart
-        found = []
-        for key, header, view, (status, value) in zip(keys, headers, views, results):
-            ok = self._read_result(key, status, value, header, view)
-            if ok:
-                self._indexed(key)
-            found.append(ok)
+        found = [status == _READ_OK for status, _ in results]
+        for i, (status, value) in enumerate(results):
+            if status != _READ_OK:
+                self._read_failed(keys[i], status, value, headers[i], views[i])
+            elif self._index is not None:
+                self._indexed(keys[i])
         return found
 
-    def _read_result(self, key: str, status: int, value: int, header: np.ndarray,
-                     view: memoryview) -> bool:
-        """Whether a native read got a good page; a bad one is rejected (and dropped)."""
-        if status == _READ_OK:
-            return True
+    def _read_failed(self, key: str, status: int, value: int, header: np.ndarray, view: memoryview) -> None:
+        """A page a native read did not get: a bad one is rejected (and dropped), an error counted."""
         if status in (_READ_BAD_SIZE, _READ_SHORT):
             self._reject(key, PageFormatError(f"page {key}: file of {value} bytes, expected "
                                               f"{self.format.blob_nbytes}"))
@@ -313,7 +310,6 @@ class FileStore(PageStore):
                 self._reject(key, PageFormatError(f"page {key}: header differs from its expected bytes"))
         elif status < 0:
             self._error(f"read {self.path(key)}", OSError(-status, os.strerror(-status)))
-        return False
 
     def _set_native(self, dirs: "_Subdirs", keys: list[str], views: list[memoryview]) -> list[bool]:
         """The batch in one native call (each chunk hashed just before it is written, the checksum put

@@ -18,8 +18,15 @@ from tierkv.storage import native
 from tierkv.storage.factory import open_store
 from tierkv.storage.page_format import HEADER_SIZE, PageFormat, PageFormatError
 
-pytestmark = pytest.mark.skipif(native.pageio is None, reason="tierkv._pageio is not built")
 KEY, OTHER = "ab" * 32, "cd" * 32
+
+
+@pytest.fixture(autouse=True)
+def native_built():
+    if native.pageio is None:
+        if os.environ.get("TIERKV_REQUIRE_NATIVE") == "1":
+            pytest.fail("tierkv._pageio is not built or not bound to xxhash (TIERKV_REQUIRE_NATIVE=1)")
+        pytest.skip("tierkv._pageio is not built")
 
 
 @pytest.mark.parametrize("num_bytes", [0, 1, 16, 17, 128, 129, 240, 241, 1024, 3000, 1 << 20])

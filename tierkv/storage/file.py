@@ -320,17 +320,17 @@ class FileStore(PageStore):
             fds, [(key + suffix).encode() for key in keys], [(key + PAGE_SUFFIX).encode() for key in keys], views,
             self.format.header_templates(keys), self.page_nbytes, CHUNK_NBYTES, CHECKSUM_OFFSET, self.fsync,
             sorted(_DISK_REFUSALS))
-        done = []
-        for key, fd, (status, _) in zip(keys, fds, results):
-            if status == 0:
-                self.write_backoff.succeeded()
-                self._count(set_pages=1, set_bytes=self.page_nbytes)
+        done = [status == 0 for status, _ in results]
+        if any(done):  # before the failures: a refusal (which ends the batch) must leave writes backing off
+            self.write_backoff.succeeded()
+            self._count(set_pages=sum(done), set_bytes=sum(done) * self.page_nbytes)
+        for key, fd, ok, (status, _) in zip(keys, fds, done, results):
+            if ok:
                 self._stored(key)
             elif status == _WRITE_SKIPPED:
                 self._count(errors=1)
             elif fd != _BAD_SUBDIR:  # that one was counted when its directory failed to open
                 self._write_failed(key, OSError(-status, os.strerror(-status)))
-            done.append(status == 0)
         return done
 
     def _write_failed(self, key: str, err: OSError) -> None:

@@ -1,13 +1,16 @@
-"""Builds the optional native parts: the chunk copy (tierkv/_rowcopy.c) and the radix tree's key
-comparison and eviction loop (tierkv/_radix.c, _radix_evict.c); metadata lives in pyproject.toml.
+"""Builds the optional native parts: the chunk copy (tierkv/_rowcopy.c), the radix tree's key comparison
+and eviction loop (tierkv/_radix.c, _radix_evict.c) and the L3 page I/O (tierkv/_pageio.c); metadata lives
+in pyproject.toml.
 
 ``optional=True``: without a C compiler the package still installs; the CPU copies fall back to torch
-index ops (see tierkv/cpu_copy.py) and the tree to its pure-Python comparison (see tierkv/radix.py).
+index ops (see tierkv/cpu_copy.py), the tree to its pure-Python comparison (see tierkv/radix.py) and the
+page stores to their Python I/O loops (see tierkv/storage/native.py).
 """
 
 from setuptools import Extension, setup
 
-SOURCES = {"_rowcopy": ["tierkv/_rowcopy.c"], "_radix": ["tierkv/_radix.c", "tierkv/_radix_evict.c"]}
+SOURCES = {"_rowcopy": ["tierkv/_rowcopy.c"], "_radix": ["tierkv/_radix.c", "tierkv/_radix_evict.c"],
+           "_pageio": ["tierkv/_pageio.c"]}
 
 HEADERS = {"_radix": ["tierkv/_radix.h"]}
 

@@ -1,9 +1,12 @@
-"""The fetch-or-recompute decision on fixed numbers, and the estimates the cost model fits from reports."""
+"""The fetch-or-recompute and backup-or-not decisions on fixed numbers, and the estimates the cost model
+fits from reports (durations passed in: no clock is read)."""
+
+import dataclasses
 
 import pytest
 
-from tierkv.cache.cost_model import (LOOKUP_PROBE_EVERY, PROBE_EVERY, CostEstimates, CostModel,
-                                     pages_worth_fetching)
+from tierkv.cache.cost_model import (BACKUP_PROBE_EVERY, LOOKUP_PROBE_EVERY, PROBE_EVERY, READ_BACK_PRIOR_PAGES,
+                                     CostEstimates, CostModel, backup_worth_writing, pages_worth_fetching)
 from tierkv.config import CacheConfig
 
 PAGE = 16
@@ -147,3 +150,82 @@ def test_a_lookup_whose_full_hit_does_not_pay_the_call_is_never_made():
     model = CostModel(prefill_tokens_per_s=PAGE / 0.001, batch_pages=64, l3_call_s=0.001, l3_page_s=0.0)
     assert not model.l3_may_pay(0, 1, PAGE)  # 1 ms saved at best, 1 ms to ask
     assert model.skipped_lookups == 0  # not a hit-rate refusal: never probed
+
+
+# ---- backups: write a page to L3 only when its expected reads save more than writing it costs ----
+
+def test_backup_pays_when_its_reads_save_more_than_the_write_costs():
+    # recompute 16 ms a page, fetch 2 ms (1 ms call + 1 ms page): 14 ms saved per page read back
+    est = CostEstimates(1e-3, 0.0, 1e-3, 1e-3, 0.0, batch_pages=4, l3_write_s_per_page=5e-3, read_back_fraction=1.0)
+    assert est.backup_gain_s(0, 1, PAGE) == pytest.approx(14e-3 - 5e-3)
+    assert backup_worth_writing(est, 0, 1, PAGE)
+    rarely_read = dataclasses.replace(est, read_back_fraction=0.25)  # 3.5 ms expected against 5 ms
+    assert not backup_worth_writing(rarely_read, 0, 1, PAGE)
+    costly_write = dataclasses.replace(est, l3_write_s_per_page=20e-3)  # more than a read ever saves
+    assert not backup_worth_writing(costly_write, 0, 1, PAGE)
+
+
+def test_deep_pages_are_worth_backing_up_where_shallow_ones_are_not():
+    # attention makes a page at position 4096 cost 16 ms + 65.5 ms to recompute; at 0, 16 ms + ~0.1 ms
+    est = CostEstimates(1e-3, 1e-6, 0.0, 0.0, 0.0, l3_write_s_per_page=10e-3, read_back_fraction=0.5)
+    assert not backup_worth_writing(est, 0, 1, PAGE)  # half of ~16 ms < 10 ms
+    assert backup_worth_writing(est, 4096, 1, PAGE)  # half of ~81.5 ms > 10 ms
+
+
+def test_a_page_whose_fetch_never_pays_is_never_worth_writing():
+    est = CostEstimates(1e-6, 0.0, 1.0, 1.0, 0.0, l3_write_s_per_page=0.0, read_back_fraction=1.0)
+    assert est.backup_gain_s(0, 1, PAGE) == 0.0  # the fetch would be refused: nothing gained, nothing lost
+    assert not backup_worth_writing(est, 0, 1, PAGE)
+
+
+def test_unknown_prefill_rate_backs_up_everything():
+    assert backup_worth_writing(None, 0, 5, PAGE)
+    model = CostModel()  # nothing reported yet
+    model.observe_l3_write(1.0, 1)
+    assert model.backup_pages(0, 5, PAGE) == 5 and model.skipped_backups == 0
+
+
+def test_backups_are_written_until_a_write_is_measured_then_refused_with_probes():
+    model = CostModel(prefill_tokens_per_s=1e7, batch_pages=4)  # 1.6 us to recompute a page: no write pays
+    assert model.backup_pages(0, 10, PAGE) == 10  # the write's cost is not known yet: write, and measure it
+    model.observe_l3_write(cpu_s=4e-4, num_pages=4)
+    assert model.l3_write_s_per_page == pytest.approx(1e-4)
+    got = [model.backup_pages(0, 10, PAGE) for _ in range(BACKUP_PROBE_EVERY)]
+    # a probe keeps the estimates fresh: one get batch, not the whole backup
+    assert got == [0] * (BACKUP_PROBE_EVERY - 1) + [4]
+    assert model.skipped_backups == BACKUP_PROBE_EVERY
+    assert model.backup_pages(0, 10, PAGE) == 0
+
+
+def test_read_back_fraction_falls_with_unread_writes_and_recovers_with_reads():
+    # a page read back saves ~16 ms - 1 ms; writing it costs 3 ms: pays while >= 1 in 5 pages is read
+    model = CostModel(prefill_tokens_per_s=PAGE / 0.016, l3_page_s=1e-3)
+    assert model.read_back_fraction == 1.0  # the prior: early writes are trusted
+    model.observe_l3_write(cpu_s=3e-3, num_pages=1)
+    assert model.backup_pages(0, 1, PAGE) == 1
+    written = 1
+    while model.backup_pages(0, 1, PAGE):  # nothing is ever read back
+        model.observe_l3_write(cpu_s=3e-3, num_pages=1)
+        written += 1
+        assert written < 1000, "unread writes never stopped the backups"
+    assert written > READ_BACK_PRIOR_PAGES  # not at the first unread page: reads lag writes
+    assert model.read_back_fraction < 0.2
+    for _ in range(10):  # later lookups read the pages back (4 a batch): the model changes its mind
+        model.observe_l3_get(call_s=4e-3, num_pages=4)
+    assert model.read_back_fraction > 0.2 and model.backup_pages(0, 1, PAGE) == 1
+
+
+def test_read_back_fraction_counts_recent_writes_most():
+    model = CostModel()
+    model.observe_l3_write(cpu_s=1e-3, num_pages=2000)  # long ago, never read
+    assert model.read_back_fraction < 0.01
+    for _ in range(300):  # lately: every page written is read back
+        model.observe_l3_write(cpu_s=1e-5, num_pages=1)
+        model.observe_l3_get(call_s=1e-3, num_pages=1)
+    assert model.read_back_fraction > 0.7
+
+
+def test_disabled_model_backs_up_everything():
+    model = CostModel(prefill_tokens_per_s=1e9, enabled=False)
+    model.observe_l3_write(cpu_s=1.0, num_pages=1)
+    assert [model.backup_pages(0, 2, PAGE) for _ in range(3)] == [2, 2, 2] and model.skipped_backups == 0

@@ -1,5 +1,8 @@
 """The engine with the cost model: a slow L3 is skipped (recomputed, outputs unchanged), a fast one is
-read; a request waiting on its L3 read does not hold back the requests behind it."""
+read; a request waiting on its L3 read does not hold back the requests behind it; a tiny model does not
+back up every page to an L3 whose writes cost more CPU than recomputing the page."""
+
+import time
 
 from engine_helpers import assert_same, prompts_with_shared_prefix, reference, tiny_model
 from engine_helpers import single_torch_thread  # noqa: F401  (autouse fixture)
@@ -108,3 +111,55 @@ def test_request_behind_a_hanging_prefetch_is_admitted(tmp_path):
     assert behind.finished and behind.error is None and len(behind.output) == MAX_NEW
     assert not blocked.finished and blocked in engine.scheduler.waiting
     engine.close()  # interrupts the hang
+
+
+def cpu_costly_writes(engine, page_cpu_s: float) -> None:
+    """Every page the engine's L3 writes first burns ``page_cpu_s`` of its thread's CPU (a store whose
+    writes cost CPU, as file creation and checksums do)."""
+    store = engine.cache.storage.store
+    batch_set = store.batch_set
+
+    def costly(keys, values, **kwargs):
+        until_s = time.thread_time() + page_cpu_s * len(keys)
+        while time.thread_time() < until_s:
+            pass
+        return batch_set(keys, values, **kwargs)
+    store.batch_set = costly
+
+
+def serve_one_by_one(engine, prompts):
+    got = []
+    for prompt in prompts:
+        got.append(engine.generate([prompt], MAX_NEW)[0])
+        engine.cache.flush()  # the backup is written and measured before the next one is judged
+    return got
+
+
+def test_tiny_model_with_a_costly_l3_does_not_back_up_every_page(tmp_path):
+    """5 ms of CPU per page written against a measured tiny-model recompute of microseconds a token:
+    after the first write (and while the cost model has no prefill rate) backups are refused, but
+    for a probe now and then; outputs stay exact."""
+    model = tiny_model("tiny-llama")
+    prompts = [prompts_with_shared_prefix(1, PREFIX, SUFFIX, seed=40 + i)[0] for i in range(6)]
+    want = reference(model, prompts, MAX_NEW)
+    engine = l3_engine(model, tmp_path)
+    cpu_costly_writes(engine, page_cpu_s=0.005)
+    for g, w in zip(serve_one_by_one(engine, prompts), want):
+        assert_same(g, w)
+    stats, written_tokens = engine.cache.storage.stats, sum(len(p) - len(p) % 4 for p in prompts)
+    assert stats.backed_up_tokens + stats.backup_present_tokens < written_tokens
+    assert stats.backup_not_worth_tokens > 0 and engine.cache.cost_model.skipped_backups > 0
+    engine.check_integrity()
+    engine.close()
+
+
+def test_same_costly_l3_backs_up_everything_when_recompute_is_slower(tmp_path):
+    """The same store with a fixed prefill rate of 10 tokens/s (0.4 s a page): every backup pays."""
+    model = tiny_model("tiny-llama")
+    prompts = [prompts_with_shared_prefix(1, PREFIX, SUFFIX, seed=40 + i)[0] for i in range(4)]
+    engine = l3_engine(model, tmp_path, prefill_tokens_per_s=10.0)
+    cpu_costly_writes(engine, page_cpu_s=0.005)
+    serve_one_by_one(engine, prompts)
+    assert engine.cache.storage.stats.backup_not_worth_tokens == 0
+    assert engine.cache.cost_model.skipped_backups == 0
+    engine.close()

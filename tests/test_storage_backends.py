@@ -13,12 +13,14 @@ import torch
 from tierkv.hashing import HashNamespace, page_hashes
 from tierkv.pools.kv import HostKVPool
 from tierkv.pools.spec import KVSpec
+from tierkv.storage import native
 from tierkv.storage.base import PageStore, StoreStats
 from tierkv.storage.factory import open_store
 from tierkv.storage.page_format import HEADER_SIZE
 
 PAGE_NBYTES = 3000  # deliberately not a power of two
-BACKENDS = ["memory", "file", "redis", "mooncake"]
+# file-python: the file store's Python I/O loop (keyed stores and builds without tierkv._pageio use it)
+BACKENDS = ["memory", "file", "file-python", "redis", "mooncake"]
 
 
 def make_keys(num_pages: int, model: str = "m", seed: int = 0) -> list[str]:
@@ -55,8 +57,10 @@ class Backend:
         if self.name == "memory":
             from tierkv.storage.memory import MemoryStore
             store = MemoryStore(namespace, page_nbytes, blobs=self.shared_blobs, **extra)
-        elif self.name == "file":
+        elif self.name.startswith("file"):
             store = open_store(f"file://{self.tmp_path}/l3", namespace, page_nbytes, extra)
+            if self.name == "file-python":
+                store._native = None
         elif self.name == "redis":
             store = open_store(self.server.url, namespace, page_nbytes,
                                {"key_prefix": f"t{os.getpid()}:", "timeout_s": 1.0, "retry_backoff_s": 0.05,
@@ -76,7 +80,7 @@ class Backend:
         """Flip one stored byte at ``offset`` of the blob (payload, then the header as a trailer)."""
         if self.name == "memory":
             store.blobs[store._slot(key)][offset] ^= 0xFF
-        elif self.name == "file":
+        elif self.name.startswith("file"):
             with open(store.path(key), "r+b") as f:
                 f.seek(offset)
                 byte = f.read(1)
@@ -274,7 +278,7 @@ def test_one_writer_and_one_reader_thread_never_see_a_torn_page(backend):
 BLOB_NBYTES = PAGE_NBYTES + HEADER_SIZE
 
 
-@pytest.mark.parametrize("backend", ["memory", "file"], indirect=True)
+@pytest.mark.parametrize("backend", ["memory", "file", "file-python"], indirect=True)
 def test_max_bytes_bounds_the_store_evicting_the_least_recently_used(backend):
     """Issue 15, item 5: a bounded L3 evicts by recency (reads count as use) and never exceeds its bound."""
     store = backend.open(max_bytes=4 * BLOB_NBYTES + 100)
@@ -405,6 +409,7 @@ def test_file_symlinks_planted_in_the_store_are_never_followed(tmp_path):
 
 
 def test_file_write_error_is_false_and_counted(tmp_path, monkeypatch):
+    monkeypatch.setattr(native, "pageio", None)  # the Python loop, whose writes this test breaks
     store = open_store(f"file:{tmp_path}", "ns", PAGE_NBYTES)
     keys, pages = make_keys(2), make_pages(2)
 
@@ -426,6 +431,7 @@ def _store_warnings(caplog) -> list:
 def test_file_full_disk_warns_once_and_backs_off_writes(tmp_path, monkeypatch, caplog):
     """One warning, not one per page per backup; later writes skip the disk (issue 11, item 11)."""
     import tierkv.storage.file as file_backend
+    monkeypatch.setattr(native, "pageio", None)  # the Python loop, whose writes this test breaks
     store = open_store(f"file:{tmp_path}", "ns", PAGE_NBYTES, {"retry_backoff_s": 30.0})
     keys, pages = make_keys(10), make_pages(10)
     assert store.batch_set(keys[:2], pages[:2]) == [True, True]
@@ -450,6 +456,7 @@ def test_file_full_disk_warns_once_and_backs_off_writes(tmp_path, monkeypatch, c
 def test_store_warnings_are_rate_limited_with_a_count(tmp_path, monkeypatch, caplog):
     """A failing disk that is not full (EIO) is tried page by page, but logs once per interval."""
     import tierkv.storage.file as file_backend
+    monkeypatch.setattr(native, "pageio", None)  # the Python loop, whose writes this test breaks
     store = open_store(f"file:{tmp_path}", "ns", PAGE_NBYTES)
     now = [0.0]
     store._error_log.clock = lambda: now[0]  # a fake clock: no waiting, no timing

@@ -15,6 +15,17 @@ running estimates, measured from completed work:
   then).
 - L2 -> L1 load: *exposed* seconds per token, the time the forward pass waited for layer-wise loads
   (what the overlap did not hide), as an EWMA.
+- L3 writes: the backup thread's CPU seconds per page written, as an EWMA, and the read-back
+  fraction: pages read from L3 per page written, as decayed counts that start at one read per write
+  with the weight of ``READ_BACK_PRIOR_PAGES`` pages (reads come a conversation turn after the writes
+  they find: the first writes are trusted, and probes keep the fraction measured once backups stop).
+
+Backups (:func:`backup_worth_writing`): a page written to L3 is worth its writing only when, weighted by the
+read-back fraction, the fetch it enables saves more than the write costs. The write's cost is CPU: on a
+host whose forward passes share the CPU and the GIL with the backup thread (this engine on a CPU), that
+CPU comes out of the forward passes, so a small model with a slow-to-write store backs up only a probe
+now and then (one get batch every ``BACKUP_PROBE_EVERY``-th refusal), which keeps both estimates fresh. The checksum
+helpers of large pages (>= 1 MiB, GIL-free, see tierkv.storage.overlap) are not counted.
 
 The decision (:func:`pages_worth_fetching`) is a pure function of a :class:`CostEstimates` snapshot,
 so tests check it on fixed numbers. Until the engine has reported a prefill rate (a cache driven by a
@@ -36,6 +47,11 @@ PREFILL_DECAY = 0.97  # per reported pass: the fit forgets over ~30 passes (load
 MIN_PREFILL_SAMPLES = 8  # passes before the fitted rate is trusted
 PROBE_EVERY = 32  # after this many skipped fetches, fetch once anyway: the L3 estimate must stay fresh
 LOOKUP_PROBE_EVERY = 8  # after this many lookups skipped for a poor hit rate, look up once anyway
+BACKUP_PROBE_EVERY = 32  # after this many backups skipped as not paying, write one get batch anyway
+# The read-back fraction starts at 1 with the weight of a few pages: the first writes happen, and a store
+# whose pages never come back stops being written within a few backups (probes keep it measured).
+READ_BACK_PRIOR_PAGES = 4
+READ_BACK_DECAY = 0.995  # per page written: the fraction follows the last few hundred pages
 _TOKEN_SCALE, _PAIR_SCALE = 1e3, 1e6  # features near 1, so the fit's small ridge weighs them alike
 
 
@@ -50,6 +66,8 @@ class CostEstimates:
     l3_page_s: float
     load_s_per_token: float
     batch_pages: int = 16
+    l3_write_s_per_page: float = 0.0
+    read_back_fraction: float = 1.0
 
     def recompute_s(self, start_tokens: int, end_tokens: int) -> float:
         """Prefill time of the tokens at positions ``[start_tokens, end_tokens)``."""
@@ -66,6 +84,13 @@ class CostEstimates:
             return load_s
         num_calls = -(-num_pages // self.batch_pages)
         return num_calls * self.l3_call_s + num_pages * self.l3_page_s + load_s
+
+    def backup_gain_s(self, start_tokens: int, num_pages: int, page_size: int) -> float:
+        """Expected time saved by writing ``num_pages`` pages from position ``start_tokens`` to L3: the
+        read-back fraction of what fetching them saves over recomputing them, less the writing's CPU."""
+        end_tokens = start_tokens + num_pages * page_size
+        fetch_gain_s = self.recompute_s(start_tokens, end_tokens) - self.fetch_s(num_pages, page_size)
+        return self.read_back_fraction * max(0.0, fetch_gain_s) - num_pages * self.l3_write_s_per_page
 
 
 def pages_worth_fetching(estimates: CostEstimates | None, start_tokens: int, found_pages: int,
@@ -87,6 +112,14 @@ def pages_worth_fetching(estimates: CostEstimates | None, start_tokens: int, fou
         if gain_s > best_gain_s:
             best_pages, best_gain_s = k, gain_s
     return best_pages
+
+
+def backup_worth_writing(estimates: CostEstimates | None, start_tokens: int, num_pages: int, page_size: int) -> bool:
+    """Whether writing ``num_pages`` pages from position ``start_tokens`` to L3 is expected to save more
+    than it costs (always, while no prefill rate is known)."""
+    if estimates is None or num_pages <= 0:
+        return True
+    return estimates.backup_gain_s(start_tokens, num_pages, page_size) > 0
 
 
 class CostModel:
@@ -111,6 +144,11 @@ class CostModel:
         self.skipped_fetches = 0
         self.l3_hit_fraction = 1.0  # of the pages a lookup asks, those found usable (optimistic until measured)
         self.skipped_lookups = self._lookups_since_probe = 0
+        self.l3_write_s_per_page = 0.0
+        self._write_samples = 0
+        # decayed pages read from L3 and written to it; their ratio is the read-back fraction
+        self._read_back_pages = self._written_pages = float(READ_BACK_PRIOR_PAGES)
+        self.skipped_backups = self._backups_since_probe = 0
 
     # ---- observations ----------------------------------------------------------------------------
     def observe_prefill(self, step_s: float, num_tokens: int, token_pairs: float) -> None:
@@ -149,6 +187,24 @@ class CostModel:
             self.l3_page_s = _ewma(self.l3_page_s, page_s, self.l3_samples == 0)
             self.l3_samples += 1
             self.skipped_since_probe = 0
+            self._read_back_pages += num_pages
+
+    def observe_l3_write(self, cpu_s: float, num_pages: int) -> None:
+        """One backup wrote ``num_pages`` pages, its thread using ``cpu_s`` of CPU (exists call included)."""
+        if num_pages <= 0:
+            return
+        with self._lock:
+            self.l3_write_s_per_page = _ewma(self.l3_write_s_per_page, max(0.0, cpu_s) / num_pages,
+                                             self._write_samples == 0)
+            self._write_samples += 1
+            decay = READ_BACK_DECAY ** num_pages  # each page written is one step of the decay
+            self._written_pages = decay * self._written_pages + (1 - decay) / (1 - READ_BACK_DECAY)
+            self._read_back_pages *= decay
+
+    @property
+    def read_back_fraction(self) -> float:
+        """Pages read from L3 per page written (decayed; at most 1: a shared store serves others' pages)."""
+        return min(1.0, self._read_back_pages / self._written_pages)
 
     def observe_load(self, exposed_s: float, num_tokens: int) -> None:
         """The forward pass waited ``exposed_s`` for L2 -> L1 loads of ``num_tokens`` tokens."""
@@ -169,8 +225,8 @@ class CostModel:
                 per_token, per_pair = self._coef
             else:
                 return None
-            return CostEstimates(per_token, per_pair, self.l3_call_s, self.l3_page_s,
-                                 self.load_s_per_token, self.batch_pages)
+            return CostEstimates(per_token, per_pair, self.l3_call_s, self.l3_page_s, self.load_s_per_token,
+                                 self.batch_pages, self.l3_write_s_per_page, self.read_back_fraction)
 
     def l3_pages_to_fetch(self, start_tokens: int, found_pages: int, page_size: int) -> int:
         """Pages of an L3 hit worth reading (see :func:`pages_worth_fetching`); every ``PROBE_EVERY``-th
@@ -213,6 +269,23 @@ class CostModel:
                 return True
             self.skipped_lookups += 1
         return False
+
+    def backup_pages(self, start_tokens: int, num_pages: int, page_size: int) -> int:
+        """Of a backup of ``num_pages`` pages from position ``start_tokens``, how many leading pages to
+        write (see :func:`backup_worth_writing`): all until a write has been measured or while writing
+        pays; 0 when it does not, but every ``BACKUP_PROBE_EVERY``-th refusal writes one get batch (a
+        probe: enough to keep the write cost and the read-back fraction measured, no more)."""
+        with self._lock:
+            measured = self._write_samples > 0
+        if not measured or backup_worth_writing(self.estimates(), start_tokens, num_pages, page_size):
+            return num_pages
+        with self._lock:
+            self.skipped_backups += 1
+            self._backups_since_probe += 1
+            if self._backups_since_probe >= BACKUP_PROBE_EVERY:
+                self._backups_since_probe = 0
+                return min(num_pages, self.batch_pages)
+        return 0
 
     def load_pays(self, start_tokens: int, num_tokens: int) -> bool:
         """Whether loading ``num_tokens`` host tokens after position ``start_tokens`` into L1 beats

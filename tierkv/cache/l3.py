@@ -69,6 +69,7 @@ class StorageStats:
     backed_up_tokens: int = 0
     backup_present_tokens: int = 0
     backup_failed_pages: int = 0
+    backup_not_worth_tokens: int = 0  # the cost model judged writing them costlier than their reads save
 
 
 def resolve_namespace(namespace: HashNamespace | str, algorithm: str | None) -> HashNamespace:
@@ -299,7 +300,8 @@ class StorageController:
     def backup(self, node: TreeNode) -> None:
         """Write the pages of ``node``'s path that L2 holds, from the last node of it L2 lacks down to
         ``node``, to L3 in the background (an ancestor only in L1 is backed up when written back in turn;
-        chained hashes name each page's whole prefix). Lock contract: host_ref on ``node`` until retired."""
+        chained hashes name each page's whole prefix), unless the cost model judges the write costlier
+        than its expected reads save. Lock contract: host_ref on ``node`` until retired."""
         path = self.tree.path_to_root(node)
         if not path or node.host_value is None:
             return
@@ -313,14 +315,18 @@ class StorageController:
         if pending + num_tokens > self.config.backup_max_pending_tokens:
             self.stats.backup_dropped_tokens += num_tokens
             return
-        slots = torch.cat([n.host_value for n in path[start:]])
+        num_pages = len(hashes) - above
+        if not self.skip_backup_writes:  # the leading pages worth writing (a probe's few when none are)
+            num_pages = self.costs.backup_pages(above * self.page_size, num_pages, self.page_size)
+            self.stats.backup_not_worth_tokens += num_tokens - num_pages * self.page_size
+        slots = torch.cat([n.host_value for n in path[start:]])[: num_pages * self.page_size]
         pages = self.host_pool.allocator.slots_to_pages(slots).tolist()
         self.tree.inc_host_ref(node)
-        backup = Backup(node, hashes[above:], pages, slots, self.page_size,
-                        prefix_hashes=hashes[:above] if self.pass_prefix_keys else None)
+        backup = Backup(node, hashes[above: above + num_pages], pages, slots, self.page_size,
+                        prefix_hashes=hashes[:above] if self.pass_prefix_keys else None, costs=self.costs)
         self.backups.append(backup)
         self.stats.backup_started += 1
-        if self.skip_backup_writes:  # rank 0 writes the one copy; retired in queue order like any other
+        if self.skip_backup_writes or not num_pages:  # queued done (MLA: rank 0 writes the one copy)
             backup.done.set()
             return
         self._backup_worker.submit(self.pacer.paced(partial(backup.run, self.store, self.host_pool,

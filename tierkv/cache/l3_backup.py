@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 
 import torch
 
+from tierkv.cache.cost_model import CostModel
 from tierkv.pools.kv import HostKVPool
 from tierkv.radix import TreeNode
 from tierkv.storage.base import PageStore, prefix_keys_arg
@@ -24,7 +26,7 @@ class Backup:
     its worker has returned (the worker may still read them), like a draining prefetch.
 
     Pages already present at the head (batch_exists) are skipped. Only ``done`` and the page counts are
-    written by the worker thread.
+    written by the worker thread. ``costs`` (the cache's cost model) gets the thread's CPU per page written.
     """
 
     node: TreeNode
@@ -41,6 +43,7 @@ class Backup:
     agreed_finished: bool = False  # scheduler thread only, once draining
     # for a store that wants each batch's prefix keys: the page hashes of the path above ``hashes``
     prefix_hashes: list[str] | None = None
+    costs: CostModel | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -62,6 +65,7 @@ class Backup:
 
     def run(self, store: PageStore, host_pool: HostKVPool, batch_pages: int) -> None:
         """Skip the leading run already stored and write the rest (host-pool page views where possible)."""
+        started_cpu_s = time.thread_time()
         try:
             self.skipped_pages = store.batch_exists(self.hashes, **self._prefix_keys(0))
             for start in range(self.skipped_pages, len(self.hashes), batch_pages):
@@ -76,4 +80,6 @@ class Backup:
             log.warning("backup of node %d failed: %s: %s", self.node.id, type(exc).__name__, exc)
             self.failed_pages = len(self.hashes) - self.skipped_pages - self.written_pages
         finally:
+            if self.costs is not None:
+                self.costs.observe_l3_write(time.thread_time() - started_cpu_s, self.written_pages)
             self.done.set()

@@ -75,7 +75,7 @@ class ModeResult:
     l1_tokens: int = 0
     l2_tokens: int = 0
     outputs: list[list[int]] = field(default_factory=list)
-    l3_stats: dict = field(default_factory=dict)  # prefetches started / revoked / judged not worth it
+    l3_stats: dict = field(default_factory=dict)  # prefetches started / revoked / judged not worth it, backups
     error: str | None = None
 
     @property
@@ -117,7 +117,8 @@ def replay(engine: Engine, workload: ChatWorkload, mode: str) -> ModeResult:
         result.l3_stats = {"started": stats.prefetch_started, "revoked": stats.prefetch_revoked,
                            "not_worth": stats.prefetch_not_worth,
                            "cut_after_exists": engine.cache.cost_model.skipped_fetches,
-                           "lookups_skipped": engine.cache.cost_model.skipped_lookups}
+                           "lookups_skipped": engine.cache.cost_model.skipped_lookups,
+                           "backups": stats.backup_started, "backups_skipped": engine.cache.cost_model.skipped_backups}
     return result
 
 

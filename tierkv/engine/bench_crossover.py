@@ -5,7 +5,8 @@ shows the median TTFTs and the worst and median ratio over the runs.
 
 A small model recomputes a page faster than the file store returns it, so the cost model should skip
 most L3 fetches (and the L1+L2+L3 row stays near L1+L2); a large one recomputes slower, so L3 hits
-should pay. The last column counts L3 lookups made, reads that followed, and lookups or reads the cost model skipped.
+should pay. The last columns count L3 lookups made, reads that followed, and lookups or reads the cost
+model skipped; and backups queued and those the cost model judged not worth writing.
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ def _record_repeat(by_mode: dict[str, SweepRow], runs: dict[str, ModeResult]) ->
 def format_crossover(rows: list[SweepRow]) -> str:
     table = Table(title="tierkv bench engine: crossover over model sizes", title_justify="left")
     for name in ("model", "mode", "TTFT p50 ms", "TTFT p99 ms", "hit %", "p50 ratio min/med",
-                 "p99 ratio min/med", "p50 ratio per run", "p99 ratio per run", "L3 asked/read/skipped"):
+                 "p99 ratio min/med", "p50 ratio per run", "p99 ratio per run", "L3 asked/read/skipped",
+                 "backups/skipped"):
         table.add_column(name, justify="left" if name in ("model", "mode") else "right")
     for row in rows:
         ratios = ("", "", "", "") if row.mode == "none" else (
@@ -89,7 +91,8 @@ def format_crossover(rows: list[SweepRow]) -> str:
         skipped = stats.get("not_worth", 0) + stats.get("cut_after_exists", 0)
         table.add_row(row.model, MODE_LABELS[row.mode], f"{statistics.median(row.p50_s) * 1e3:.1f}",
                       f"{statistics.median(row.p99_s) * 1e3:.1f}", f"{100 * row.hit_fraction:.1f}", *ratios,
-                      f"{stats.get('started', 0)}/{read}/{skipped}" if stats else "")
+                      f"{stats.get('started', 0)}/{read}/{skipped}" if stats else "",
+                      f"{stats.get('backups', 0)}/{stats.get('backups_skipped', 0)}" if stats else "")
     out = Console(file=io.StringIO(), width=200, force_terminal=False)
     out.print(table)
     same = all(row.same_outputs for row in rows)

@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from tierkv.storage.overlap import Verifier, helper_pool
+from tierkv.storage.overlap import GroupChecks, Verifier, helper_pool
 from tierkv.storage.page_format import PageFormat, PageFormatError, namespace_digest
 
 log = logging.getLogger(__name__)
@@ -186,12 +186,12 @@ def check_key(key: str) -> str:
 
 def page_view(page: torch.Tensor, page_nbytes: int) -> memoryview:
     """A writable byte view of a contiguous uint8 CPU page tensor (no copy); ValueError otherwise."""
-    if page.dtype != torch.uint8 or page.device.type != "cpu" or not page.is_contiguous():
+    if page.dtype is not torch.uint8 or not page.is_cpu or not page.is_contiguous():
         raise ValueError(f"page tensor must be contiguous uint8 on cpu, got {page.dtype} on "
                          f"{page.device} (contiguous={page.is_contiguous()})")
     if page.numel() != page_nbytes:
         raise ValueError(f"page tensor has {page.numel()} bytes, expected {page_nbytes}")
-    return memoryview(page.numpy()).cast("B")
+    return memoryview(page.numpy())  # 1-D uint8: already bytes ("B")
 
 
 class PageStore(ABC):
@@ -281,7 +281,7 @@ class PageStore(ABC):
         self._count(corrupt_pages=1)
         self._drop(key)
 
-    def _rejected(self, verifier: Verifier, keys: list[str], found: list[bool]) -> list[bool]:
+    def _rejected(self, verifier: Verifier | GroupChecks, keys: list[str], found: list[bool]) -> list[bool]:
         """``found`` with the pages ``verifier`` failed turned to False (each rejected), and the good
         ones counted as read."""
         for index, err in verifier.failures():

@@ -9,8 +9,10 @@ directory per few pages made a ``mkdir`` part of most writes; their pages are mi
 Writes go to a per-thread temp file beside the target and are renamed over it, so a reader sees a
 whole old page, a whole new page or none. Reads land straight in the caller's page tensor (``preadv``
 of payload and header at once), writes go straight from it (``pwritev``): no staging copy on either
-side. Headers are computed, and pages read verified, in helper threads while this thread does the
-I/O (see :mod:`tierkv.storage.overlap`).
+side. Each chunk of a page is checksummed right before it is written or right after it is read, while
+it is in the core's cache. With the native page I/O (:mod:`tierkv.storage.native`) a whole batch is
+one call without the GIL: per page that saves ~15 us of Python (open, read, close, hasher, header
+check), half the time of a 128 KiB read; keyed stores (a MAC) and builds without it use the Python loop.
 
 Every path below the namespace directory is opened one component at a time under directory file
 descriptors with ``O_NOFOLLOW``: a symlink planted anywhere inside the store (a subdirectory or a
@@ -35,16 +37,23 @@ import threading
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
+import numpy as np
 import torch
 
+from tierkv.storage import native
 from tierkv.storage.base import Backoff, LruIndex, PageStore, check_key, check_max_bytes, is_key
-from tierkv.storage.page_format import CHUNK_NBYTES, HEADER_SIZE, PageFormatError
+from tierkv.storage.page_format import CHECKSUM_OFFSET, CHUNK_NBYTES, HEADER_SIZE, Digest, PageFormatError
 
 PAGE_SUFFIX = ".page"
 SUBDIR_CHARS = 2  # pages spread over 16**2 subdirectories named by their key's first hex digits
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
 # Write failures that the next page would hit too: back off instead of failing page by page.
 _DISK_REFUSALS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
+# Native read results (tierkv/_pageio.c) and the directory descriptors that stand for a missing or
+# unusable subdirectory.
+_READ_OK, _READ_ABSENT, _READ_BAD_SIZE, _READ_MISMATCH, _READ_SHORT, _READ_NO_DIR = range(6)
+_WRITE_SKIPPED = 1
+_NO_SUBDIR, _BAD_SUBDIR = -1, -2
 
 
 def _write_all(fd: int, buffers: list[memoryview], offset: int) -> None:
@@ -110,6 +119,8 @@ class FileStore(PageStore):
         self._index_lock = threading.Lock()
         if self._index is not None:
             self._rebuild_index()
+        # The native batch I/O checks xxh3 checksums only; a MAC is computed in Python.
+        self._native = native.pageio if self.format.page_key is None else None
 
     def path(self, key: str) -> str:
         """The file of ``key``; ValueError if the key is not a page hash or the path leaves the store."""
@@ -210,7 +221,10 @@ class FileStore(PageStore):
         with self._timed("get"):
             try:
                 with self._namespace(create=False) as dirs:
-                    found = [self._get_one(dirs, key, view) for key, view in zip(keys, views)]
+                    if self._native is not None:
+                        found = self._get_native(dirs, keys, views)
+                    else:
+                        found = [self._get_one(dirs, key, view) for key, view in zip(keys, views)]
             except OSError as err:
                 self._error(f"open {self.directory}", err)
                 return [False] * len(keys)
@@ -221,7 +235,9 @@ class FileStore(PageStore):
     def _open_page(dirs: "_Subdirs", key: str) -> int | None:
         """A read descriptor of ``key``'s page, None if absent; OSError for a symlink on the way."""
         sub = dirs.get(key)
-        return None if sub is None else os.open(key + PAGE_SUFFIX, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=sub)
+        # O_NONBLOCK: a FIFO planted as a page must not hang the reader (no effect on a regular file).
+        return None if sub is None else os.open(key + PAGE_SUFFIX, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK,
+                                                dir_fd=sub)
 
     def _get_one(self, dirs: "_Subdirs", key: str, view: memoryview) -> bool:
         header = bytearray(HEADER_SIZE)
@@ -251,6 +267,79 @@ class FileStore(PageStore):
         self._indexed(key)
         return True
 
+    def _subdir_fds(self, dirs: "_Subdirs", keys: list[str], what: str) -> list[int]:
+        """Each key's subdirectory descriptor for the native calls: ``_NO_SUBDIR`` if absent,
+        ``_BAD_SUBDIR`` if it cannot be opened (a symlink in its place: counted here)."""
+        fds = []
+        for key in keys:
+            try:
+                sub = dirs.get(key)
+            except OSError as err:
+                self._error(f"{what} {self.path(key)}", err)
+                sub = _BAD_SUBDIR
+            fds.append(_NO_SUBDIR if sub is None else sub)
+        return fds
+
+    def _get_native(self, dirs: "_Subdirs", keys: list[str], views: list[memoryview]) -> list[bool]:
+        """The batch in one native call: each page read, hashed chunk by chunk as it lands and its header
+        compared with what it must hold; pages that fail are explained, rejected and dropped here.
+
+        Checked in place, not in helpers: here the chunk is still in cache, in a helper it is a cold pass
+        over memory plus a hand-off, and on a busy 2-core machine helpers cost more than they hide (both
+        side by side at load 4.9: 8 MiB gets 0.49 of raw with helpers, 0.78 in place)."""
+        headers = np.zeros((len(keys), HEADER_SIZE), dtype=np.uint8)
+        results = self._native.read_pages(
+            self._subdir_fds(dirs, keys, "read"), [(key + PAGE_SUFFIX).encode() for key in keys], views, headers,
+            self.format.header_templates(keys), self.page_nbytes, CHUNK_NBYTES, CHECKSUM_OFFSET,
+            self._index is not None)  # touch: a hit refreshes the page's mtime, the LRU order after a restart
+        found = [status == _READ_OK for status, _ in results]
+        for i, (status, value) in enumerate(results):
+            if status != _READ_OK:
+                self._read_failed(keys[i], status, value, headers[i], views[i])
+            elif self._index is not None:
+                self._indexed(keys[i])
+        return found
+
+    def _read_failed(self, key: str, status: int, value: int, header: np.ndarray, view: memoryview) -> None:
+        """A page a native read did not get: a bad one is rejected (and dropped), an error counted."""
+        if status in (_READ_BAD_SIZE, _READ_SHORT):
+            self._reject(key, PageFormatError(f"page {key}: file of {value} bytes, expected "
+                                              f"{self.format.blob_nbytes}"))
+        elif status == _READ_MISMATCH:
+            if self._verified(key, header.tobytes(), view, Digest(value)):  # names the field that differs
+                self._reject(key, PageFormatError(f"page {key}: header differs from its expected bytes"))
+        elif status < 0:
+            self._error(f"read {self.path(key)}", OSError(-status, os.strerror(-status)))
+
+    def _set_native(self, dirs: "_Subdirs", keys: list[str], views: list[memoryview]) -> list[bool]:
+        """The batch in one native call (each chunk hashed just before it is written, the checksum put
+        into the page's header template); a disk refusal stops the batch and backs off."""
+        fds = self._subdir_fds(dirs, keys, "write")
+        suffix = f"{PAGE_SUFFIX}.{os.getpid()}.{threading.get_ident()}.tmp"
+        results = self._native.write_pages(
+            fds, [(key + suffix).encode() for key in keys], [(key + PAGE_SUFFIX).encode() for key in keys], views,
+            self.format.header_templates(keys), self.page_nbytes, CHUNK_NBYTES, CHECKSUM_OFFSET, self.fsync,
+            sorted(_DISK_REFUSALS))
+        done = [status == 0 for status, _ in results]
+        if any(done):  # before the failures: a refusal (which ends the batch) must leave writes backing off
+            self.write_backoff.succeeded()
+            self._count(set_pages=sum(done), set_bytes=sum(done) * self.page_nbytes)
+        for key, fd, ok, (status, _) in zip(keys, fds, done, results):
+            if ok:
+                self._stored(key)
+            elif status == _WRITE_SKIPPED:
+                self._count(errors=1)
+            elif fd != _BAD_SUBDIR:  # that one was counted when its directory failed to open
+                self._write_failed(key, OSError(-status, os.strerror(-status)))
+        return done
+
+    def _write_failed(self, key: str, err: OSError) -> None:
+        refused = err.errno in _DISK_REFUSALS
+        self._error(f"write {self.path(key)}" + (" (disk full or read-only: writes back off)" if refused else ""),
+                    err)
+        if refused:
+            self.write_backoff.failed()
+
     def batch_set(self, keys: list[str], values: list[torch.Tensor]) -> list[bool]:
         views = self._check_batch(keys, values)
         with self._timed("set"):
@@ -259,6 +348,8 @@ class FileStore(PageStore):
                 return [False] * len(keys)
             try:
                 with self._namespace(create=True) as dirs:
+                    if self._native is not None:
+                        return self._set_native(dirs, keys, views)
                     return [self._set_one(dirs, key, view) for key, view in zip(keys, views)]
             except OSError as err:
                 self._error(f"open {self.directory}", err)
@@ -273,11 +364,7 @@ class FileStore(PageStore):
         try:
             self._write_page(dirs.get(key), key, temp, view)
         except OSError as err:
-            refused = err.errno in _DISK_REFUSALS
-            self._error(f"write {self.path(key)}" + (" (disk full or read-only: writes back off)" if refused
-                                                     else ""), err)
-            if refused:
-                self.write_backoff.failed()
+            self._write_failed(key, err)
             return False
         self.write_backoff.succeeded()
         self._count(set_pages=1, set_bytes=self.page_nbytes)

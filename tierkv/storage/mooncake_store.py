@@ -3,9 +3,11 @@
 Each page is one object: the payload then the 48-byte header, written from and read into two buffers
 (``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``), so the payload moves straight
 between the host pool's memory and the store. A batch goes in a few large calls (each costs a round
-trip to the master): headers are computed, and pages read are verified, in helper threads while the
-transfer engine (which releases the GIL) moves the neighbouring range (see
-:mod:`tierkv.storage.overlap`). Objects are put-if-absent: a page's key names its
+trip to the master). Pages of 1 MiB and more are hashed, for their headers or to verify them, in helper
+threads while the transfer engine (which releases the GIL) moves the neighbouring range; smaller ones
+in place (see :mod:`tierkv.storage.overlap`). With the native module (:mod:`tierkv.storage.native`) a
+range is one GIL-free xxh3 call and one vectorised header compare, not Python work per page; the hash
+stays a pass over memory the transfer does not make (the transfer engine's copy cannot carry it). Objects are put-if-absent: a page's key names its
 whole prefix, so its bytes never change, and a repeated put keeps the first copy. A page that fails
 verification is removed so a later backup can write it again.
 
@@ -24,8 +26,9 @@ import threading
 import numpy as np
 import torch
 
+from tierkv.storage import native, overlap
 from tierkv.storage.base import Backoff, PageStore, check_key
-from tierkv.storage.overlap import MIN_OVERLAP_PAGE_NBYTES, Headers, Verifier, ramp
+from tierkv.storage.overlap import GroupChecks, GroupHeaders, Headers, Verifier, ramp
 from tierkv.storage.page_format import HEADER_SIZE
 
 _NOT_FOUND = -704  # OBJECT_NOT_FOUND in Mooncake's error codes
@@ -68,6 +71,9 @@ class MooncakeStore(PageStore):
         self._get_headers = torch.zeros(_MAX_CALL_PAGES, HEADER_SIZE, dtype=torch.uint8)
         self._set_headers = torch.zeros(_MAX_CALL_PAGES, HEADER_SIZE, dtype=torch.uint8)
         self._get_lock, self._set_lock = threading.Lock(), threading.Lock()
+        # Native checksums (one GIL-free call and one vectorised header compare per range) for xxh3
+        # pages; a MAC is computed page by page in Python.
+        self._native = native.pageio if self.format.page_key is None else None
 
     def object_key(self, key: str) -> str:
         return self.key_prefix + check_key(key)
@@ -169,8 +175,8 @@ class MooncakeStore(PageStore):
         return [[page.data_ptr(), base + i * HEADER_SIZE] for i, page in enumerate(pages)]
 
     def _calls(self, num_pages: int) -> list[tuple[int, int]]:
-        if self.page_nbytes < MIN_OVERLAP_PAGE_NBYTES:
-            # Checked in place (see overlap): nothing to overlap, and each call costs ~0.2 ms of round
+        if self._in_place:
+            # Checked in place (see overlap): nothing to overlap, and each call costs ~0.2-0.4 ms of round
             # trips, so the fewest calls win (bench_storage 128 KiB: ramp 0.56/0.52, this 0.60-0.65/0.57-0.60).
             per_call = max(1, min(_MAX_CALL_PAGES, _IN_PLACE_CALL_NBYTES // self.page_nbytes))
             return [(start, min(start + per_call, num_pages)) for start in range(0, num_pages, per_call)]
@@ -179,14 +185,22 @@ class MooncakeStore(PageStore):
     def batch_get(self, keys: list[str], targets: list[torch.Tensor]) -> list[bool]:
         views = self._check_batch(keys, targets)
         found: list[bool] = []
-        verifier = Verifier(self.format, self._helper_pool)
-        with self._timed("get"), self._get_lock:
+        if self._native is not None:
+            checks = GroupChecks(self.format, self._helper_pool, self._native, self._in_place)
+        else:
+            checks = Verifier(self.format, self._helper_pool)
+        with self._timed("get"), self._get_lock, checks:
             for start, end in self._calls(len(keys)):
-                found += self._get_range(start, keys[start:end], targets[start:end], views[start:end], verifier)
-            return self._rejected(verifier, keys, found)
+                found += self._get_range(start, keys[start:end], targets[start:end], views[start:end], checks)
+            return self._rejected(checks, keys, found)
+
+    @property
+    def _in_place(self) -> bool:
+        """Whether pages are checksummed by the calling thread (else helpers overlap it with transfers)."""
+        return self.page_nbytes < overlap.MIN_OVERLAP_PAGE_NBYTES
 
     def _get_range(self, start: int, keys: list[str], targets: list[torch.Tensor], views: list[memoryview],
-                   verifier: Verifier) -> list[bool]:
+                   verifier: Verifier | GroupChecks) -> list[bool]:
         """One call for pages ``start...``; whole pages go to ``verifier``, the rest are misses here."""
         client = self._connect()
         if client is None:
@@ -201,12 +215,18 @@ class MooncakeStore(PageStore):
             self._failed("get", err)
             return [False] * len(keys)
         self._judge("get", sizes, (_NOT_FOUND, _BUFFER_TOO_SMALL))
-        header_bytes = memoryview(headers.numpy()[:len(keys)].tobytes())  # the arena is reused next call
+        header_rows = headers.numpy()[:len(keys)].copy()  # the arena is reused next call
+        if isinstance(verifier, GroupChecks):
+            whole = [i for i, size in enumerate(sizes) if size == self.format.blob_nbytes]
+            verifier.add([start + i for i in whole], [keys[i] for i in whole], header_rows[whole],
+                         [views[i] for i in whole])
+        header_bytes = memoryview(header_rows.tobytes())
         found = []
         for i, (key, view, size) in enumerate(zip(keys, views, sizes)):
             header = header_bytes[i * HEADER_SIZE:(i + 1) * HEADER_SIZE]
             if size == self.format.blob_nbytes:
-                verifier.add(start + i, key, header, view)
+                if isinstance(verifier, Verifier):
+                    verifier.add(start + i, key, header, view)
                 found.append(True)
             elif size >= 0 or size == _BUFFER_TOO_SMALL:  # not one of our pages: fails on its length
                 found.append(self._verified(key, header, view[:max(0, size - HEADER_SIZE)]))
@@ -228,19 +248,27 @@ class MooncakeStore(PageStore):
             client = self._connect()
             if client is None:
                 return [False] * len(keys)
-            with Headers(self.format, keys, views, self._helper_pool) as headers:
-                for start, end in self._calls(len(keys)):
-                    codes += self._put_range(client, keys[start:end], values[start:end],
-                                             [headers.get(i) for i in range(start, end)])
+            calls = self._calls(len(keys))
+            if self._native is not None:
+                with GroupHeaders(self.format, keys, views, calls, self._helper_pool, self._native,
+                                  self._in_place) as groups:
+                    for index, (start, end) in enumerate(calls):
+                        codes += self._put_range(client, keys[start:end], values[start:end], groups.get(index))
+            else:
+                with Headers(self.format, keys, views, self._helper_pool) as headers:
+                    for start, end in calls:
+                        rows = np.frombuffer(b"".join([headers.get(i) for i in range(start, end)]), dtype=np.uint8)
+                        codes += self._put_range(client, keys[start:end], values[start:end],
+                                                 rows.reshape(end - start, HEADER_SIZE))
         self._judge("put", codes, ())
         done = [code == 0 for code in codes]
         self._count(set_pages=sum(done), set_bytes=sum(done) * self.page_nbytes)
         return done
 
-    def _put_range(self, client, keys: list[str], values: list[torch.Tensor], headers: list[bytes]) -> list[int]:
-        """One put call; the helper is meanwhile computing the next range's headers."""
+    def _put_range(self, client, keys: list[str], values: list[torch.Tensor], headers: np.ndarray) -> list[int]:
+        """One put call (``headers``: one row per page); the helper is meanwhile hashing the next range."""
         arena = self._set_headers
-        arena.numpy()[:len(keys)] = np.frombuffer(b"".join(headers), dtype=np.uint8).reshape(len(keys), HEADER_SIZE)
+        arena.numpy()[:len(keys)] = headers
         try:
             return client.batch_put_from_multi_buffers(
                 [self.key_prefix + k for k in keys],  # keys checked by batch_set

@@ -34,6 +34,7 @@ MAGIC = b"TKV1"
 FORMAT_VERSION = 1
 _HEADER = struct.Struct("<4sHH16sQQ8s")
 HEADER_SIZE = _HEADER.size
+CHECKSUM_OFFSET = 32  # of the xxh3-64 field in an unkeyed header (see header_templates)
 _MAC_HEADER = struct.Struct("<4sHH16sQ16s")  # same size: the checksum and key digest become the MAC
 _MAC_PREFIX = struct.Struct("<4sHH16sQ")
 FLAG_MAC = 1
@@ -46,6 +47,18 @@ CHUNK_NBYTES = 256 << 10
 
 class PageFormatError(ValueError):
     """A stored page failed verification (wrong version, namespace, length, checksum or key)."""
+
+
+class Digest:
+    """A payload checksum computed elsewhere (the native page I/O), standing in for a fed hasher."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def intdigest(self) -> int:
+        return self.value
 
 
 def namespace_digest(namespace: str) -> bytes:
@@ -136,6 +149,37 @@ class PageFormat:
                                     state.digest()[:MAC_NBYTES])
         return _HEADER.pack(MAGIC, FORMAT_VERSION, 0, self._namespace_digest, len(payload),
                             state.intdigest(), _key_digest(key))
+
+    def header_templates(self, keys: list[str]) -> bytearray:
+        """The unkeyed headers of pages ``keys`` back to back, each with its checksum field (at
+        ``CHECKSUM_OFFSET``) zero: the native I/O fills it in a write and checks a read against it."""
+        if self.page_key is not None:
+            raise ValueError("a keyed store's header holds a MAC, not a checksum: no template")
+        prefix = _HEADER.pack(MAGIC, FORMAT_VERSION, 0, self._namespace_digest, self.payload_nbytes, 0,
+                              bytes(8))[:CHECKSUM_OFFSET + 8]
+        return bytearray(b"".join([prefix + _key_digest(key) for key in keys]))
+
+    def filled_headers(self, keys: list[str], digests: list[int]) -> np.ndarray:
+        """The unkeyed headers of pages ``keys`` with payload checksums ``digests``: (pages, 48) uint8."""
+        headers = np.frombuffer(self.header_templates(keys), np.uint8).reshape(len(keys), HEADER_SIZE)
+        headers[:, CHECKSUM_OFFSET:CHECKSUM_OFFSET + 8] = (
+            np.array(digests, dtype="<u8").view(np.uint8).reshape(len(keys), 8))
+        return headers
+
+    def check_headers(self, keys: list[str], headers: np.ndarray, payloads: list[memoryview],
+                      digests: list[int]) -> list[tuple[int, PageFormatError]]:
+        """(index, error) of each unkeyed page whose stored header (a row of ``headers``) differs from
+        the one its payload checksum (``digests``) makes: one vectorised compare, then each page that
+        differs explained by :meth:`verify`."""
+        bad = np.flatnonzero((self.filled_headers(keys, digests) != headers).any(axis=1))
+        failures = []
+        for i in bad.tolist():
+            try:
+                self.verify(keys[i], headers[i].tobytes(), payloads[i], Digest(digests[i]))
+                failures.append((i, PageFormatError(f"page {keys[i]}: header differs from its expected bytes")))
+            except PageFormatError as err:
+                failures.append((i, err))
+        return failures
 
     def verify(self, key: str, header: bytes | memoryview, payload: memoryview, state: Any = None) -> None:
         """Raise :class:`PageFormatError` naming what does not match (payload hashed unless ``state``)."""

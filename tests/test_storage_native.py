@@ -1,0 +1,225 @@
+"""The native page I/O (tierkv/_pageio.c): same checksums and files as the Python loops, faults still
+cost hits, never wrong bytes or a hang, and a batch is one call, not Python work per page."""
+
+import errno
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+
+from tests.test_storage_backends import PAGE_NBYTES, empty_pages, make_keys, make_pages
+from tierkv.storage import native
+from tierkv.storage.factory import open_store
+from tierkv.storage.page_format import HEADER_SIZE, PageFormat, PageFormatError
+
+KEY, OTHER = "ab" * 32, "cd" * 32
+
+
+@pytest.fixture(autouse=True)
+def native_built():
+    if native.pageio is None:
+        if os.environ.get("TIERKV_REQUIRE_NATIVE") == "1":
+            pytest.fail("tierkv._pageio is not built or not bound to xxhash (TIERKV_REQUIRE_NATIVE=1)")
+        pytest.skip("tierkv._pageio is not built")
+
+
+@pytest.mark.parametrize("num_bytes", [0, 1, 16, 17, 128, 129, 240, 241, 1024, 3000, 1 << 20])
+def test_native_xxh3_is_the_xxhash_packages(num_bytes):
+    data = np.random.default_rng(num_bytes).integers(0, 256, num_bytes, dtype=np.uint8).tobytes()
+    assert native.pageio.xxh3_many([data, memoryview(data)]) == [xxhash.xxh3_64_intdigest(data)] * 2
+
+
+def test_header_templates_filled_are_the_headers_and_check_names_each_bad_page():
+    fmt = PageFormat("ns", 1000)
+    payloads = [memoryview(bytes([i]) * 1000) for i in range(3)]
+    keys = [KEY, OTHER, "ef" * 32]
+    digests = native.pageio.xxh3_many(payloads)
+    filled = fmt.filled_headers(keys, digests)
+    assert [row.tobytes() for row in filled] == [fmt.header(k, p) for k, p in zip(keys, payloads)]
+    stored = filled.copy()
+    stored[1, 40] ^= 1  # page 1's key digest
+    wrong_namespace = PageFormat("ns2", 1000).header(keys[2], payloads[2])
+    stored[2] = np.frombuffer(wrong_namespace, np.uint8)
+    failures = fmt.check_headers(keys, stored, payloads, digests)
+    assert [i for i, _ in failures] == [1, 2]
+    assert "another key" in str(failures[0][1]) and "another namespace" in str(failures[1][1])
+    with pytest.raises(ValueError, match="MAC"):
+        PageFormat("ns", 1000, page_key="k" * 32).header_templates(keys)
+
+
+@pytest.mark.parametrize("writer_native", [True, False], ids=["native-writes", "python-writes"])
+def test_native_and_python_file_stores_read_each_others_pages(tmp_path, writer_native):
+    """Same page format either way: a store of one build reads the pages of the other."""
+    keys, pages = make_keys(9), make_pages(9)
+    writer = open_store(f"file:{tmp_path}", "ns", PAGE_NBYTES)
+    reader = open_store(f"file:{tmp_path}", "ns", PAGE_NBYTES)
+    (reader if writer_native else writer)._native = None
+    assert writer.batch_set(keys, pages) == [True] * 9
+    targets = empty_pages(9)
+    assert reader.batch_get(keys, targets) == [True] * 9 and all(map(torch.equal, targets, pages))
+    assert reader.stats.corrupt_pages == 0
+
+
+def test_file_batches_do_no_python_work_per_page(tmp_path, monkeypatch):
+    """Regression (issue 16): a batch opened, read or wrote, and hashed each page from Python (~15 us a
+    page, half of a 128 KiB read); now it is one native call: no page file is opened here and no Python
+    hasher is made."""
+    store = open_store(f"file:{tmp_path}", "ns", PAGE_NBYTES)
+    keys, pages = make_keys(40), make_pages(40)
+    opened = []
+    real_open = os.open
+
+    def recording_open(path, flags, *args, **kwargs):
+        if not flags & os.O_DIRECTORY:
+            opened.append(path)
+        return real_open(path, flags, *args, **kwargs)
+
+    def no_hasher(*args):
+        raise AssertionError("a per-page Python hasher")
+    monkeypatch.setattr(os, "open", recording_open)
+    monkeypatch.setattr(PageFormat, "payload_hasher", no_hasher)
+    assert store.batch_set(keys, pages) == [True] * 40
+    targets = empty_pages(40)
+    assert store.batch_get(keys, targets) == [True] * 40 and all(map(torch.equal, targets, pages))
+    assert opened == []
+
+
+def test_mooncake_batches_hash_with_the_native_module(mooncake_master, monkeypatch):
+    """Regression (issue 16): each page's header was made, and each page read verified, by a Python
+    hasher (a cold pass plus ~5 us of Python a page); now one native call hashes a range."""
+    store = open_store(mooncake_master.url, "ns-native", PAGE_NBYTES, mooncake_master.client_config())
+    try:
+        keys, pages = make_keys(30), make_pages(30)
+
+        def no_hasher(*args):
+            raise AssertionError("a per-page Python hasher")
+        monkeypatch.setattr(PageFormat, "payload_hasher", no_hasher)
+        assert store.batch_set(keys, pages) == [True] * 30
+        targets = empty_pages(30)
+        assert store.batch_get(keys, targets) == [True] * 30 and all(map(torch.equal, targets, pages))
+        monkeypatch.undo()
+        name, blob = store.object_key(keys[4]), torch.zeros(store.format.blob_nbytes, dtype=torch.uint8)
+        assert store.client.get_into(name, blob.data_ptr(), blob.numel()) == blob.numel()
+        blob[PAGE_NBYTES + 40] ^= 1  # the key digest: a page filed under another key
+        assert store.client.upsert_from(name, blob.data_ptr(), blob.numel()) == 0
+        assert store.batch_get(keys, empty_pages(30)) == [i != 4 for i in range(30)]
+        assert store.stats.corrupt_pages == 1
+    finally:
+        store.clear()
+        store.close()
+
+
+@pytest.mark.parametrize("use_native", [True, False], ids=["native", "python"])
+def test_a_fifo_planted_as_a_page_is_a_miss_not_a_hang(tmp_path, use_native):
+    """Regression: opening a FIFO for reading blocks until a writer comes; a planted one hung the reader."""
+    store = open_store(f"file:{tmp_path}", "ns", PAGE_NBYTES)
+    if not use_native:
+        store._native = None
+    keys, pages = make_keys(3), make_pages(3)
+    assert store.batch_set(keys, pages) == [True] * 3
+    os.unlink(store.path(keys[1]))
+    os.mkfifo(store.path(keys[1]))
+    found = []
+    reader = threading.Thread(target=lambda: found.append(store.batch_get(keys, empty_pages(3))), daemon=True)
+    reader.start()
+    reader.join(60.0)  # a liveness bound, not a timing: the read returns at once or never
+    if reader.is_alive():
+        with open(store.path(keys[1]), "wb"):  # unblock it so the thread ends
+            pass
+        pytest.fail("batch_get hung on a FIFO planted as a page")
+    assert found == [[True, False, True]]
+    assert store.stats.corrupt_pages == 1 and not os.path.exists(store.path(keys[1]))
+
+
+# Run in a child process: a file size limit holds for every write of the process, pytest's own
+# output file included.
+_LIMITED_WRITES = """
+import errno, json, logging, os, resource, signal, sys
+import tierkv.storage.file as file_backend
+from tests.test_storage_backends import PAGE_NBYTES, empty_pages, make_keys, make_pages
+from tierkv.storage.factory import open_store
+root, refusal = sys.argv[1], sys.argv[2] == "refusal"
+if refusal:  # count EFBIG as a disk refusal: the batch stops, writes back off
+    file_backend._DISK_REFUSALS = file_backend._DISK_REFUSALS | {errno.EFBIG}
+logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+store = open_store(f"file:{root}", "ns", PAGE_NBYTES, {"retry_backoff_s": 30.0})
+keys, pages = make_keys(5), make_pages(5)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+resource.setrlimit(resource.RLIMIT_FSIZE, (PAGE_NBYTES // 2, hard))  # writes past it fail with EFBIG
+written = [store.batch_set(keys, pages), store.batch_set(keys, pages)]
+resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+print(json.dumps({"written": written, "errors": store.stats.errors, "set_pages": store.stats.set_pages,
+                  "backing_off": not store.write_backoff.ready(), "native": store._native is not None,
+                  "read": store.batch_get(keys, empty_pages(5))}))
+"""
+
+
+def _limited_writes(tmp_path, mode: str) -> tuple[dict, str]:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", _LIMITED_WRITES, str(tmp_path), mode], capture_output=True,
+                         text=True, cwd=root, env={**os.environ, "PYTHONPATH": root}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.splitlines()[-1]), out.stderr
+
+
+def test_native_write_failures_are_false_counted_and_leave_no_temp_file(tmp_path):
+    """A real kernel refusal (EFBIG past a file size limit) that is not a full disk: each page is tried."""
+    result, _ = _limited_writes(tmp_path, "error")
+    assert result["native"] and result["written"] == [[False] * 5] * 2
+    assert result["errors"] == 10 and result["set_pages"] == 0 and not result["backing_off"]
+    assert result["read"] == [False] * 5
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()]
+
+
+def test_native_disk_refusal_stops_the_batch_and_backs_off(tmp_path):
+    """A refusal the next page would hit too (EFBIG counted as one) ends the batch after one attempt;
+    writes back off (the second batch is not even tried), reads go on."""
+    result, log = _limited_writes(tmp_path, "refusal")
+    assert result["native"] and result["written"] == [[False] * 5] * 2
+    assert result["errors"] == 10 and result["backing_off"] and "disk full or read-only" in log
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()]
+
+
+def test_native_read_statuses_name_each_fault(tmp_path):
+    """Absent, wrong size, wrong header and a symlink each get their own status; no byte is trusted."""
+    store = open_store(f"file:{tmp_path}", "ns", PAGE_NBYTES)
+    keys, pages = make_keys(5), make_pages(5)
+    assert store.batch_set(keys[:4], pages[:4]) == [True] * 4
+    with open(store.path(keys[1]), "r+b") as f:
+        f.truncate(PAGE_NBYTES)  # the header is gone
+    with open(store.path(keys[2]), "r+b") as f:
+        f.seek(PAGE_NBYTES - 1)
+        f.write(b"\x00" if pages[2][-1] else b"\x01")  # the last payload byte
+    os.unlink(store.path(keys[3]))
+    os.symlink(store.path(keys[0]), store.path(keys[3]))
+    subdirs = [os.open(os.path.dirname(store.path(k)), os.O_RDONLY | os.O_DIRECTORY) for k in keys]
+    try:
+        headers = bytearray(HEADER_SIZE * 5)
+        results = native.pageio.read_pages(subdirs, [(k + ".page").encode() for k in keys],
+                                           [memoryview(t.numpy()) for t in empty_pages(5)], headers,
+                                           store.format.header_templates(keys), PAGE_NBYTES, 1024, 32, False)
+    finally:
+        for fd in subdirs:
+            os.close(fd)
+    assert [status for status, _ in results] == [0, 2, 3, -errno.ELOOP, 1]
+    assert results[1][1] == PAGE_NBYTES  # the size found
+    targets = empty_pages(5)
+    assert store.batch_get(keys, targets) == [True, False, False, False, False]
+    assert store.stats.corrupt_pages == 2 and store.stats.errors == 1 and torch.equal(targets[0], pages[0])
+
+
+def test_check_headers_explains_a_mismatch_verify_cannot_see():
+    """A header whose bytes differ from the expected ones in a field verify ignores is still refused."""
+    fmt = PageFormat("ns", 8)
+    payload = memoryview(b"abcdefgh")
+    row = np.frombuffer(fmt.header(KEY, payload), np.uint8).copy()
+    row[6] = 0x80  # a flag bit no version defines
+    failures = fmt.check_headers([KEY], row.reshape(1, HEADER_SIZE), [payload], native.pageio.xxh3_many([payload]))
+    assert len(failures) == 1 and isinstance(failures[0][1], PageFormatError)

@@ -1,0 +1,46 @@
+"""The native page I/O (tierkv/_pageio.c): batched xxh3 checksums and the file store's reads and writes,
+one call per batch without the GIL. ``pageio`` is the module, or None when it is not built, is another
+version, or cannot reach the xxhash package's xxh3 (then the stores use their Python loops).
+
+The C side takes xxh3 from the xxhash package's own shared object, so both paths compute the same
+checksum; a known digest is checked here before the module is used.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import ModuleType
+
+import xxhash
+
+log = logging.getLogger(__name__)
+
+NATIVE_API_VERSION = 1  # the API_VERSION of tierkv/_pageio.c that the stores call
+
+
+def bound(module: ModuleType | None) -> ModuleType | None:
+    """``module`` bound to the xxhash package's xxh3 and checked against it, else None."""
+    if module is None:
+        return None
+    if getattr(module, "API_VERSION", 0) != NATIVE_API_VERSION:
+        log.warning("ignoring %s: API_VERSION %s, expected %s (a stale build?)", getattr(module, "__file__", module),
+                    getattr(module, "API_VERSION", 0), NATIVE_API_VERSION)
+        return None
+    try:
+        from xxhash import _xxhash
+        if not module.bind_xxh3(_xxhash.__file__):
+            return None
+    except (ImportError, AttributeError, OSError):
+        return None
+    probe = bytes(range(256)) * 41 + b"tierkv"  # past xxh3's short-input paths, not a stripe multiple
+    if module.xxh3_many([probe, probe[:100], b""]) != [xxhash.xxh3_64_intdigest(p) for p in (probe, probe[:100], b"")]:
+        log.warning("tierkv._pageio: xxh3 from %s disagrees with the xxhash package; not used", _xxhash.__file__)
+        return None
+    return module
+
+
+try:
+    from tierkv import _pageio  # type: ignore[attr-defined]
+except ImportError:
+    _pageio = None
+pageio: ModuleType | None = bound(_pageio)

@@ -1,5 +1,6 @@
 """Builds the optional native parts: the chunk copy (tierkv/_rowcopy.c) and the radix tree's key
-comparison and eviction loop (tierkv/_radix.c, _radix_evict.c); metadata lives in pyproject.toml.
+comparison and eviction loop (tierkv/_radix.c, _radix_evict.c, _radix_heap.c); metadata lives in
+pyproject.toml.
 
 ``optional=True``: without a C compiler the package still installs; the CPU copies fall back to torch
 index ops (see tierkv/cpu_copy.py) and the tree to its pure-Python comparison (see tierkv/radix.py).
@@ -7,7 +8,8 @@ index ops (see tierkv/cpu_copy.py) and the tree to its pure-Python comparison (s
 
 from setuptools import Extension, setup
 
-SOURCES = {"_rowcopy": ["tierkv/_rowcopy.c"], "_radix": ["tierkv/_radix.c", "tierkv/_radix_evict.c"]}
+SOURCES = {"_rowcopy": ["tierkv/_rowcopy.c"],
+           "_radix": ["tierkv/_radix.c", "tierkv/_radix_evict.c", "tierkv/_radix_heap.c"]}
 
 HEADERS = {"_radix": ["tierkv/_radix.h"]}
 

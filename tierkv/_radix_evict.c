@@ -77,10 +77,21 @@ static int check_node(PyObject *node) {
 typedef struct {
     PyObject *root, *heap, *live, *changed, *seqs, *key_of, *on_evict;
     Py_ssize_t key_slots[4], num_key_slots;  /* key_of given as slot names: the key is those slots */
-    PyObject *device, *host, *host_changed;  /* the tree's frontier sets (changed is device_changed) */
+    PyObject *device, *host, *host_changed;  /* the tree's frontier sets, None when untracked (changed is
+                                                * device_changed, tracked: the heap reads it) */
     Py_ssize_t page_size, evicted_tokens;
     PyObject *nodes, *values;
 } EvictCtx;
+
+/* set.add / set.discard on a frontier set of the tree, nothing when it is None (nobody reads it yet:
+ * tierkv/radix_frontiers.py) */
+static int frontier_add(PyObject *set, PyObject *node) {
+    return set == Py_None ? 0 : PySet_Add(set, node);
+}
+
+static int frontier_discard(PyObject *set, PyObject *node) {
+    return set == Py_None ? 0 : PySet_Discard(set, node);
+}
 
 /* RadixTree.is_device_leaf: 1, 0, or -1 on error */
 static int is_device_leaf(PyObject *n, PyObject *root) {
@@ -260,12 +271,12 @@ static int evict_one(EvictCtx *c, PyObject *node, Py_ssize_t *freed) {
     c->evicted_tokens += num_tokens;
     *freed += num_tokens;
     PyObject *parent = SLOT(node, parent);
-    if (parent != Py_None && (PySet_Add(c->device, parent) < 0 || PySet_Add(c->changed, parent) < 0)) {
+    if (parent != Py_None && (frontier_add(c->device, parent) < 0 || PySet_Add(c->changed, parent) < 0)) {
         return -1;
     }
     if (SLOT(node, host_value) != Py_None || PyDict_GET_SIZE(SLOT(node, children)) != 0) {
         /* kept, host-only: the host tier's heap ranks it again (removed nodes leave that set at once) */
-        return PySet_Add(c->host_changed, node) < 0 ? -1 : report(c, node, Py_False);
+        return frontier_add(c->host_changed, node) < 0 ? -1 : report(c, node, Py_False);
     }
     int held = PyObject_IsTrue(SLOT(node, host_ref));
     if (held) {
@@ -275,8 +286,8 @@ static int evict_one(EvictCtx *c, PyObject *node, Py_ssize_t *freed) {
         return -1;
     }
     if (check_node(parent) < 0 || unlink_child(c, parent, node) < 0
-        || PySet_Discard(c->device, node) < 0 || PySet_Discard(c->host, node) < 0
-        || PySet_Discard(c->changed, node) < 0 || PySet_Discard(c->host_changed, node) < 0) {
+        || frontier_discard(c->device, node) < 0 || frontier_discard(c->host, node) < 0
+        || PySet_Discard(c->changed, node) < 0 || frontier_discard(c->host_changed, node) < 0) {
         return -1;
     }
     return report(c, node, Py_True);
@@ -435,8 +446,9 @@ PyObject *tierkv_evict_device(PyObject *self, PyObject *const *args, Py_ssize_t 
         || ((c.page_size = PyLong_AsSsize_t(page)) == -1 && PyErr_Occurred())) {
         goto done;
     }
-    if (!PySet_CheckExact(c.device) || !PySet_CheckExact(c.host) || !PySet_CheckExact(c.host_changed)) {
-        PyErr_SetString(PyExc_TypeError, "tree frontiers are not sets");
+    if ((c.device != Py_None && !PySet_CheckExact(c.device)) || (c.host != Py_None && !PySet_CheckExact(c.host))
+        || (c.host_changed != Py_None && !PySet_CheckExact(c.host_changed))) {
+        PyErr_SetString(PyExc_TypeError, "tree frontiers are not sets or None");
         goto done;
     }
     int rc = evict_loop(&c, num_tokens, recheck);

@@ -67,15 +67,7 @@ class TreeNode:
     @device_value.setter
     def device_value(self, value: Any) -> None:
         self._device_value = value
-        frontiers = self._frontiers
-        if frontiers.host_changed is not None:
-            frontiers.host_changed.add(self)
-        node = self if value is not None else self.parent  # the parent may have lost its last device child
-        if node is not None:
-            if frontiers.device is not None:
-                frontiers.device.add(node)
-            if frontiers.device_changed is not None:
-                frontiers.device_changed.add(node)
+        self._frontiers.value_changed(self, value is not None, device=True)
 
     @property
     def host_value(self) -> Any:
@@ -84,15 +76,7 @@ class TreeNode:
     @host_value.setter
     def host_value(self, value: Any) -> None:
         self._host_value = value
-        frontiers = self._frontiers
-        if frontiers.device_changed is not None:
-            frontiers.device_changed.add(self)
-        node = self if value is not None else self.parent  # the parent may have lost its last host child
-        if node is not None:
-            if frontiers.host is not None:
-                frontiers.host.add(node)
-            if frontiers.host_changed is not None:
-                frontiers.host_changed.add(node)
+        self._frontiers.value_changed(self, value is not None, device=False)
 
     @property
     def evicted(self) -> bool:

@@ -34,6 +34,21 @@ class Frontiers:
         if self.host_changed is not None:
             self.host_changed.update(nodes)
 
+    def value_changed(self, node: Any, has_value: bool, device: bool) -> None:
+        """``node`` got (``has_value``) or lost its value in the device (``device``) or host tier: it, or
+        its parent (which may have lost its last child there), may be a leaf there now, and the other tier
+        may rank it differently (exclusive tiers do)."""
+        frontier, changed, other = ((self.device, self.device_changed, self.host_changed) if device
+                                    else (self.host, self.host_changed, self.device_changed))
+        if other is not None:
+            other.add(node)
+        node = node if has_value else node.parent
+        if node is not None:
+            if frontier is not None:
+                frontier.add(node)
+            if changed is not None:
+                changed.add(node)
+
     def tracked(self, name: str, nodes: Callable[[], Iterable[Any]]) -> set:
         """The set ``name`` (a slot), tracked from now on; ``nodes()`` lists the tree's nodes, from which
         a set not tracked until now starts: every node holding a value in its tier."""

@@ -1,6 +1,6 @@
 """Builds the optional native parts: the chunk copy (tierkv/_rowcopy.c), the radix tree's key comparison
-and eviction loop (tierkv/_radix.c, _radix_evict.c) and the L3 page I/O (tierkv/_pageio.c); metadata lives
-in pyproject.toml.
+and eviction loop (tierkv/_radix.c, _radix_evict.c, _radix_heap.c) and the L3 page I/O (tierkv/_pageio.c);
+metadata lives in pyproject.toml.
 
 ``optional=True``: without a C compiler the package still installs; the CPU copies fall back to torch
 index ops (see tierkv/cpu_copy.py), the tree to its pure-Python comparison (see tierkv/radix.py) and the
@@ -9,7 +9,8 @@ page stores to their Python I/O loops (see tierkv/storage/native.py).
 
 from setuptools import Extension, setup
 
-SOURCES = {"_rowcopy": ["tierkv/_rowcopy.c"], "_radix": ["tierkv/_radix.c", "tierkv/_radix_evict.c"],
+SOURCES = {"_rowcopy": ["tierkv/_rowcopy.c"],
+           "_radix": ["tierkv/_radix.c", "tierkv/_radix_evict.c", "tierkv/_radix_heap.c"],
            "_pageio": ["tierkv/_pageio.c"]}
 
 HEADERS = {"_radix": ["tierkv/_radix.h"]}

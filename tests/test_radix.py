@@ -326,6 +326,7 @@ def test_frontier_tracks_leaves_through_splits_and_removals():
 def test_check_integrity_catches_a_leaf_missing_from_the_frontier():
     tree = RadixTree()
     leaf = _insert(tree, [1, 2]).new_node
+    tree.device_leaves()  # the first reader starts the frontier's tracking
     tree.root._frontiers.device.discard(leaf)
     with pytest.raises(AssertionError, match="frontier"):
         tree.check_integrity()

@@ -162,6 +162,36 @@ def test_bad_tier_is_refused():
         EvictionHeap(RadixTree(), "disk", get_policy("lru"))
 
 
+def test_a_kept_victim_marked_changed_is_offered_again():
+    """What a cache does with a victim it may not evict yet (HiRadixCache.evict: host_ref protected)."""
+    tree = RadixTree()
+    heap = EvictionHeap(tree, "device", get_policy("lru"))
+    nodes = [tree.insert(RadixKey([i]), [0]).new_node for i in range(3)]
+    first = next(heap.victims())
+    assert first is nodes[0]
+    tree.mark_changed("device", [first])
+    assert [n.id for n in heap.victims()] == [n.id for n in nodes]
+    with pytest.raises(ValueError, match="'disk'"):
+        tree.mark_changed("disk", [first])
+
+
+def test_sets_nobody_reads_are_not_kept_and_start_full_when_read():
+    """Regression (a per-node cost): a tree without a host tier kept host change and frontier sets as large
+    as the tree; each now starts at its first reader, holding every node with a value in its tier."""
+    tree = _small_tree()
+    frontiers = tree.root._frontiers
+    assert (frontiers.device, frontiers.host, frontiers.device_changed, frontiers.host_changed) == (None,) * 4
+    heap = EvictionHeap(tree, "device", get_policy("lru"))  # made after the inserts: it still sees them all
+    assert frontiers.host_changed is None and frontiers.device is None
+    freed, nodes, _ = heap.evict_device(100)
+    assert freed == 5 and [list(n.key) for n in nodes] == [[3], [4], [1, 2], [5]]
+    tree = _small_tree()
+    tree.match(RadixKey([5])).last_node.host_value = [5]
+    assert [list(n.key) for n in tree.host_leaves()] == [[5]]
+    assert {tuple(n.key) for n in tree.device_leaves()} == {(3,), (4,), (5,)}
+    tree.check_integrity()
+
+
 def test_cache_eviction_checks_what_it_evicts_not_every_leaf(monkeypatch):
     """Regression: every L1 eviction used to scan and re-rank the whole leaf frontier to free a node."""
     import tierkv.radix as radix

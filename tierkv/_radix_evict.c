@@ -2,6 +2,8 @@
 #include <structmember.h>
 #include <stdint.h>
 
+#define SCAN_CHILDREN 8  /* a parent with at most this many children is scanned, not hashed into */
+
 /* The compiled eviction loop of tierkv._radix (module and key functions: _radix.c).
  *
  * evict_device(...) is EvictionHeap.evict_device's loop (tierkv/eviction/heap.py keeps the pure-Python
@@ -72,163 +74,24 @@ static int check_node(PyObject *node) {
     return 0;
 }
 
-/* The heap: heapq's layout and algorithm over (key, node id, seq, node) entries, with a comparison
- * that reads exact ints and floats directly. A policy key is a tuple of them, so heapq's generic tuple
- * comparison (an equality test and then an order test per nested item) cost ~1.5 us per pop at 5k
- * entries; the order is the same one (lexicographic, shorter first), so both paths share one heap. */
-
-/* -1, 0, 1 for x <, ==, > y as far as an order test tells (NaN-free keys); -2 on error */
-static int obj_cmp(PyObject *x, PyObject *y) {
-    if (x == y) {
-        return 0;
-    }
-    if (PyLong_CheckExact(x) && PyLong_CheckExact(y)) {
-        int ox = 0, oy = 0;
-        long long a = PyLong_AsLongLongAndOverflow(x, &ox), b = PyLong_AsLongLongAndOverflow(y, &oy);
-        if (!ox && !oy) {
-            return (a > b) - (a < b);
-        }
-    } else if (PyFloat_CheckExact(x) && PyFloat_CheckExact(y)) {
-        double a = PyFloat_AS_DOUBLE(x), b = PyFloat_AS_DOUBLE(y);
-        if (a == b) {
-            return 0;
-        }
-        if (a < b || b < a) {
-            return a < b ? -1 : 1;
-        }
-    }
-    int eq = PyObject_RichCompareBool(x, y, Py_EQ);
-    if (eq != 0) {
-        return eq < 0 ? -2 : 0;
-    }
-    int lt = PyObject_RichCompareBool(x, y, Py_LT);
-    return lt < 0 ? -2 : (lt ? -1 : 1);
-}
-
-static int key_cmp(PyObject *x, PyObject *y) {
-    if (!PyTuple_CheckExact(x) || !PyTuple_CheckExact(y)) {
-        return obj_cmp(x, y);
-    }
-    Py_ssize_t nx = PyTuple_GET_SIZE(x), ny = PyTuple_GET_SIZE(y);
-    for (Py_ssize_t i = 0; i < nx && i < ny; i++) {
-        int c = obj_cmp(PyTuple_GET_ITEM(x, i), PyTuple_GET_ITEM(y, i));
-        if (c != 0) {
-            return c;
-        }
-    }
-    return (nx > ny) - (nx < ny);
-}
-
-/* entry a < entry b: 1, 0, -1 on error (entries are (key, id, seq, node) tuples) */
-static int entry_lt(PyObject *a, PyObject *b) {
-    if (!PyTuple_CheckExact(a) || !PyTuple_CheckExact(b) || PyTuple_GET_SIZE(a) < 3 || PyTuple_GET_SIZE(b) < 3) {
-        return PyObject_RichCompareBool(a, b, Py_LT);
-    }
-    Py_INCREF(a);
-    Py_INCREF(b);
-    int c = 0;
-    for (Py_ssize_t i = 0; i < 3 && c == 0; i++) {
-        c = (i == 0 ? key_cmp : obj_cmp)(PyTuple_GET_ITEM(a, i), PyTuple_GET_ITEM(b, i));
-    }
-    int lt = c == -2 ? -1 : c < 0;
-    if (c == 0) {  /* two entries of one node, one key, one seq: never in one heap, but stay exact */
-        lt = PyObject_RichCompareBool(a, b, Py_LT);
-    }
-    Py_DECREF(a);
-    Py_DECREF(b);
-    return lt;
-}
-
-/* a comparison ran Python code that changed the heap: refuse, as heapq does */
-static int heap_changed(PyObject *heap, Py_ssize_t size) {
-    if (PyList_GET_SIZE(heap) != size) {
-        PyErr_SetString(PyExc_RuntimeError, "eviction heap changed size during a comparison");
-        return 1;
-    }
-    return 0;
-}
-
-/* heapq._siftdown: the entry at pos moves toward the root (startpos) */
-static int sift_root(PyObject *heap, Py_ssize_t startpos, Py_ssize_t pos) {
-    Py_ssize_t size = PyList_GET_SIZE(heap);
-    while (pos > startpos) {
-        Py_ssize_t parentpos = (pos - 1) >> 1;
-        PyObject **arr = ((PyListObject *)heap)->ob_item;
-        int lt = entry_lt(arr[pos], arr[parentpos]);
-        if (lt < 0 || heap_changed(heap, size)) {
-            return -1;
-        }
-        if (!lt) {
-            break;
-        }
-        arr = ((PyListObject *)heap)->ob_item;
-        PyObject *tmp = arr[parentpos];
-        arr[parentpos] = arr[pos];
-        arr[pos] = tmp;
-        pos = parentpos;
-    }
-    return 0;
-}
-
-/* heapq._siftup: the smaller child rises until a leaf is reached, then that leaf's entry sifts back */
-static int sift_leaf(PyObject *heap, Py_ssize_t pos) {
-    Py_ssize_t endpos = PyList_GET_SIZE(heap), startpos = pos, limit = endpos >> 1;
-    while (pos < limit) {
-        Py_ssize_t childpos = 2 * pos + 1;
-        if (childpos + 1 < endpos) {
-            PyObject **arr = ((PyListObject *)heap)->ob_item;
-            int lt = entry_lt(arr[childpos], arr[childpos + 1]);
-            if (lt < 0 || heap_changed(heap, endpos)) {
-                return -1;
-            }
-            childpos += lt ^ 1;
-        }
-        PyObject **arr = ((PyListObject *)heap)->ob_item;
-        PyObject *tmp = arr[childpos];
-        arr[childpos] = arr[pos];
-        arr[pos] = tmp;
-        pos = childpos;
-    }
-    return sift_root(heap, startpos, pos);
-}
-
-static int heap_push(PyObject *heap, PyObject *entry) {
-    if (PyList_Append(heap, entry) < 0) {
-        return -1;
-    }
-    return sift_root(heap, 0, PyList_GET_SIZE(heap) - 1);
-}
-
-/* smallest entry (new reference); NULL without an error when the heap is empty */
-static PyObject *heap_pop(PyObject *heap) {
-    Py_ssize_t n = PyList_GET_SIZE(heap);
-    if (n == 0) {
-        return NULL;
-    }
-    PyObject *last = Py_NewRef(PyList_GET_ITEM(heap, n - 1));
-    if (PyList_SetSlice(heap, n - 1, n, NULL) < 0) {
-        Py_DECREF(last);
-        return NULL;
-    }
-    if (n == 1) {
-        return last;
-    }
-    PyObject *top = PyList_GET_ITEM(heap, 0);  /* its reference moves to the caller */
-    PyList_SET_ITEM(heap, 0, last);
-    if (sift_leaf(heap, 0) < 0) {
-        Py_DECREF(top);
-        return NULL;
-    }
-    return top;
-}
-
 typedef struct {
     PyObject *root, *heap, *live, *changed, *seqs, *key_of, *on_evict;
     Py_ssize_t key_slots[4], num_key_slots;  /* key_of given as slot names: the key is those slots */
-    PyObject *device, *host, *host_changed;  /* the tree's frontier sets (changed is device_changed) */
+    PyObject *device, *host, *host_changed;  /* the tree's frontier sets, None when untracked (changed is
+                                                * device_changed, tracked: the heap reads it) */
     Py_ssize_t page_size, evicted_tokens;
     PyObject *nodes, *values;
 } EvictCtx;
+
+/* set.add / set.discard on a frontier set of the tree, nothing when it is None (nobody reads it yet:
+ * tierkv/radix_frontiers.py) */
+static int frontier_add(PyObject *set, PyObject *node) {
+    return set == Py_None ? 0 : PySet_Add(set, node);
+}
+
+static int frontier_discard(PyObject *set, PyObject *node) {
+    return set == Py_None ? 0 : PySet_Discard(set, node);
+}
 
 /* RadixTree.is_device_leaf: 1, 0, or -1 on error */
 static int is_device_leaf(PyObject *n, PyObject *root) {
@@ -309,7 +172,7 @@ static int push_node(EvictCtx *c, PyObject *node, PyObject *key) {
     int rc = -1;
     if (seq != NULL && PyDict_SetItem(c->live, SLOT(node, id), seq) == 0
         && (entry = PyTuple_Pack(4, key, SLOT(node, id), seq, node)) != NULL) {
-        rc = heap_push(c->heap, entry);
+        rc = tierkv_heap_push(c->heap, entry);
     } else if (seq == NULL && !PyErr_Occurred()) {
         PyErr_SetString(PyExc_RuntimeError, "eviction heap sequence exhausted");
     }
@@ -376,6 +239,28 @@ static int report(EvictCtx *c, PyObject *node, PyObject *removed) {
     return r == NULL ? -1 : 0;
 }
 
+/* Delete ``node`` from its parent's children. Why by identity: its child key reads the first page of
+ * the node's key, a cache miss per evicted node (~15 % of the loop on chat keys); a parent's few
+ * children are scanned for the node instead, and only a parent with many is looked up by key. */
+static int unlink_child(EvictCtx *c, PyObject *parent, PyObject *node) {
+    PyObject *children = SLOT(parent, children), *k, *v;
+    Py_ssize_t pos = 0;
+    if (PyDict_GET_SIZE(children) <= SCAN_CHILDREN) {
+        while (PyDict_Next(children, &pos, &k, &v)) {
+            if (v == node) {
+                Py_INCREF(k);  /* the dict drops its reference while deleting */
+                int rc = PyDict_DelItem(children, k);
+                Py_DECREF(k);
+                return rc;
+            }
+        }
+    }
+    PyObject *ck = child_key(c, node);  /* not found: the lookup by key raises the KeyError */
+    int rc = ck == NULL ? -1 : PyDict_DelItem(children, ck);
+    Py_XDECREF(ck);
+    return rc;
+}
+
 /* clear_device_value(node), then remove_leaf(node) when no tier holds it; ``node`` is a candidate */
 static int evict_one(EvictCtx *c, PyObject *node, Py_ssize_t *freed) {
     Py_ssize_t num_tokens = PyObject_Size(SLOT(node, key));
@@ -386,14 +271,12 @@ static int evict_one(EvictCtx *c, PyObject *node, Py_ssize_t *freed) {
     c->evicted_tokens += num_tokens;
     *freed += num_tokens;
     PyObject *parent = SLOT(node, parent);
-    if (PySet_Add(c->host_changed, node) < 0) {
-        return -1;
-    }
-    if (parent != Py_None && (PySet_Add(c->device, parent) < 0 || PySet_Add(c->changed, parent) < 0)) {
+    if (parent != Py_None && (frontier_add(c->device, parent) < 0 || PySet_Add(c->changed, parent) < 0)) {
         return -1;
     }
     if (SLOT(node, host_value) != Py_None || PyDict_GET_SIZE(SLOT(node, children)) != 0) {
-        return report(c, node, Py_False);
+        /* kept, host-only: the host tier's heap ranks it again (removed nodes leave that set at once) */
+        return frontier_add(c->host_changed, node) < 0 ? -1 : report(c, node, Py_False);
     }
     int held = PyObject_IsTrue(SLOT(node, host_ref));
     if (held) {
@@ -402,15 +285,9 @@ static int evict_one(EvictCtx *c, PyObject *node, Py_ssize_t *freed) {
         }
         return -1;
     }
-    PyObject *ck = child_key(c, node);
-    if (ck == NULL || check_node(parent) < 0) {
-        Py_XDECREF(ck);
-        return -1;
-    }
-    int rc = PyDict_DelItem(SLOT(parent, children), ck);
-    Py_DECREF(ck);
-    if (rc < 0 || PySet_Discard(c->device, node) < 0 || PySet_Discard(c->host, node) < 0
-        || PySet_Discard(c->changed, node) < 0 || PySet_Discard(c->host_changed, node) < 0) {
+    if (check_node(parent) < 0 || unlink_child(c, parent, node) < 0
+        || frontier_discard(c->device, node) < 0 || frontier_discard(c->host, node) < 0
+        || PySet_Discard(c->changed, node) < 0 || frontier_discard(c->host_changed, node) < 0) {
         return -1;
     }
     return report(c, node, Py_True);
@@ -419,7 +296,7 @@ static int evict_one(EvictCtx *c, PyObject *node, Py_ssize_t *freed) {
 /* The next victim popped from the heap (new reference), NULL with no error when the heap is empty. */
 static PyObject *pop_victim(EvictCtx *c, int recheck) {
     while (PyList_GET_SIZE(c->heap) > 0) {
-        PyObject *entry = heap_pop(c->heap);
+        PyObject *entry = tierkv_heap_pop(c->heap);
         if (entry == NULL) {
             return NULL;
         }
@@ -442,7 +319,8 @@ static PyObject *pop_victim(EvictCtx *c, int recheck) {
         }
         if (cand && recheck) {  /* the key rose since the push: take its place again */
             PyObject *now = rank(c, node);
-            int same = now == NULL ? -1 : PyObject_RichCompareBool(now, key, Py_EQ);
+            int cmp = now == NULL ? -2 : tierkv_key_cmp(now, key);
+            int same = cmp == -2 ? -1 : cmp == 0;
             if (same < 0) {
                 Py_XDECREF(now);
                 Py_DECREF(entry);
@@ -487,8 +365,8 @@ static PyObject *parent_next(EvictCtx *c, PyObject *node) {
     int first = 1;
     if (PyList_GET_SIZE(c->heap) > 0) {
         PyObject *top = Py_NewRef(PyList_GET_ITEM(c->heap, 0));  /* (key, id) first when equal to it */
-        int cmp = key_cmp(key, PyTuple_GET_ITEM(top, 0));
-        cmp = cmp == 0 ? obj_cmp(SLOT(parent, id), PyTuple_GET_ITEM(top, 1)) : cmp;
+        int cmp = tierkv_key_cmp(key, PyTuple_GET_ITEM(top, 0));
+        cmp = cmp == 0 ? tierkv_obj_cmp(SLOT(parent, id), PyTuple_GET_ITEM(top, 1)) : cmp;
         first = cmp == -2 ? -1 : cmp <= 0;
         Py_DECREF(top);
     }
@@ -501,11 +379,10 @@ static PyObject *parent_next(EvictCtx *c, PyObject *node) {
         return NULL;
     }
     Py_DECREF(key);
-    if (PyDict_DelItem(c->live, SLOT(parent, id)) < 0) {  /* an older entry of it, now stale */
-        if (!PyErr_ExceptionMatches(PyExc_KeyError)) {
-            return NULL;
-        }
-        PyErr_Clear();
+    int stale = PyDict_Contains(c->live, SLOT(parent, id));  /* an older entry of it: drop it (no KeyError
+                                                                  raised and cleared per victim) */
+    if (stale < 0 || (stale && PyDict_DelItem(c->live, SLOT(parent, id)) < 0)) {
+        return NULL;
     }
     return Py_NewRef(parent);
 }
@@ -569,8 +446,9 @@ PyObject *tierkv_evict_device(PyObject *self, PyObject *const *args, Py_ssize_t 
         || ((c.page_size = PyLong_AsSsize_t(page)) == -1 && PyErr_Occurred())) {
         goto done;
     }
-    if (!PySet_CheckExact(c.device) || !PySet_CheckExact(c.host) || !PySet_CheckExact(c.host_changed)) {
-        PyErr_SetString(PyExc_TypeError, "tree frontiers are not sets");
+    if ((c.device != Py_None && !PySet_CheckExact(c.device)) || (c.host != Py_None && !PySet_CheckExact(c.host))
+        || (c.host_changed != Py_None && !PySet_CheckExact(c.host_changed))) {
+        PyErr_SetString(PyExc_TypeError, "tree frontiers are not sets or None");
         goto done;
     }
     int rc = evict_loop(&c, num_tokens, recheck);

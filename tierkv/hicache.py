@@ -436,7 +436,7 @@ class HiRadixCache(StorageTierMethods):
         evicted_slots = [slots for _, slots in batch.evicted if slots is not None]
         if evicted_slots:
             self.device_pool.free(torch.cat(evicted_slots))
-        self.tree.changed_nodes("device").update(kept)  # candidates again at the next call
+        self.tree.mark_changed("device", kept)  # candidates again at the next call
         self.stats.evicted_device_tokens += freed
         if batch.raised is not None:  # let it through now that no slot is left loose
             raise batch.raised

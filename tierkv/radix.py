@@ -21,30 +21,12 @@ from __future__ import annotations
 import itertools
 from array import array
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Iterator
+from typing import Any, Callable, Hashable, Iterable, Iterator
 
+from tierkv.radix_frontiers import Frontiers
 from tierkv.radix_key import RadixKey, load_native
 
 _node_ids = itertools.count(1)
-
-
-class _Frontiers:
-    """Per tree: nodes that may be leaves of the device / host subtrees, so eviction need not scan.
-
-    ``device`` and ``host`` are supersets of the leaves: a node is added whenever it may have become a
-    leaf (it got a value, or a child lost one) and dropped lazily once seen not to be a leaf any more.
-    ``device_changed`` and ``host_changed`` hold the nodes whose eviction candidacy or key may have
-    changed since an :class:`tierkv.eviction.heap.EvictionHeap` last drained them: those events plus
-    touches, unlocks and (exclusive tiers rank by it) the other tier's value coming or going.
-    """
-
-    __slots__ = ("device", "host", "device_changed", "host_changed")
-
-    def __init__(self) -> None:
-        self.device: set[TreeNode] = set()
-        self.host: set[TreeNode] = set()
-        self.device_changed: set[TreeNode] = set()
-        self.host_changed: set[TreeNode] = set()
 
 
 class TreeNode:
@@ -65,7 +47,7 @@ class TreeNode:
         self.key = key
         self.extra_key = extra_key
         self.parent = parent
-        self._frontiers = parent._frontiers if parent is not None else _Frontiers()
+        self._frontiers = parent._frontiers if parent is not None else Frontiers()
         self.children: dict[Hashable, TreeNode] = {}
         self._device_value: Any = None
         self._host_value: Any = None
@@ -85,14 +67,7 @@ class TreeNode:
     @device_value.setter
     def device_value(self, value: Any) -> None:
         self._device_value = value
-        frontiers = self._frontiers
-        frontiers.host_changed.add(self)
-        if value is not None:
-            frontiers.device.add(self)
-            frontiers.device_changed.add(self)
-        elif self.parent is not None:
-            frontiers.device.add(self.parent)  # it may have lost its last device child
-            frontiers.device_changed.add(self.parent)
+        self._frontiers.value_changed(self, value is not None, device=True)
 
     @property
     def host_value(self) -> Any:
@@ -101,14 +76,7 @@ class TreeNode:
     @host_value.setter
     def host_value(self, value: Any) -> None:
         self._host_value = value
-        frontiers = self._frontiers
-        frontiers.device_changed.add(self)
-        if value is not None:
-            frontiers.host.add(self)
-            frontiers.host_changed.add(self)
-        elif self.parent is not None:
-            frontiers.host.add(self.parent)  # it may have lost its last host child
-            frontiers.host_changed.add(self.parent)
+        self._frontiers.value_changed(self, value is not None, device=False)
 
     @property
     def evicted(self) -> bool:
@@ -287,8 +255,7 @@ class RadixTree:
             path.append(child)
             node, pos = child, pos + n
         if tick is not None:  # touched: an eviction heap re-ranks them
-            self.root._frontiers.device_changed.update(path)
-            self.root._frontiers.host_changed.update(path)
+            self.root._frontiers.touched(path)
         return MatchPath(path, pos)
 
     def insert(self, key: RadixKey, value: Any, priority: int = 0) -> InsertResult:
@@ -333,9 +300,7 @@ class RadixTree:
             self._attach(leaf, value[pos:num_elems] if pos or num_values > num_elems else value)  # one slice
             result.new_node = leaf
             path.append(leaf)
-        frontiers = self.root._frontiers  # touched: re-ranked by eviction heaps
-        frontiers.device_changed.update(path)
-        frontiers.host_changed.update(path)
+        self.root._frontiers.touched(path)  # re-ranked by eviction heaps
         return result
 
     def _leaf_key(self, elems: Any, start: int, end: int) -> Any:
@@ -452,8 +417,7 @@ class RadixTree:
                 if node.device_value is not None:
                     self.protected_size -= len(node.key)
                     self.evictable_size += len(node.key)
-                node._frontiers.device_changed.add(node)
-                node._frontiers.host_changed.add(node)
+                node._frontiers.touched((node,))
             node.lock_ref -= 1
             node = node.parent
 
@@ -468,7 +432,7 @@ class RadixTree:
         while node is not self.root and node is not None:
             if node.host_ref <= 0:
                 raise RuntimeError(f"dec_host_ref on unprotected node {node.id}")
-            if node.host_ref == 1:
+            if node.host_ref == 1 and node._frontiers.host_changed is not None:
                 node._frontiers.host_changed.add(node)
             node.host_ref -= 1
             node = node.parent
@@ -482,7 +446,8 @@ class RadixTree:
         del node.parent.children[self.child_key(node.key, node.extra_key)]
         frontiers = node._frontiers
         for nodes in (frontiers.device, frontiers.host, frontiers.device_changed, frontiers.host_changed):
-            nodes.discard(node)
+            if nodes is not None:
+                nodes.discard(node)
 
     # ---- traversal ----------------------------------------------------------------------------------
     def nodes(self) -> Iterator[TreeNode]:
@@ -495,13 +460,13 @@ class RadixTree:
 
     def device_leaves(self) -> list[TreeNode]:
         """Unlocked nodes with device slots and no child holding device slots: the L1 eviction frontier."""
-        frontier = self.root._frontiers.device
+        frontier = self._tracked("device")
         frontier.difference_update([n for n in frontier if not _is_device_leaf_node(n)])
         return [n for n in frontier if n.lock_ref == 0]
 
     def host_leaves(self) -> list[TreeNode]:
         """Nodes with host slots, no host_ref, and no child holding host slots: the L2 eviction frontier."""
-        frontier = self.root._frontiers.host
+        frontier = self._tracked("host")
         frontier.difference_update([n for n in frontier if not _is_host_leaf_node(n)])
         # what is_host_leaf adds for a node already known to be a host leaf (one pass: this runs on
         # every L2 eviction over the whole frontier)
@@ -541,14 +506,24 @@ class RadixTree:
 
     def reset(self) -> None:
         self.root.children.clear()
-        self.root._frontiers = _Frontiers()  # a new object: eviction heaps see the reset and start over
+        self.root._frontiers = Frontiers()  # a new object: eviction heaps see the reset and start over
         self.evictable_size = self.protected_size = 0
 
     def changed_nodes(self, tier: str) -> set[TreeNode]:
         """Nodes whose eviction candidacy or rank in ``tier`` ("device" or "host") may have changed since
-        the set was last cleared; its one consumer (an eviction heap) clears it. See :class:`_Frontiers`."""
-        frontiers = self.root._frontiers
-        return frontiers.device_changed if tier == "device" else frontiers.host_changed
+        the set was last cleared; its one consumer (an eviction heap) clears it. The first call starts the
+        tracking (see :class:`~tierkv.radix_frontiers.Frontiers`): an eviction heap asks when it is made."""
+        return self._tracked(f"{tier}_changed")
+
+    def mark_changed(self, tier: str, nodes: Iterable[TreeNode]) -> None:
+        """Have ``tier``'s eviction heap rank ``nodes`` again at its next call: for a caller that was
+        handed victims and kept them. Lock contract: takes no lock."""
+        changed = self._tracked(f"{tier}_changed")
+        changed.update(nodes)
+
+    def _tracked(self, name: str) -> set[TreeNode]:
+        """The set ``name`` of the tree's :class:`~tierkv.radix_frontiers.Frontiers`, tracked from now on."""
+        return self.root._frontiers.tracked(name, self.nodes)
 
     # ---- integrity ----------------------------------------------------------------------------------
     def check_integrity(self) -> None:
@@ -557,9 +532,9 @@ class RadixTree:
         frontiers = self.root._frontiers
         for node in self.nodes():
             _check(node._frontiers is frontiers, node, "belongs to another tree's frontiers")
-            if _is_leaf(node, "_device_value"):
+            if frontiers.device is not None and _is_leaf(node, "_device_value"):
                 _check(node in frontiers.device, node, "device leaf missing from the eviction frontier")
-            if _is_leaf(node, "_host_value"):
+            if frontiers.host is not None and _is_leaf(node, "_host_value"):
                 _check(node in frontiers.host, node, "host leaf missing from the eviction frontier")
             _check(len(node.key) > 0 and len(node.key) % self.page_size == 0, node, "key not page-aligned")
             _check(node.parent.children.get(self.child_key(node.key, node.extra_key)) is node, node,

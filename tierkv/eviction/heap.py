@@ -46,6 +46,7 @@ class EvictionHeap:
         self._is_candidate = tree.is_device_leaf if tier == "device" else tree.is_host_leaf
         self._frontier = tree.device_leaves if tier == "device" else tree.host_leaves
         self._changed: set | None = None
+        tree.changed_nodes(tier)  # the tree tracks changes for this tier from now on
         self._heap: list[tuple] = []
         self._live: dict[int, int] = {}  # node id -> sequence number of its one valid entry
         self._seq = itertools.count()

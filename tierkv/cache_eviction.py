@@ -1,0 +1,153 @@
+"""The eviction half of :class:`tierkv.hicache.HiRadixCache`: L1 eviction (with write-back or exclusive
+demotion to L2) and L2 eviction. A mixin, as the L3 methods are: it reads the cache's tree, pools,
+policy, heaps, transfer controller and stats, and is not used on its own.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tierkv.cache_records import _WriteBackBatch
+from tierkv.eviction.tiers import drop_host_subtree
+from tierkv.radix import TreeNode
+
+
+class EvictionMethods:
+    """evict / evict_host and their write-back helpers; see the methods for lock contracts."""
+
+    def evict(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` L1 slots if that many are evictable; returns the number freed (with
+        ``split_victims``, the default, the last victim gives only the whole pages still needed).
+
+        Backed-up nodes drop their device slots and stay host-only; others are deleted with their
+        host-only descendants (no path to them is left), or under write_back copied to L2 first (the
+        node alone, as HiCache does: an ancestor is copied when evicted in turn; one batch copy, waited
+        for). Lock contract: skips locked nodes, and nodes without an L2 copy whose host-only
+        descendants are protected (host_ref: an L3 backup or prefetch reads them).
+        """
+        freed, batch, kept = 0, _WriteBackBatch(), []
+        write_back = self.config.writes_on_evict and self.transfer is not None
+        for node in self._device_heap.victims() if num_tokens > 0 else ():
+            self._split_victim(node, num_tokens - freed)
+            if write_back and node.host_value is None and self._admit(node):
+                self._reserve_write_back(node, batch)
+            if node.host_value is None and node.host_ref:
+                kept.append(node)  # deleting it would delete L2 pages in use
+                continue
+            freed += len(node)
+            # freed only after the batch copy: a write-back may still read these slots
+            batch.evicted.append((node, self.tree.clear_device_value(node)))
+            removed = node.host_value is None
+            if removed:
+                self._remove_with_host_subtree(node)
+            self.priority.on_evict(node, removed=removed)
+            if freed >= num_tokens:
+                break
+        freed -= self._finish_write_back(batch)
+        evicted_slots = [slots for _, slots in batch.evicted if slots is not None]
+        if evicted_slots:
+            self.device_pool.free(torch.cat(evicted_slots))
+        self.tree.mark_changed("device", kept)  # candidates again at the next call
+        self.stats.evicted_device_tokens += freed
+        if batch.raised is not None:  # let it through now that no slot is left loose
+            raise batch.raised
+        return freed
+
+    def _split_victim(self, node: TreeNode, num_tokens: int) -> None:
+        """Cut ``node`` so that it keeps only its last ``num_tokens`` (whole pages) when it holds more: the
+        eviction then takes those and the head stays, ranked as before (``split_victims``)."""
+        page = self.config.page_size
+        num_tokens = -(-num_tokens // page) * page
+        if self.config.split_victims and len(node) > num_tokens:
+            self.tree.split(node, len(node) - num_tokens)
+
+    def _remove_with_host_subtree(self, node: TreeNode) -> None:
+        """Delete ``node`` (in neither tier now) and its L2-only descendants, freeing their host slots."""
+        freed = drop_host_subtree(self.tree, node, self.priority)
+        if freed:
+            self.host_pool.free(torch.cat(freed))
+            self.stats.evicted_host_tokens += sum(len(v) for v in freed)
+        self.tree.remove_leaf(node)
+
+    def _reserve_write_back(self, node: TreeNode, batch: "_WriteBackBatch") -> None:
+        """Give ``node`` alone host slots, protected until the batch copy ends: its parent is in L1
+        (an L1 victim is a leaf of the device subtree), so its path stays loadable."""
+        num_tokens = len(node)
+        self.tree.inc_host_ref(node)
+        host_slots = self._alloc_host(num_tokens)
+        if host_slots is None:
+            self.tree.dec_host_ref(node)
+            self.stats.write_skipped_tokens += num_tokens
+            return
+        batch.device_slots.append(node.device_value)
+        batch.host_slots.append(host_slots)
+        node.host_value = host_slots
+        batch.protected.append(node)
+
+    def _finish_write_back(self, batch: "_WriteBackBatch") -> int:
+        """Copy the batch; on failure drop the copies. Returns the device tokens put back into L1."""
+        if not batch.protected:
+            return 0
+        device_slots = torch.cat(batch.device_slots)
+        try:
+            error = self.transfer.write_now(device_slots, torch.cat(batch.host_slots))
+        except BaseException as exc:  # Ctrl-C mid-copy (or bad slots): settled as a failed copy, raised later
+            error = batch.raised = exc
+        for n in batch.protected:
+            self.tree.dec_host_ref(n)
+        if error is None:
+            self.stats.written_tokens += len(device_slots)
+            if self.storage is not None:
+                for n in batch.protected:
+                    self.storage.backup(n)
+            return 0
+        self.stats.failed_copies += 1
+        self.host_pool.free(torch.cat(batch.host_slots))
+        for n in batch.protected:
+            n.host_value = None
+        restored = 0
+        # deepest first, so a node is childless by the time it is removed
+        for n in sorted(batch.protected, key=lambda n: -len(self.tree.path_to_root(n))):
+            if n.device_value is not None:
+                continue  # put back with a deeper node
+            if n.host_ref:  # host-only descendants in use (L3 I/O): keep their path in L1
+                restored += self._put_back(n, batch)
+            else:
+                self._remove_with_host_subtree(n)
+        return restored
+
+    def _put_back(self, node: TreeNode, batch: "_WriteBackBatch") -> int:
+        """Give ``node`` and the ancestors evicted with it their device slots back (not freed yet);
+        returns their tokens. Each such ancestor was evicted after it, in this same batch."""
+        index = {id(n): i for i, (n, _) in enumerate(batch.evicted)}
+        restored = 0
+        while node is not self.tree.root and node.device_value is None:
+            i = index[id(node)]
+            self.tree.set_device_value(node, batch.evicted[i][1])
+            batch.evicted[i] = (node, None)
+            restored += len(node)
+            node = node.parent
+        return restored
+
+    def evict_host(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` L2 slots if possible; returns the number freed (``split_victims``:
+        the last victim gives only the whole pages still needed).
+
+        Host-only leaves are deleted; L1-resident leaves just drop their backup. Lock contract: skips
+        nodes with host_ref (in-flight writes, loads, backups) and locked host-only nodes.
+        """
+        freed, evicted_slots = 0, []
+        for node in self._host_heap.victims() if num_tokens > 0 else ():
+            self._split_victim(node, num_tokens - freed)
+            freed += len(node)
+            evicted_slots.append(node.host_value)
+            node.host_value = None
+            if node.device_value is None:
+                self.tree.remove_leaf(node)
+            self.priority.on_evict(node, removed=node.device_value is None)
+            if freed >= num_tokens:
+                break
+        if evicted_slots:  # one free: each call validates its slots, which dominates for small nodes
+            self.host_pool.free(torch.cat(evicted_slots))
+        self.stats.evicted_host_tokens += freed
+        return freed

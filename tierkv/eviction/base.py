@@ -42,6 +42,8 @@ class Policy:
     static = True
     keys_rise_untouched = True  # subclasses with other keys may read uses; LRU-like ones say False
     element_tokens = 1  # tokens per key element (the page simulator keys by page)
+    # attributes holding per-node state keyed by node id (dicts or sets): a split copies it to the new node
+    per_node_state: tuple[str, ...] = ("_uses",)
 
     def __init__(self) -> None:
         self._uses: dict[int, int] = {}
@@ -66,11 +68,16 @@ class Policy:
         self._uses[node.id] = self._uses.get(node.id, 0) + 1
 
     def on_split(self, top: PolicyNode, bottom: PolicyNode) -> None:
-        """The tree split ``bottom``: ``top`` (new) holds its first tokens and has had the same uses.
-        Subclasses with per-node state copy it to ``top`` and call this too."""
-        uses = self._uses.get(bottom.id)
-        if uses is not None:
-            self._uses[top.id] = uses
+        """The tree split ``bottom``: ``top`` (new) holds its first tokens and has had the same uses, so it
+        gets ``bottom``'s entry in each dict or set named by :attr:`per_node_state`."""
+        for name in self.per_node_state:
+            state = getattr(self, name)
+            if bottom.id not in state:
+                continue
+            if isinstance(state, dict):
+                state[top.id] = state[bottom.id]
+            else:
+                state.add(top.id)
 
     def on_evict(self, node: PolicyNode, removed: bool) -> None:
         """``node`` left a tier; ``removed`` when it left the tree altogether (no tier holds it).

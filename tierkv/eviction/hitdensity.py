@@ -36,6 +36,7 @@ _BIN_WIDTH = [max(1.0, _RATIO ** b - (_RATIO ** (b - 1) if b else 0)) for b in r
 
 class HitDensity(Policy):
     name = "hitdensity"
+    per_node_state = Policy.per_node_state + ("last_use",)
     static = False  # a node's density changes as it ages
 
     def __init__(self, refresh_events: int = 128, decay: float = 0.98, ghost_entries: int = 1 << 16,
@@ -68,11 +69,6 @@ class HitDensity(Policy):
             self._event()
         self.last_use[node.id] = now
         super().on_access(node)
-
-    def on_split(self, top: PolicyNode, bottom: PolicyNode) -> None:
-        if bottom.id in self.last_use:
-            self.last_use[top.id] = self.last_use[bottom.id]
-        super().on_split(top, bottom)
 
     def on_insert(self, node: PolicyNode) -> None:
         ghost = self.ghosts.pop(fingerprint(node, self.element_tokens))

@@ -107,6 +107,7 @@ class S3FIFO(Policy):
     used again, or re-created while its ghost is remembered, belongs to the main queue (LRU order here)."""
 
     name = "s3fifo"
+    per_node_state = Policy.per_node_state + ("returned",)
 
     def __init__(self, ghost_entries: int = 1 << 16) -> None:
         super().__init__()
@@ -121,11 +122,6 @@ class S3FIFO(Policy):
     def on_insert(self, node: PolicyNode) -> None:
         if self.ghosts.pop(fingerprint(node, self.element_tokens)) is not None:
             self.returned.add(node.id)
-
-    def on_split(self, top: PolicyNode, bottom: PolicyNode) -> None:
-        if bottom.id in self.returned:
-            self.returned.add(top.id)
-        super().on_split(top, bottom)
 
     def on_evict(self, node: PolicyNode, removed: bool) -> None:
         if removed:
@@ -142,6 +138,7 @@ class ARC(Policy):
     """
 
     name = "arc"
+    per_node_state = Policy.per_node_state + ("returned",)
     static = False  # the bonus moves, so keys of untouched nodes change
 
     def __init__(self, ghost_entries: int = 1 << 16, step_ticks: int = 16) -> None:
@@ -165,11 +162,6 @@ class ARC(Policy):
         delta = self.step_ticks if was_t2 else -self.step_ticks
         self.t2_bonus = max(0, self.t2_bonus + delta)
 
-    def on_split(self, top: PolicyNode, bottom: PolicyNode) -> None:
-        if bottom.id in self.returned:
-            self.returned.add(top.id)
-        super().on_split(top, bottom)
-
     def on_evict(self, node: PolicyNode, removed: bool) -> None:
         if removed:
             self.ghosts.add(fingerprint(node, self.element_tokens), int(self._in_t2(node)))
@@ -182,6 +174,7 @@ class TinyLFU(Policy):
     orders leaves (fewest first, then LRU) and gates admission to lower tiers (estimate >= 2)."""
 
     name = "tinylfu"
+    per_node_state = Policy.per_node_state + ("remembered",)
 
     def __init__(self, sketch_entries: int = 1 << 16, max_count: int = 15) -> None:
         super().__init__()
@@ -199,11 +192,6 @@ class TinyLFU(Policy):
         past = self.history.pop(fingerprint(node, self.element_tokens))
         if past:
             self.remembered[node.id] = past // 2  # halved: old popularity decays
-
-    def on_split(self, top: PolicyNode, bottom: PolicyNode) -> None:
-        if bottom.id in self.remembered:
-            self.remembered[top.id] = self.remembered[bottom.id]
-        super().on_split(top, bottom)
 
     def on_evict(self, node: PolicyNode, removed: bool) -> None:
         if removed:
@@ -223,6 +211,7 @@ class GDSF(Policy):
     layers', ~32k for an 8B model)."""
 
     name = "gdsf"
+    per_node_state = Policy.per_node_state + ("_base", "_cost")
 
     def __init__(self, attention_tokens: int = 32768) -> None:
         super().__init__()
@@ -248,13 +237,6 @@ class GDSF(Policy):
     def on_access(self, node: PolicyNode) -> None:
         self._base[node.id] = (node.last_access_time, self.clock)
         super().on_access(node)
-
-    def on_split(self, top: PolicyNode, bottom: PolicyNode) -> None:
-        if bottom.id in self._base:
-            self._base[top.id] = self._base[bottom.id]
-        if bottom.id in self._cost:
-            self._cost[top.id] = self._cost[bottom.id]
-        super().on_split(top, bottom)
 
     def h(self, node: PolicyNode) -> float:
         tick, base = self._base.get(node.id, (None, 0.0))

@@ -122,6 +122,22 @@ def backup_worth_writing(estimates: CostEstimates | None, start_tokens: int, num
     return estimates.backup_gain_s(start_tokens, num_pages, page_size) > 0
 
 
+class _Probe:
+    """Refusals since the last probe: every ``every``-th refusal is made anyway, so a cost that changed
+    is noticed. The caller holds the model's lock."""
+
+    def __init__(self, every: int) -> None:
+        self.every, self.since = every, 0
+
+    def due(self) -> bool:
+        """Count one refusal; True (and start counting again) when this one is the probe."""
+        self.since += 1
+        if self.since < self.every:
+            return False
+        self.since = 0
+        return True
+
+
 class CostModel:
     """Running estimates (see the module docstring) and the fetch decisions made from them."""
 
@@ -140,15 +156,17 @@ class CostModel:
         self.load_s_per_token = 0.0
         self.l3_samples = 0  # get batches measured
         self._exists_samples = self._load_samples = 0
-        self.skipped_since_probe = 0
+        self._fetch_probe = _Probe(PROBE_EVERY)
         self.skipped_fetches = 0
         self.l3_hit_fraction = 1.0  # of the pages a lookup asks, those found usable (optimistic until measured)
-        self.skipped_lookups = self._lookups_since_probe = 0
+        self.skipped_lookups = 0
+        self._lookup_probe = _Probe(LOOKUP_PROBE_EVERY)
         self.l3_write_s_per_page = 0.0
         self._write_samples = 0
         # decayed pages read from L3 and written to it; their ratio is the read-back fraction
         self._read_back_pages = self._written_pages = float(READ_BACK_PRIOR_PAGES)
-        self.skipped_backups = self._backups_since_probe = 0
+        self.skipped_backups = 0
+        self._backup_probe = _Probe(BACKUP_PROBE_EVERY)
 
     # ---- observations ----------------------------------------------------------------------------
     def observe_prefill(self, step_s: float, num_tokens: int, token_pairs: float) -> None:
@@ -186,7 +204,7 @@ class CostModel:
             page_s = max(0.0, call_s - self.l3_call_s) / num_pages
             self.l3_page_s = _ewma(self.l3_page_s, page_s, self.l3_samples == 0)
             self.l3_samples += 1
-            self.skipped_since_probe = 0
+            self._fetch_probe.since = 0
             self._read_back_pages += num_pages
 
     def observe_l3_write(self, cpu_s: float, num_pages: int) -> None:
@@ -236,9 +254,7 @@ class CostModel:
             return pages
         with self._lock:
             self.skipped_fetches += 1
-            self.skipped_since_probe += 1
-            if self.skipped_since_probe >= PROBE_EVERY:
-                self.skipped_since_probe = 0
+            if self._fetch_probe.due():
                 return found_pages
         return pages
 
@@ -263,9 +279,7 @@ class CostModel:
         with self._lock:
             if self.l3_hit_fraction * full_hit_gain_s > estimates.l3_call_s:
                 return True
-            self._lookups_since_probe += 1
-            if self._lookups_since_probe >= LOOKUP_PROBE_EVERY:
-                self._lookups_since_probe = 0
+            if self._lookup_probe.due():
                 return True
             self.skipped_lookups += 1
         return False
@@ -281,9 +295,7 @@ class CostModel:
             return num_pages
         with self._lock:
             self.skipped_backups += 1
-            self._backups_since_probe += 1
-            if self._backups_since_probe >= BACKUP_PROBE_EVERY:
-                self._backups_since_probe = 0
+            if self._backup_probe.due():
                 return min(num_pages, self.batch_pages)
         return 0
 

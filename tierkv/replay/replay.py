@@ -60,6 +60,7 @@ class ReplayConfig:
     tier_mode: str = "inclusive"
     l2_admission: bool = False
     split_victims: bool = True  # CacheConfig.split_victims
+    load_chunk_tokens: int = 1024  # CacheConfig.load_chunk_tokens
     l3_tokens: int | None = None  # a bounded L3's capacity, for MIN's bound (None: unbounded)
 
     def __post_init__(self) -> None:
@@ -80,7 +81,8 @@ class ReplayConfig:
         return CacheConfig(page_size=self.page_size, eviction_policy=self.eviction_policy,
                            write_policy=self.write_policy, load_back_threshold=self.load_back_threshold,
                            enable_host=self.l2_tokens is not None, tier_mode=self.tier_mode,
-                           l2_admission=self.l2_admission, split_victims=self.split_victims)
+                           l2_admission=self.l2_admission, split_victims=self.split_victims,
+                           load_chunk_tokens=self.load_chunk_tokens)
 
     @property
     def total_tokens(self) -> int:
@@ -162,7 +164,7 @@ class TraceReplayer:
             match, l3_tokens = self.storage.prefetch(req.index, key, match)
         load = cache.init_load_back(match.last_host_node)
         prefix, last_node = match.device_indices, match.last_device_node
-        if load.pending is not None and load.pending.wait():
+        if load.loaded_tokens and (load.pending is None or load.pending.wait()):
             hits.l2, hits.l3 = load.loaded_tokens - l3_tokens, l3_tokens
             prefix, last_node = load.device_indices, load.last_node
         # a failed load's slots are dropped by the next step; its tokens are recomputed

@@ -115,3 +115,39 @@ def test_an_interrupted_chunk_propagates_without_a_leaked_slot_or_lock(caches, m
 def test_load_chunk_tokens_rejects_bad_values(bad):
     with pytest.raises(ValueError, match="load_chunk_tokens"):
         CacheConfig(load_chunk_tokens=bad)
+
+
+def test_replay_with_failing_chunks_serves_exact_kv_and_counts_each_tier(tmp_path, monkeypatch):
+    """The whole path end to end (exclusive tiers, file L3, KV verified per request): every other chunk
+    copy fails, so loads are cut short; what is served is still exact, and a short load's L2 and L3
+    hits add up to what it loaded (L3's tokens end the host path)."""
+    from tests.test_replay import FIXTURE
+    from tierkv.replay.replay import ReplayConfig, TraceReplayer
+    from tierkv.replay.trace import load_trace
+
+    config = ReplayConfig(l1_tokens=6_144, l2_tokens=16_384, l3=f"file:{tmp_path}", verify=True,
+                          tier_mode="exclusive", load_chunk_tokens=512)
+    replayer = TraceReplayer(config)
+    copy = replayer.cache.transfer._cpu_copies["load"]
+    calls = []
+    run_now = copy.run_now
+
+    def fail_every_other(*args):
+        calls.append(args)
+        if len(calls) % 2 == 0:
+            raise RuntimeError("copy engine reset")
+        return run_now(*args)
+
+    monkeypatch.setattr(copy, "run_now", fail_every_other)
+    loads_now = []
+    load_now = replayer.cache.transfer.load_now
+    monkeypatch.setattr(replayer.cache.transfer, "load_now", lambda *a: loads_now.append(1) or load_now(*a))
+    try:
+        for req in load_trace(FIXTURE).requests[:120]:
+            hits = replayer.serve(req)  # verify=True: wrong KV in a served prefix raises
+            assert hits.l2 >= 0 and hits.l3 >= 0
+            replayer.cache.check_integrity()
+            assert replayer.cache.protected_size == 0
+    finally:
+        replayer.finish()
+    assert loads_now and replayer.cache.stats.failed_copies > 0  # chunks ran, and some failed

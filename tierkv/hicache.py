@@ -378,15 +378,7 @@ class HiRadixCache(StorageTierMethods, EvictionMethods):
             self.tree.dec_lock_ref(last_node)
             return LoadResult(self._path_indices(device_part), last_device)
         chunks = self._load_chunks(host_only, num_tokens)
-        loaded: list[TreeNode] = []
-        try:
-            for chunk in chunks[:-1]:
-                if not self._load_now(chunk):
-                    break  # a chunk that did not load ends the load: the path beyond it stays in L2
-                loaded += chunk
-        except BaseException:  # an interrupted chunk copy: its slots are settled, the lock is ours
-            self.tree.dec_lock_ref(last_node)
-            raise
+        loaded = self._load_leading_chunks(chunks, last_node)
         rest = chunks[-1]
         num_rest = sum(len(n) for n in rest)
         all_chunks_loaded = len(loaded) == sum(map(len, chunks[:-1]))
@@ -425,6 +417,21 @@ class HiRadixCache(StorageTierMethods, EvictionMethods):
         if l1_short <= self.host_pool.num_free_slots:
             return [host_only]
         return chunk_path(self.tree, host_only, chunk_tokens)
+
+    def _load_leading_chunks(self, chunks: list[list[TreeNode]], last_node: TreeNode) -> list[TreeNode]:
+        """Load every chunk but the last, one after another; the nodes loaded. A chunk that does not
+        load ends it (the path beyond stays in L2). Lock contract: the caller's lock on ``last_node``
+        is released here only if a chunk's copy is interrupted (which propagates)."""
+        loaded: list[TreeNode] = []
+        try:
+            for chunk in chunks[:-1]:
+                if not self._load_now(chunk):
+                    break
+                loaded += chunk
+        except BaseException:  # its slots are settled by _load_now; the lock is the caller's
+            self.tree.dec_lock_ref(last_node)
+            raise
+        return loaded
 
     def _load_now(self, chunk: list[TreeNode]) -> bool:
         """Copy one chunk of a load back into L1 and wait, then promote it (its L2 slots are freed);

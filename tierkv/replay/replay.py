@@ -165,7 +165,9 @@ class TraceReplayer:
         load = cache.init_load_back(match.last_host_node)
         prefix, last_node = match.device_indices, match.last_device_node
         if load.loaded_tokens and (load.pending is None or load.pending.wait()):
-            hits.l2, hits.l3 = load.loaded_tokens - l3_tokens, l3_tokens
+            # L3's tokens end the host path: a load cut short (chunks, exclusive tiers) loads L2's first
+            hits.l3 = max(0, load.loaded_tokens - (match.host_hit_length - l3_tokens))
+            hits.l2 = load.loaded_tokens - hits.l3
             prefix, last_node = load.device_indices, load.last_node
         # a failed load's slots are dropped by the next step; its tokens are recomputed
         if self.config.verify:

@@ -270,6 +270,8 @@ def test_non_contiguous_and_off_cpu_tensors_are_refused(backend):
                 torch.zeros(PAGE_NBYTES, dtype=torch.int8)]:
         with pytest.raises(ValueError, match="contiguous uint8 on cpu"):
             store.batch_set(make_keys(1), [bad])
+    with pytest.raises(TypeError, match="torch.Tensor, got ndarray"):  # was an AttributeError
+        store.batch_set(make_keys(1), [make_pages(1)[0].numpy()])
     assert store.batch_exists(make_keys(1)) == 0
 
 

@@ -204,9 +204,11 @@ def page_view(page: torch.Tensor, page_nbytes: int) -> memoryview:
 
     Checked on the numpy view (which only a CPU tensor has): torch's own attribute checks cost ~5 us a
     page, as much as the header and the key together."""
+    if not isinstance(page, torch.Tensor):
+        raise TypeError(f"page must be a torch.Tensor, got {type(page).__name__}")
     try:
         array = page.numpy()
-    except (TypeError, RuntimeError, AttributeError):
+    except (TypeError, RuntimeError):
         array = None
     if array is None or array.dtype != np.uint8 or not array.flags.c_contiguous:
         raise ValueError(f"page tensor must be contiguous uint8 on cpu, got {page.dtype} on "

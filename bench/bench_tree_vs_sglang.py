@@ -141,7 +141,7 @@ class TierkvSide:
         return self.tree.evictable_size + self.tree.protected_size
 
     def evict(self, num_tokens: int) -> None:
-        _, _, values = self.heap.evict_device(num_tokens)
+        _, _, values = self.heap.evict_device(num_tokens, keep_nodes=False)
         free = self.allocator.free_segment
         for value in values:  # as SGLang's evict does: each node's slots back to the allocator
             free(value)

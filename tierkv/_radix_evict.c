@@ -74,8 +74,22 @@ static int check_node(PyObject *node) {
     return 0;
 }
 
+/* Where a scan of a parent's children last found one holding device slots: the next scan starts there.
+ * Why: evicting in LRU order deletes a parent's oldest children first, and a dict keeps deleted entries
+ * (as holes) in front of the live ones, so scans from the start cost O(children) each, O(children^2)
+ * for a parent (a shared system prompt) that loses them one by one. Only a hint: a scan that finds
+ * nothing from it wraps round to the start, so a stale one (a dict resized, freed, reused) costs time,
+ * never a wrong answer. */
+#define SCAN_HINTS 64
+
+typedef struct {
+    PyObject *dict;  /* compared, never dereferenced: it may be gone */
+    Py_ssize_t pos;
+} ScanHint;
+
 typedef struct {
     PyObject *root, *heap, *live, *changed, *seqs, *key_of, *on_evict;
+    ScanHint hints[SCAN_HINTS];
     Py_ssize_t key_slots[4], num_key_slots;  /* key_of given as slot names: the key is those slots */
     PyObject *device, *host, *host_changed;  /* the tree's frontier sets, None when untracked (changed is
                                                 * device_changed, tracked: the heap reads it) */
@@ -93,29 +107,93 @@ static int frontier_discard(PyObject *set, PyObject *node) {
     return set == Py_None ? 0 : PySet_Discard(set, node);
 }
 
+/* a child of ``children`` holding device slots, scanning entries [from, to): 1, 0, or -1 on error;
+ * *found is the entry after it */
+static int scan_device_child(PyObject *children, Py_ssize_t from, Py_ssize_t to, Py_ssize_t *found) {
+    Py_ssize_t pos = from;
+    PyObject *k, *child;
+    while (pos < to && PyDict_Next(children, &pos, &k, &child)) {
+        if (!Py_IS_TYPE(child, layout.type) || SLOT(child, device_value) == NULL) {
+            return check_node(child) < 0 ? -1 : 0;  /* the full check names what is wrong */
+        }
+        if (SLOT(child, device_value) != Py_None) {
+            *found = pos;
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* Memory an eviction will read: a node's own lines (with the collector's header in front), then, once
+ * those are in, what its slots point to. Why: evicting walks up chains of nodes built long before
+ * (a conversation's turns), each a handful of cache misses; asking for a parent's lines one step
+ * early overlaps them with the work on its child. Hints only: nothing is read here. */
+static inline void prefetch_lines(const void *p, int num_lines) {
+    for (int i = 0; i < num_lines; i++) {
+        __builtin_prefetch((const char *)p + 64 * i);
+    }
+}
+
+/* The cyclic collector's links in front of a tracked object (CPython's PyGC_Head, 3.8 to 3.13): freeing
+ * a node unlinks it, writing to both neighbours; read only to prefetch them. */
+typedef struct {
+    uintptr_t next, prev;
+} GCLinks;
+
+static inline void prefetch_node(PyObject *n) {
+    if (n != Py_None) {
+        prefetch_lines((const char *)n - sizeof(GCLinks), 4);
+    }
+}
+
+static inline void prefetch_gc_neighbours(PyObject *n) {
+#if PY_VERSION_HEX < 0x030E0000
+    if (PyObject_GC_IsTracked(n)) {
+        const GCLinks *links = (const GCLinks *)n - 1;
+        __builtin_prefetch((const void *)(links->next & ~(uintptr_t)3));
+        __builtin_prefetch((const void *)(links->prev & ~(uintptr_t)3));
+    }
+#else
+    (void)n;
+#endif
+}
+
+static inline void prefetch_slots(PyObject *n) {
+    if (n != Py_None && Py_IS_TYPE(n, layout.type)) {
+        prefetch_lines(SLOT(n, key), 1);
+        prefetch_lines(SLOT(n, children), 1);
+        prefetch_lines(SLOT(n, id), 1);
+        prefetch_gc_neighbours(n);
+        prefetch_node(SLOT(n, parent));
+    }
+}
+
 /* RadixTree.is_device_leaf: 1, 0, or -1 on error */
-static int is_device_leaf(PyObject *n, PyObject *root) {
+static int is_device_leaf(EvictCtx *c, PyObject *n) {
     if (check_node(n) < 0) {
         return -1;
     }
-    if (n == root || SLOT(n, device_value) == Py_None) {
+    if (n == c->root || SLOT(n, device_value) == Py_None) {
         return 0;
     }
     int locked = PyObject_IsTrue(SLOT(n, lock_ref));
     if (locked) {
         return locked < 0 ? -1 : 0;
     }
-    Py_ssize_t pos = 0;
-    PyObject *k, *child;
-    while (PyDict_Next(SLOT(n, children), &pos, &k, &child)) {
-        if (!Py_IS_TYPE(child, layout.type) || SLOT(child, device_value) == NULL) {
-            return check_node(child) < 0 ? -1 : 0;  /* the full check names what is wrong */
-        }
-        if (SLOT(child, device_value) != Py_None) {
-            return 0;
-        }
+    PyObject *children = SLOT(n, children);
+    if (PyDict_GET_SIZE(children) == 0) {
+        return 1;
     }
-    return 1;
+    ScanHint *hint = &c->hints[((uintptr_t)children >> 4) % SCAN_HINTS];
+    Py_ssize_t from = hint->dict == children ? hint->pos : 0, found = 0;
+    int rc = scan_device_child(children, from, PY_SSIZE_T_MAX, &found);
+    if (rc == 0 && from > 0) {
+        rc = scan_device_child(children, 0, from, &found);
+    }
+    if (rc == 1) {
+        hint->dict = children, hint->pos = found - 1;
+    }
+    return rc < 0 ? -1 : !rc;
 }
 
 /* the policy's key of ``node`` (new reference): a call, or a tuple of its slots read here (the base
@@ -125,6 +203,7 @@ static PyObject *rank(EvictCtx *c, PyObject *node) {
         return PyObject_CallOneArg(c->key_of, node);
     }
     PyObject *key = PyTuple_New(c->num_key_slots);
+    int atomic = 1;
     for (Py_ssize_t i = 0; key != NULL && i < c->num_key_slots; i++) {
         PyObject *v = *(PyObject **)((char *)node + c->key_slots[i]);
         if (v == NULL) {
@@ -133,6 +212,11 @@ static PyObject *rank(EvictCtx *c, PyObject *node) {
             return NULL;
         }
         PyTuple_SET_ITEM(key, i, Py_NewRef(v));
+        atomic &= PyLong_CheckExact(v) || PyFloat_CheckExact(v);
+    }
+    if (key != NULL && atomic) {  /* as the collector itself would at its next pass: a tuple of numbers is
+                                   * in no cycle; untracked now, its dealloc need not touch its neighbours */
+        PyObject_GC_UnTrack(key);
     }
     return key;
 }
@@ -161,6 +245,27 @@ static int bind_key_slots(EvictCtx *c) {
     }
     c->num_key_slots = n;
     return 0;
+}
+
+/* rank(c, node) compared with ``key`` as tierkv_key_cmp does; a slot key is compared slot by slot, with
+ * no tuple built (in a chain, each parent is compared with the heap's top and evicted at once) */
+static int rank_cmp(EvictCtx *c, PyObject *node, PyObject *key) {
+    if (c->num_key_slots > 0 && PyTuple_CheckExact(key) && PyTuple_GET_SIZE(key) == c->num_key_slots) {
+        for (Py_ssize_t i = 0; i < c->num_key_slots; i++) {
+            PyObject *v = *(PyObject **)((char *)node + c->key_slots[i]);
+            if (v == NULL) {
+                break;  /* rank() raises */
+            }
+            int cmp = tierkv_obj_cmp(v, PyTuple_GET_ITEM(key, i));
+            if (cmp != 0 || i == c->num_key_slots - 1) {
+                return cmp;
+            }
+        }
+    }
+    PyObject *ranked = rank(c, node);
+    int cmp = ranked == NULL ? -2 : tierkv_key_cmp(ranked, key);
+    Py_XDECREF(ranked);
+    return cmp;
 }
 
 /* one valid entry for ``node`` ranked by ``key`` (new reference consumed), or by key_of(node) when NULL */
@@ -192,7 +297,7 @@ static int drain(EvictCtx *c) {
         return -1;
     }
     while ((node = PyIter_Next(it)) != NULL) {
-        int cand = is_device_leaf(node, c->root);
+        int cand = is_device_leaf(c, node);
         if (cand < 0 || (cand && push_node(c, node, NULL) < 0)) {
             Py_DECREF(node);
             Py_DECREF(it);
@@ -264,14 +369,15 @@ static int unlink_child(EvictCtx *c, PyObject *parent, PyObject *node) {
 /* clear_device_value(node), then remove_leaf(node) when no tier holds it; ``node`` is a candidate */
 static int evict_one(EvictCtx *c, PyObject *node, Py_ssize_t *freed) {
     Py_ssize_t num_tokens = PyObject_Size(SLOT(node, key));
-    if (num_tokens < 0 || PyList_Append(c->nodes, node) < 0 || PyList_Append(c->values, SLOT(node, device_value)) < 0) {
+    if (num_tokens < 0 || (c->nodes != NULL && PyList_Append(c->nodes, node) < 0)
+        || PyList_Append(c->values, SLOT(node, device_value)) < 0) {
         return -1;
     }
     Py_SETREF(SLOT(node, device_value), Py_NewRef(Py_None));
     c->evicted_tokens += num_tokens;
     *freed += num_tokens;
-    PyObject *parent = SLOT(node, parent);
-    if (parent != Py_None && (frontier_add(c->device, parent) < 0 || PySet_Add(c->changed, parent) < 0)) {
+    PyObject *parent = SLOT(node, parent);  /* the caller marks it changed (see evict_loop) */
+    if (parent != Py_None && frontier_add(c->device, parent) < 0) {
         return -1;
     }
     if (SLOT(node, host_value) != Py_None || PyDict_GET_SIZE(SLOT(node, children)) != 0) {
@@ -287,7 +393,8 @@ static int evict_one(EvictCtx *c, PyObject *node, Py_ssize_t *freed) {
     }
     if (check_node(parent) < 0 || unlink_child(c, parent, node) < 0
         || frontier_discard(c->device, node) < 0 || frontier_discard(c->host, node) < 0
-        || PySet_Discard(c->changed, node) < 0 || frontier_discard(c->host_changed, node) < 0) {
+        || (PySet_GET_SIZE(c->changed) > 0 && PySet_Discard(c->changed, node) < 0)
+        || frontier_discard(c->host_changed, node) < 0) {
         return -1;
     }
     return report(c, node, Py_True);
@@ -311,7 +418,7 @@ static PyObject *pop_victim(EvictCtx *c, int recheck) {
         int valid = cur == NULL ? 0 : (cur == seq ? 1 : PyObject_RichCompareBool(cur, seq, Py_EQ));
         int cand = 0;
         if (valid > 0 && PyDict_DelItem(c->live, id) == 0) {
-            cand = is_device_leaf(node, c->root);
+            cand = is_device_leaf(c, node);
         }
         if (PyErr_Occurred()) {
             Py_DECREF(entry);
@@ -346,45 +453,56 @@ static PyObject *pop_victim(EvictCtx *c, int recheck) {
     return NULL;
 }
 
-/* After evicting ``node``: when the one change is its parent becoming a candidate ranked before the
- * heap's top, that parent is the next victim (what pushing and popping it would give); the parent
- * rejoins the heap otherwise. Returns the parent to evict next (new reference), or NULL (error set or not). */
-static PyObject *parent_next(EvictCtx *c, PyObject *node) {
-    PyObject *parent = SLOT(node, parent);
-    if (PySet_GET_SIZE(c->changed) != 1 || parent == Py_None || PySet_Contains(c->changed, parent) != 1) {
-        return NULL;
-    }
-    int cand = is_device_leaf(parent, c->root);
+/* After evicting a child of ``parent``, with no other change pending (``changed`` empty): when
+ * ``parent`` is a candidate now, ranked before the heap's top, it is the next victim (what pushing and
+ * popping it would give), else it joins the heap; not a candidate, it is dropped (as a drain would).
+ * Returns the parent to evict next (new reference), or NULL (error set or not). Why not through
+ * ``changed`` and a drain: a set add, lookup, iteration and clear per victim, and a second scan of the
+ * parent's children. */
+static PyObject *parent_next(EvictCtx *c, PyObject *parent) {
+    prefetch_slots(parent);  /* evicted next, most likely: a chain's nodes leave bottom-up */
+    int cand = parent == Py_None ? 0 : is_device_leaf(c, parent);
     if (cand <= 0) {
-        return NULL;  /* not a candidate: the drain drops it */
-    }
-    PyObject *key = rank(c, parent);
-    if (key == NULL) {
         return NULL;
     }
     int first = 1;
     if (PyList_GET_SIZE(c->heap) > 0) {
         PyObject *top = Py_NewRef(PyList_GET_ITEM(c->heap, 0));  /* (key, id) first when equal to it */
-        int cmp = tierkv_key_cmp(key, PyTuple_GET_ITEM(top, 0));
+        int cmp = PyTuple_CheckExact(top) && PyTuple_GET_SIZE(top) == 4 ? rank_cmp(c, parent, PyTuple_GET_ITEM(top, 0))
+                                                                        : -2;
+        if (cmp == -2 && !PyErr_Occurred()) {
+            PyErr_SetString(PyExc_TypeError, "eviction heap entry is not a (key, id, seq, node) tuple");
+        }
         cmp = cmp == 0 ? tierkv_obj_cmp(SLOT(parent, id), PyTuple_GET_ITEM(top, 1)) : cmp;
         first = cmp == -2 ? -1 : cmp <= 0;
         Py_DECREF(top);
     }
-    if (first < 0 || PySet_Clear(c->changed) < 0) {
-        Py_DECREF(key);
+    if (first == 0) {
+        push_node(c, parent, NULL);  /* an error stays set for the caller */
+    }
+    if (first <= 0) {
         return NULL;
     }
-    if (!first) {
-        push_node(c, parent, key);
-        return NULL;
-    }
-    Py_DECREF(key);
     int stale = PyDict_Contains(c->live, SLOT(parent, id));  /* an older entry of it: drop it (no KeyError
                                                                   raised and cleared per victim) */
     if (stale < 0 || (stale && PyDict_DelItem(c->live, SLOT(parent, id)) < 0)) {
         return NULL;
     }
     return Py_NewRef(parent);
+}
+
+/* ``changed`` gains ``parent``, whatever error is pending (it must be ranked again at the next call) */
+static int mark_parent(EvictCtx *c, PyObject *parent) {
+    if (parent == Py_None) {
+        return 0;
+    }
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    int rc = PySet_Add(c->changed, parent);
+    if (type != NULL) {
+        PyErr_Restore(type, value, tb);
+    }
+    return rc;
 }
 
 static int evict_loop(EvictCtx *c, Py_ssize_t num_tokens, int recheck) {
@@ -399,10 +517,15 @@ static int evict_loop(EvictCtx *c, Py_ssize_t num_tokens, int recheck) {
         if (node == NULL) {
             return PyErr_Occurred() ? -1 : 0;
         }
+        PyObject *parent = SLOT(node, parent);  /* alive: its parent's children hold it */
+        prefetch_node(parent);
         int rc = evict_one(c, node, &freed);
-        if (rc == 0 && freed < num_tokens) {
-            next = parent_next(c, node);
-            rc = next == NULL && (PyErr_Occurred() || drain(c) < 0) ? -1 : 0;
+        if (rc < 0 || freed >= num_tokens || PySet_GET_SIZE(c->changed) > 0) {
+            rc = mark_parent(c, parent) < 0 ? -1 : rc;
+            rc = rc == 0 && freed < num_tokens ? drain(c) : rc;
+        } else {
+            next = parent_next(c, parent);
+            rc = next == NULL && PyErr_Occurred() ? -1 : 0;
         }
         Py_DECREF(node);
         if (rc < 0) {
@@ -416,17 +539,17 @@ static int evict_loop(EvictCtx *c, Py_ssize_t num_tokens, int recheck) {
 
 PyObject *tierkv_evict_device(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 9) {
+    if (nargs != 10) {
         PyErr_Format(PyExc_TypeError, "evict_device takes (tree, heap, live, changed, seqs, key_of, recheck, "
-                     "num_tokens, on_evict), got %zd arguments", nargs);
+                     "num_tokens, on_evict, keep_nodes), got %zd arguments", nargs);
         return NULL;
     }
     PyObject *tree = args[0];
     EvictCtx c = {0};
     c.heap = args[1], c.live = args[2], c.changed = args[3], c.seqs = args[4], c.key_of = args[5], c.on_evict = args[8];
-    int recheck = PyObject_IsTrue(args[6]);
+    int recheck = PyObject_IsTrue(args[6]), keep_nodes = PyObject_IsTrue(args[9]);
     Py_ssize_t num_tokens = PyLong_AsSsize_t(args[7]);
-    if (recheck < 0 || (num_tokens == -1 && PyErr_Occurred())) {
+    if (recheck < 0 || keep_nodes < 0 || (num_tokens == -1 && PyErr_Occurred())) {
         return NULL;
     }
     if (!PyList_CheckExact(c.heap) || !PyDict_CheckExact(c.live) || !PySet_CheckExact(c.changed)) {
@@ -435,8 +558,8 @@ PyObject *tierkv_evict_device(PyObject *self, PyObject *const *args, Py_ssize_t 
     }
     PyObject *frontiers = NULL, *page = NULL, *result = NULL;
     c.root = PyObject_GetAttrString(tree, "root");
-    c.nodes = PyList_New(0), c.values = PyList_New(0);
-    if (c.root == NULL || c.nodes == NULL || c.values == NULL
+    c.nodes = keep_nodes ? PyList_New(0) : NULL, c.values = PyList_New(0);
+    if (c.root == NULL || (keep_nodes && c.nodes == NULL) || c.values == NULL
         || bind_layout(Py_TYPE(c.root)) < 0 || bind_key_slots(&c) < 0
         || (frontiers = PyObject_GetAttrString(c.root, "_frontiers")) == NULL
         || (c.device = PyObject_GetAttrString(frontiers, "device")) == NULL
@@ -466,7 +589,8 @@ PyObject *tierkv_evict_device(PyObject *self, PyObject *const *args, Py_ssize_t 
     }
     if (rc == 0) {
         Py_ssize_t freed = c.evicted_tokens;
-        result = Py_BuildValue("(nOO)", freed, c.nodes, c.values);
+        result = c.nodes != NULL ? Py_BuildValue("(nOO)", freed, c.nodes, c.values)
+                                 : Py_BuildValue("(n[]O)", freed, c.values);
     }
 done:
     Py_XDECREF(frontiers), Py_XDECREF(page), Py_XDECREF(c.root);

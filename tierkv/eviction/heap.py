@@ -62,14 +62,18 @@ class EvictionHeap:
             return eviction_order(self._frontier(), self.order, self._next_leaf)
         return self._pop_all()
 
-    def evict_device(self, num_tokens: int, on_evict: Callable[[Any, bool], Any] | None = None
-                     ) -> tuple[int, list, list]:
+    def evict_device(self, num_tokens: int, on_evict: Callable[[Any, bool], Any] | None = None,
+                     keep_nodes: bool = True) -> tuple[int, list, list]:
         """Evict device candidates in :meth:`victims` order until ``num_tokens`` are freed (none when
         ``num_tokens`` <= 0): each loses its device value and leaves the tree when no tier holds it.
         ``on_evict(node, removed)`` (a policy's hook) runs right after each node is evicted: a policy
         whose state moves on eviction ranks the next candidates by it. Returns (tokens freed, nodes
-        evicted, their device values in the same order) for the caller to free the slots. The loop runs in tierkv/_radix.c when built (the tree's
-        keys are int64 arrays, the policy static), else in Python; both give the same victims.
+        evicted, their device values in the same order) for the caller to free the slots; with
+        ``keep_nodes`` False the node list is empty and each node removed from the tree is released as
+        soon as it is unlinked, while its memory is still in cache (held until the caller drops the list,
+        they were all missed a second time: a fifth of a whole-tree eviction). The loop runs in
+        tierkv/_radix_evict.c when built (the tree's keys are int64 arrays, the policy static), else in
+        Python; both give the same victims.
 
         Lock contract: locked nodes are never candidates; takes no lock.
         """
@@ -79,24 +83,25 @@ class EvictionHeap:
             return 0, [], []
         tree, native = self.tree, native_evict_device
         if native is None or tree.bigram or not getattr(self.order, "static", True):
-            return self._evict_device_python(num_tokens, on_evict)
+            return self._evict_device_python(num_tokens, on_evict, keep_nodes)
         changed = tree.changed_nodes("device")
         if changed is not self._changed:  # as in victims(): first call, or the tree was reset
             self._changed, self._heap, self._live = changed, [], {}
         recheck = getattr(self.order, "keys_rise_untouched", True)
         key = _SLOT_KEYS.get(type(self.order).key) if isinstance(self.order, Policy) else None
         result = native(tree, self._heap, self._live, changed, self._seq, key or self._key, recheck, num_tokens,
-                        on_evict)
+                        on_evict, keep_nodes)
         self._compact()
         return result
 
-    def _evict_device_python(self, num_tokens: int, on_evict: Callable[[Any, bool], Any] | None
-                             ) -> tuple[int, list, list]:
+    def _evict_device_python(self, num_tokens: int, on_evict: Callable[[Any, bool], Any] | None,
+                             keep_nodes: bool = True) -> tuple[int, list, list]:
         """:meth:`evict_device` in Python: the reference the compiled loop is tested against."""
         tree, freed, nodes, values = self.tree, 0, [], []
         for node in self.victims():
             freed += len(node.key)
-            nodes.append(node)
+            if keep_nodes:
+                nodes.append(node)
             values.append(tree.clear_device_value(node))
             removed = node._host_value is None and not node.children
             if removed:

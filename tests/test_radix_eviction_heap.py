@@ -261,6 +261,6 @@ def test_keys_the_compiled_loop_reads_from_slots_equal_the_key_functions():
 
     tree = _small_tree()
     policy = get_policy("lru")
-    for function, slots in _SLOT_KEYS.items():
+    for function, slot in _SLOT_KEYS.items():
         for node in tree.nodes():
-            assert tuple(getattr(node, s) for s in slots) == function(policy, node)
+            assert (getattr(node, slot), node.id) == function(policy, node)

@@ -91,6 +91,7 @@ typedef struct {
     PyObject *root, *heap, *live, *changed, *seqs, *key_of, *on_evict;
     ScanHint hints[SCAN_HINTS];
     Py_ssize_t key_slots[4], num_key_slots;  /* key_of given as slot names: the key is those slots */
+    int bare_key;  /* key_of given as one slot name (a str): the key is that slot's value itself */
     PyObject *device, *host, *host_changed;  /* the tree's frontier sets, None when untracked (changed is
                                                 * device_changed, tracked: the heap reads it) */
     Py_ssize_t page_size, evicted_tokens;
@@ -196,11 +197,18 @@ static int is_device_leaf(EvictCtx *c, PyObject *n) {
     return rc < 0 ? -1 : !rc;
 }
 
-/* the policy's key of ``node`` (new reference): a call, or a tuple of its slots read here (the base
- * policy's key is (last_access_time, id): a Python call per ranked node cost more than the rest) */
+/* the heap key of ``node`` (new reference): a call, or its slots read here, one bare or a tuple of them
+ * (LRU's heap key is last_access_time: a Python call per ranked node cost more than the rest) */
 static PyObject *rank(EvictCtx *c, PyObject *node) {
     if (c->num_key_slots == 0) {
         return PyObject_CallOneArg(c->key_of, node);
+    }
+    if (c->bare_key) {
+        PyObject *v = *(PyObject **)((char *)node + c->key_slots[0]);
+        if (v == NULL) {
+            PyErr_SetString(PyExc_AttributeError, "the key slot of a tree node is unset");
+        }
+        return Py_XNewRef(v);
     }
     PyObject *key = PyTuple_New(c->num_key_slots);
     int atomic = 1;
@@ -222,6 +230,14 @@ static PyObject *rank(EvictCtx *c, PyObject *node) {
 }
 
 static int bind_key_slots(EvictCtx *c) {
+    if (PyUnicode_Check(c->key_of)) {
+        const char *name = PyUnicode_AsUTF8(c->key_of);
+        if (name == NULL || slot_offset(layout.type, name, &c->key_slots[0]) < 0) {
+            return -1;
+        }
+        c->num_key_slots = 1, c->bare_key = 1;
+        return 0;
+    }
     if (!PyTuple_Check(c->key_of)) {
         return 0;
     }
@@ -250,6 +266,10 @@ static int bind_key_slots(EvictCtx *c) {
 /* rank(c, node) compared with ``key`` as tierkv_key_cmp does; a slot key is compared slot by slot, with
  * no tuple built (in a chain, each parent is compared with the heap's top and evicted at once) */
 static int rank_cmp(EvictCtx *c, PyObject *node, PyObject *key) {
+    PyObject *first = c->num_key_slots > 0 ? *(PyObject **)((char *)node + c->key_slots[0]) : NULL;
+    if (c->bare_key && first != NULL) {
+        return tierkv_obj_cmp(first, key);
+    }
     if (c->num_key_slots > 0 && PyTuple_CheckExact(key) && PyTuple_GET_SIZE(key) == c->num_key_slots) {
         for (Py_ssize_t i = 0; i < c->num_key_slots; i++) {
             PyObject *v = *(PyObject **)((char *)node + c->key_slots[i]);
@@ -292,21 +312,34 @@ static int drain(EvictCtx *c) {
     if (PySet_GET_SIZE(c->changed) == 0) {
         return 0;
     }
-    PyObject *it = PyObject_GetIter(c->changed), *node;
-    if (it == NULL) {
+    /* Three passes: listing the nodes and then asking for what ranking them reads are short loops whose
+     * cache misses overlap (a cold evict-all drains a node per leaf of the tree); the pass that ranks and
+     * pushes then finds it in cache. */
+    PyObject *nodes = PySequence_List(c->changed);
+    if (nodes == NULL) {
         return -1;
     }
-    while ((node = PyIter_Next(it)) != NULL) {
-        int cand = is_device_leaf(c, node);
-        if (cand < 0 || (cand && push_node(c, node, NULL) < 0)) {
-            Py_DECREF(node);
-            Py_DECREF(it);
-            return -1;
+    Py_ssize_t n = PyList_GET_SIZE(nodes);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *node = PyList_GET_ITEM(nodes, i);
+        if (Py_IS_TYPE(node, layout.type) && SLOT(node, children) != NULL) {
+            prefetch_lines(SLOT(node, children), 1);
+            for (Py_ssize_t k = 0; k < c->num_key_slots; k++) {
+                PyObject *v = *(PyObject **)((char *)node + c->key_slots[k]);
+                if (v != NULL) {
+                    prefetch_lines(v, 1);
+                }
+            }
         }
-        Py_DECREF(node);
     }
-    Py_DECREF(it);
-    return PyErr_Occurred() ? -1 : PySet_Clear(c->changed);
+    int rc = 0;
+    for (Py_ssize_t i = 0; i < n && rc == 0; i++) {
+        PyObject *node = PyList_GET_ITEM(nodes, i);
+        int cand = is_device_leaf(c, node);
+        rc = cand < 0 || (cand && push_node(c, node, NULL) < 0) ? -1 : 0;
+    }
+    Py_DECREF(nodes);
+    return rc < 0 ? -1 : PySet_Clear(c->changed);
 }
 
 /* RadixTree.child_key(node.key, node.extra_key) for int64 keys */
@@ -414,6 +447,7 @@ static PyObject *pop_victim(EvictCtx *c, int recheck) {
         }
         PyObject *key = PyTuple_GET_ITEM(entry, 0), *id = PyTuple_GET_ITEM(entry, 1);
         PyObject *seq = PyTuple_GET_ITEM(entry, 2), *node = PyTuple_GET_ITEM(entry, 3);
+        prefetch_slots(node);
         PyObject *cur = PyDict_GetItemWithError(c->live, id);
         int valid = cur == NULL ? 0 : (cur == seq ? 1 : PyObject_RichCompareBool(cur, seq, Py_EQ));
         int cand = 0;
@@ -519,6 +553,12 @@ static int evict_loop(EvictCtx *c, Py_ssize_t num_tokens, int recheck) {
         }
         PyObject *parent = SLOT(node, parent);  /* alive: its parent's children hold it */
         prefetch_node(parent);
+        if (PyList_GET_SIZE(c->heap) > 0) {  /* the heap's next victim, when the chain above ends */
+            PyObject *top = PyList_GET_ITEM(c->heap, 0);
+            if (PyTuple_CheckExact(top) && PyTuple_GET_SIZE(top) == 4) {
+                prefetch_node(PyTuple_GET_ITEM(top, 3));
+            }
+        }
         int rc = evict_one(c, node, &freed);
         if (rc < 0 || freed >= num_tokens || PySet_GET_SIZE(c->changed) > 0) {
             rc = mark_parent(c, parent) < 0 ? -1 : rc;

@@ -323,6 +323,7 @@ static int drain(EvictCtx *c) {
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *node = PyList_GET_ITEM(nodes, i);
         if (Py_IS_TYPE(node, layout.type) && SLOT(node, children) != NULL) {
+            prefetch_node(node);
             prefetch_lines(SLOT(node, children), 1);
             for (Py_ssize_t k = 0; k < c->num_key_slots; k++) {
                 PyObject *v = *(PyObject **)((char *)node + c->key_slots[k]);

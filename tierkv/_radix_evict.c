@@ -169,6 +169,15 @@ static inline void prefetch_slots(PyObject *n) {
     }
 }
 
+/* truth of a ref count slot: the cached small int 0 is compared, not asked */
+static inline int is_true(PyObject *v) {
+    static PyObject *zero;
+    if (zero == NULL) {
+        zero = PyLong_FromLong(0);  /* immortal in practice: the interpreter's cached small int */
+    }
+    return v == zero ? 0 : PyObject_IsTrue(v);
+}
+
 /* RadixTree.is_device_leaf: 1, 0, or -1 on error */
 static int is_device_leaf(EvictCtx *c, PyObject *n) {
     if (check_node(n) < 0) {
@@ -177,7 +186,7 @@ static int is_device_leaf(EvictCtx *c, PyObject *n) {
     if (n == c->root || SLOT(n, device_value) == Py_None) {
         return 0;
     }
-    int locked = PyObject_IsTrue(SLOT(n, lock_ref));
+    int locked = is_true(SLOT(n, lock_ref));
     if (locked) {
         return locked < 0 ? -1 : 0;
     }
@@ -319,6 +328,7 @@ static int drain(EvictCtx *c) {
     if (nodes == NULL) {
         return -1;
     }
+    PyObject_GC_UnTrack(nodes);  /* a temporary in no cycle: collections the pushes trigger skip it */
     Py_ssize_t n = PyList_GET_SIZE(nodes);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *node = PyList_GET_ITEM(nodes, i);
@@ -418,7 +428,7 @@ static int evict_one(EvictCtx *c, PyObject *node, Py_ssize_t *freed) {
         /* kept, host-only: the host tier's heap ranks it again (removed nodes leave that set at once) */
         return frontier_add(c->host_changed, node) < 0 ? -1 : report(c, node, Py_False);
     }
-    int held = PyObject_IsTrue(SLOT(node, host_ref));
+    int held = is_true(SLOT(node, host_ref));
     if (held) {
         if (held > 0) {
             PyErr_Format(PyExc_RuntimeError, "node %S is locked", SLOT(node, id));
@@ -600,6 +610,14 @@ PyObject *tierkv_evict_device(PyObject *self, PyObject *const *args, Py_ssize_t 
     PyObject *frontiers = NULL, *page = NULL, *result = NULL;
     c.root = PyObject_GetAttrString(tree, "root");
     c.nodes = keep_nodes ? PyList_New(0) : NULL, c.values = PyList_New(0);
+    /* untracked while they grow (no Python code sees them before they are returned): collections the
+     * loop's allocations trigger need not traverse them; tracked again below */
+    if (c.nodes != NULL) {
+        PyObject_GC_UnTrack(c.nodes);
+    }
+    if (c.values != NULL) {
+        PyObject_GC_UnTrack(c.values);
+    }
     if (c.root == NULL || (keep_nodes && c.nodes == NULL) || c.values == NULL
         || bind_layout(Py_TYPE(c.root)) < 0 || bind_key_slots(&c) < 0
         || (frontiers = PyObject_GetAttrString(c.root, "_frontiers")) == NULL
@@ -630,6 +648,12 @@ PyObject *tierkv_evict_device(PyObject *self, PyObject *const *args, Py_ssize_t 
     }
     if (rc == 0) {
         Py_ssize_t freed = c.evicted_tokens;
+        if (!PyObject_GC_IsTracked(c.values)) {
+            PyObject_GC_Track(c.values);
+        }
+        if (c.nodes != NULL && !PyObject_GC_IsTracked(c.nodes)) {
+            PyObject_GC_Track(c.nodes);
+        }
         result = c.nodes != NULL ? Py_BuildValue("(nOO)", freed, c.nodes, c.values)
                                  : Py_BuildValue("(n[]O)", freed, c.values);
     }

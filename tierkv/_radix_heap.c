@@ -75,6 +75,17 @@ static int entry_lt(PyObject *a, PyObject *b) {
     if (!PyTuple_CheckExact(a) || !PyTuple_CheckExact(b) || PyTuple_GET_SIZE(a) < 3 || PyTuple_GET_SIZE(b) < 3) {
         return PyObject_RichCompareBool(a, b, Py_LT);
     }
+    for (Py_ssize_t i = 0; i < 3; i++) {  /* keys, ids and seqs that are one-digit ints (an LRU heap's, for a
+                                           * long while): compared here, no call, no reference taken */
+        PyObject *x = PyTuple_GET_ITEM(a, i), *y = PyTuple_GET_ITEM(b, i);
+        long long u, v;
+        if (!PyLong_CheckExact(x) || !PyLong_CheckExact(y) || !compact_int(x, &u) || !compact_int(y, &v)) {
+            break;  /* the general comparison below */
+        }
+        if (u != v) {
+            return u < v;
+        }
+    }
     Py_INCREF(a);
     Py_INCREF(b);
     int c = 0;

@@ -397,6 +397,11 @@ static int unlink_child(EvictCtx *c, PyObject *parent, PyObject *node) {
     if (PyDict_GET_SIZE(children) <= SCAN_CHILDREN) {
         while (PyDict_Next(children, &pos, &k, &v)) {
             if (v == node) {
+                if (PyDict_GET_SIZE(children) == 1) {  /* an only child (a chain's): no lookup, and the parent
+                                                         * is left an empty dict, not one with a dummy */
+                    PyDict_Clear(children);
+                    return 0;
+                }
                 Py_INCREF(k);  /* the dict drops its reference while deleting */
                 int rc = PyDict_DelItem(children, k);
                 Py_DECREF(k);

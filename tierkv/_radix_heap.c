@@ -167,11 +167,8 @@ PyObject *tierkv_heap_pop(PyObject *heap) {
     if (n == 0) {
         return NULL;
     }
-    PyObject *last = Py_NewRef(PyList_GET_ITEM(heap, n - 1));
-    if (PyList_SetSlice(heap, n - 1, n, NULL) < 0) {
-        Py_DECREF(last);
-        return NULL;
-    }
+    PyObject *last = PyList_GET_ITEM(heap, n - 1);  /* its reference moves with it */
+    Py_SET_SIZE(heap, n - 1);  /* no slice deletion: the list keeps its room (a heap grows back), nothing is freed */
     if (n == 1) {
         return last;
     }

@@ -588,6 +588,13 @@ static int evict_loop(EvictCtx *c, Py_ssize_t num_tokens, int recheck) {
             Py_XDECREF(next);
             return -1;
         }
+        if (next != NULL) {  /* its parent's lines came in during this step: ask for the dict next's
+                              * eviction unlinks it from */
+            PyObject *up = SLOT(next, parent);
+            if (up != Py_None && Py_IS_TYPE(up, layout.type)) {
+                prefetch_lines(SLOT(up, children), 1);
+            }
+        }
     }
     Py_XDECREF(next);
     return 0;

@@ -9,7 +9,7 @@ Evict does the same work on both sides: SGLang's ``evict`` pops its leaves, hand
 tensor to the allocator's ``free_segment`` (a no-op here) and drops the node; tierkv's
 ``EvictionHeap.evict_device`` (the compiled loop when built) returns the evicted nodes' slot tensors and
 the side hands each to the same no-op ``free_segment``; both release the nodes and tensors in the timed
-op. Each op (match, insert, evict) is timed on its own in CPU time (``time.thread_time``); after one
+op (tierkv's loop releases each node as it unlinks it, ``keep_nodes=False``: the side keeps none). Each op (match, insert, evict) is timed on its own in CPU time (``time.thread_time``); after one
 untimed pass each, a repeat runs both trees back to back, repeats alternate which goes first, and each
 ratio (SGLang time / tierkv time, above 1: tierkv faster) is reported as min and median over the
 repeats. A full collection of Python's cyclic GC (both trees are cyclic) lands in whichever op runs
@@ -141,7 +141,7 @@ class TierkvSide:
         return self.tree.evictable_size + self.tree.protected_size
 
     def evict(self, num_tokens: int) -> None:
-        _, _, values = self.heap.evict_device(num_tokens)
+        _, _, values = self.heap.evict_device(num_tokens, keep_nodes=False)
         free = self.allocator.free_segment
         for value in values:  # as SGLang's evict does: each node's slots back to the allocator
             free(value)

@@ -261,6 +261,64 @@ def test_keys_the_compiled_loop_reads_from_slots_equal_the_key_functions():
 
     tree = _small_tree()
     policy = get_policy("lru")
-    for function, slots in _SLOT_KEYS.items():
+    for function, slot in _SLOT_KEYS.items():
         for node in tree.nodes():
-            assert tuple(getattr(node, s) for s in slots) == function(policy, node)
+            assert (getattr(node, slot), node.id) == function(policy, node)
+
+
+def test_evict_device_without_nodes_gives_the_same_values_and_releases_the_nodes(tree_impl):
+    """``keep_nodes=False`` (a caller that only frees slots): same tokens and values in the same order,
+    an empty node list, and every node removed from the tree released by the call itself."""
+    import gc
+
+    from tierkv.radix import TreeNode
+
+    def build():
+        tree = _small_tree()
+        for ids in ([1, 2, 3, 6, 7], [1, 2, 3, 6, 7, 8], [9, 9]):  # a chain of turns, one more root child
+            tree.insert(RadixKey(ids), list(ids))
+        return tree, EvictionHeap(tree, "device", get_policy("lru"))
+
+    kept_tree, kept_heap = build()
+    freed, nodes, values = kept_heap.evict_device(100)
+    tree, heap = build()
+    gc.disable()  # released by reference counting inside the call, not by a later collection
+    try:
+        assert heap.evict_device(100, keep_nodes=False) == (freed, [], values)
+        frontiers = tree.root._frontiers
+        left = [o for o in gc.get_objects() if type(o) is TreeNode and o._frontiers is frontiers]
+    finally:
+        gc.enable()
+    assert left == [tree.root] and len(nodes) == 7
+    tree.check_integrity()
+
+
+def test_a_cold_tree_marks_its_leaves_not_its_inner_nodes():
+    """Regression (a per-node cost): every node a match or insert touched stayed marked for the eviction
+    heap, so the first eviction of a cold tree ranked every inner node of every conversation; only nodes
+    that can be candidates (the deepest holding device slots on a path) are marked now."""
+    tree = RadixTree()
+    heap = EvictionHeap(tree, "device", get_policy("lru"))
+    turns = [[1, 2], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6]]  # one conversation: a chain of three nodes
+    for ids in turns + [[1, 2, 7]]:  # and a second branch under the first turn
+        tree.insert(RadixKey(ids), list(ids))
+    tree.match(RadixKey(turns[-1]))
+    marked = {tuple(n.key) for n in tree.changed_nodes("device")}
+    assert marked == {(5, 6), (7,)} == {tuple(n.key) for n in tree.device_leaves()}
+    freed, nodes, _ = heap.evict_device(100)
+    assert freed == 7 and [list(n.key) for n in nodes] == [[7], [5, 6], [3, 4], [1, 2]]
+    tree.check_integrity()
+
+
+def test_a_parent_with_many_children_is_evicted_after_the_last_of_them(tree_impl):
+    """The compiled loop scans a parent's children from where it last found one holding slots, and
+    looks a child up by key under a parent of many: the parent still goes only after its last child."""
+    tree = RadixTree()
+    heap = EvictionHeap(tree, "device", get_policy("lru"))
+    for k in range(1, 13):
+        tree.insert(RadixKey([1, 2, k]), [1, 2, k])
+    tree.match(RadixKey([1, 2, 12]))  # the last child inserted is the most recent: the others go first
+    freed, nodes, _ = heap.evict_device(100)
+    assert freed == 14 and [list(n.key) for n in nodes] == [[k] for k in range(1, 13)] + [[1, 2]]
+    assert tree.root.children == {}
+    tree.check_integrity()

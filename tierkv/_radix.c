@@ -115,8 +115,8 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "tierkv._radix", NULL, -1, methods};
 
 /* 2: evict_device; common_prefix_len takes memoryviews of int64 arrays (node keys may be views);
- * 3: the tree's frontier sets may be None (untracked until read) */
-#define API_VERSION 3
+ * 3: the tree's frontier sets may be None (untracked until read); 4: evict_device takes keep_nodes */
+#define API_VERSION 4
 
 PyMODINIT_FUNC PyInit__radix(void) {
     PyObject *m = PyModule_Create(&module);

@@ -1,5 +1,5 @@
-/* Shared by the files of tierkv._radix: _radix.c (keys, module), _radix_evict.c (eviction loop) and
- * _radix_heap.c (its heap). */
+/* Shared by the files of tierkv._radix: _radix.c (keys, module), _radix_evict.c (eviction loop),
+ * _radix_node.c (the nodes it reads; both include _radix_evict.h) and _radix_heap.c (its heap). */
 #ifndef TIERKV_RADIX_H
 #define TIERKV_RADIX_H
 

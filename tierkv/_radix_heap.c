@@ -8,13 +8,34 @@
 #include "_radix.h"
 
 /* -1, 0, 1 for x <, ==, > y as far as an order test tells (NaN-free keys); -2 on error */
+/* 1 and the value when ``v`` is an int of one digit (every tick and node id for a long while): read
+ * in place, no call; 0 otherwise */
+static inline int compact_int(PyObject *v, long long *out) {
+#if PY_VERSION_HEX >= 0x030C0000
+    if (PyUnstable_Long_IsCompact((PyLongObject *)v)) {
+        *out = (long long)PyUnstable_Long_CompactValue((PyLongObject *)v);
+        return 1;
+    }
+#else
+    Py_ssize_t size = Py_SIZE(v);
+    if (size >= -1 && size <= 1) {
+        *out = (long long)size * (long long)((PyLongObject *)v)->ob_digit[0];
+        return 1;
+    }
+#endif
+    return 0;
+}
+
 int tierkv_obj_cmp(PyObject *x, PyObject *y) {
     if (x == y) {
         return 0;
     }
     if (PyLong_CheckExact(x) && PyLong_CheckExact(y)) {
+        long long a, b;
         int ox = 0, oy = 0;
-        long long a = PyLong_AsLongLongAndOverflow(x, &ox), b = PyLong_AsLongLongAndOverflow(y, &oy);
+        if (!compact_int(x, &a) || !compact_int(y, &b)) {
+            a = PyLong_AsLongLongAndOverflow(x, &ox), b = PyLong_AsLongLongAndOverflow(y, &oy);
+        }
         if (!ox && !oy) {
             return (a > b) - (a < b);
         }
@@ -53,6 +74,17 @@ int tierkv_key_cmp(PyObject *x, PyObject *y) {
 static int entry_lt(PyObject *a, PyObject *b) {
     if (!PyTuple_CheckExact(a) || !PyTuple_CheckExact(b) || PyTuple_GET_SIZE(a) < 3 || PyTuple_GET_SIZE(b) < 3) {
         return PyObject_RichCompareBool(a, b, Py_LT);
+    }
+    for (Py_ssize_t i = 0; i < 3; i++) {  /* keys, ids and seqs that are one-digit ints (an LRU heap's, for a
+                                           * long while): compared here, no call, no reference taken */
+        PyObject *x = PyTuple_GET_ITEM(a, i), *y = PyTuple_GET_ITEM(b, i);
+        long long u, v;
+        if (!PyLong_CheckExact(x) || !PyLong_CheckExact(y) || !compact_int(x, &u) || !compact_int(y, &v)) {
+            break;  /* the general comparison below */
+        }
+        if (u != v) {
+            return u < v;
+        }
     }
     Py_INCREF(a);
     Py_INCREF(b);
@@ -135,11 +167,8 @@ PyObject *tierkv_heap_pop(PyObject *heap) {
     if (n == 0) {
         return NULL;
     }
-    PyObject *last = Py_NewRef(PyList_GET_ITEM(heap, n - 1));
-    if (PyList_SetSlice(heap, n - 1, n, NULL) < 0) {
-        Py_DECREF(last);
-        return NULL;
-    }
+    PyObject *last = PyList_GET_ITEM(heap, n - 1);  /* its reference moves with it */
+    Py_SET_SIZE(heap, n - 1);  /* no slice deletion: the list keeps its room (a heap grows back), nothing is freed */
     if (n == 1) {
         return last;
     }

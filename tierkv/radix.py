@@ -255,7 +255,7 @@ class RadixTree:
             path.append(child)
             node, pos = child, pos + n
         if tick is not None:  # touched: an eviction heap re-ranks them
-            self.root._frontiers.touched(path)
+            self.root._frontiers.touched_path(path)
         return MatchPath(path, pos)
 
     def insert(self, key: RadixKey, value: Any, priority: int = 0) -> InsertResult:
@@ -300,7 +300,7 @@ class RadixTree:
             self._attach(leaf, value[pos:num_elems] if pos or num_values > num_elems else value)  # one slice
             result.new_node = leaf
             path.append(leaf)
-        self.root._frontiers.touched(path)  # re-ranked by eviction heaps
+        self.root._frontiers.touched_path(path)  # re-ranked by eviction heaps
         return result
 
     def _leaf_key(self, elems: Any, start: int, end: int) -> Any:

@@ -34,6 +34,20 @@ class Frontiers:
         if self.host_changed is not None:
             self.host_changed.update(nodes)
 
+    def touched_path(self, path: list) -> None:
+        """The nodes of a match or insert ``path`` (root side first) were touched. For the device tier
+        only the deepest holding device slots can be a candidate: each above it has a child (the next on
+        the path) holding them, and becomes a candidate, marked as such, only when that child loses them
+        (its key then read afresh). Why: an eviction of a cold tree ranked every node ever touched, most
+        of them inner nodes of long conversations."""
+        if self.device_changed is not None:
+            for node in reversed(path):
+                if node._device_value is not None:
+                    self.device_changed.add(node)
+                    break
+        if self.host_changed is not None:
+            self.host_changed.update(path)
+
     def value_changed(self, node: Any, has_value: bool, device: bool) -> None:
         """``node`` got (``has_value``) or lost its value in the device (``device``) or host tier: it, or
         its parent (which may have lost its last child there), may be a leaf there now, and the other tier
@@ -42,6 +56,8 @@ class Frontiers:
                                     else (self.host, self.host_changed, self.device_changed))
         if other is not None:
             other.add(node)
+        if has_value and device and changed is not None and node.parent is not None:
+            changed.discard(node.parent)  # not a candidate while this child holds slots (see touched_path)
         node = node if has_value else node.parent
         if node is not None:
             if frontier is not None:

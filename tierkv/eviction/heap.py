@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import operator
 from typing import Any, Callable, Iterator
 
 from tierkv.eviction.base import Policy, eviction_order
@@ -27,9 +28,11 @@ from tierkv.radix_key import load_native
 
 native_evict_device = load_native("evict_device")  # tests set it to None to run the pure-Python loop
 
-# keys that are a tuple of node slots, which the compiled loop reads itself instead of calling the key
-# function (tests check each against the function)
-_SLOT_KEYS = {Policy.key: ("last_access_time", "id")}
+# Policy key functions that are (a node slot, node.id): the heap ranks by that slot alone, which orders
+# entries (key, node id, seq, node) the same way, and the compiled loop reads it itself instead of
+# calling a function. Why: no tuple built per push, one indirection less per heap comparison (tests
+# check each against the function).
+_SLOT_KEYS = {Policy.key: "last_access_time"}
 
 _COMPACT_SLACK = 1024  # stale entries tolerated beyond twice the live ones before the heap is rebuilt
 
@@ -42,7 +45,7 @@ class EvictionHeap:
         if tier not in ("device", "host"):
             raise ValueError(f"tier must be 'device' or 'host', got {tier!r}")
         self.tree, self.tier, self.order = tree, tier, order
-        self._key = order.key if isinstance(order, Policy) else order  # one call less per node ranked
+        self._key = _heap_key(order)
         self._is_candidate = tree.is_device_leaf if tier == "device" else tree.is_host_leaf
         self._frontier = tree.device_leaves if tier == "device" else tree.host_leaves
         self._changed: set | None = None
@@ -62,14 +65,18 @@ class EvictionHeap:
             return eviction_order(self._frontier(), self.order, self._next_leaf)
         return self._pop_all()
 
-    def evict_device(self, num_tokens: int, on_evict: Callable[[Any, bool], Any] | None = None
-                     ) -> tuple[int, list, list]:
+    def evict_device(self, num_tokens: int, on_evict: Callable[[Any, bool], Any] | None = None,
+                     keep_nodes: bool = True) -> tuple[int, list, list]:
         """Evict device candidates in :meth:`victims` order until ``num_tokens`` are freed (none when
         ``num_tokens`` <= 0): each loses its device value and leaves the tree when no tier holds it.
         ``on_evict(node, removed)`` (a policy's hook) runs right after each node is evicted: a policy
         whose state moves on eviction ranks the next candidates by it. Returns (tokens freed, nodes
-        evicted, their device values in the same order) for the caller to free the slots. The loop runs in tierkv/_radix.c when built (the tree's
-        keys are int64 arrays, the policy static), else in Python; both give the same victims.
+        evicted, their device values in the same order) for the caller to free the slots; with
+        ``keep_nodes`` False the node list is empty and each node removed from the tree is released as
+        soon as it is unlinked, while its memory is still in cache (held until the caller drops the list,
+        they were all missed a second time: a fifth of a whole-tree eviction). The loop runs in
+        tierkv/_radix_evict.c when built (the tree's keys are int64 arrays, the policy static), else in
+        Python; both give the same victims.
 
         Lock contract: locked nodes are never candidates; takes no lock.
         """
@@ -79,24 +86,25 @@ class EvictionHeap:
             return 0, [], []
         tree, native = self.tree, native_evict_device
         if native is None or tree.bigram or not getattr(self.order, "static", True):
-            return self._evict_device_python(num_tokens, on_evict)
+            return self._evict_device_python(num_tokens, on_evict, keep_nodes)
         changed = tree.changed_nodes("device")
         if changed is not self._changed:  # as in victims(): first call, or the tree was reset
             self._changed, self._heap, self._live = changed, [], {}
         recheck = getattr(self.order, "keys_rise_untouched", True)
-        key = _SLOT_KEYS.get(type(self.order).key) if isinstance(self.order, Policy) else None
-        result = native(tree, self._heap, self._live, changed, self._seq, key or self._key, recheck, num_tokens,
-                        on_evict)
+        slot = _SLOT_KEYS.get(type(self.order).key) if isinstance(self.order, Policy) else None
+        result = native(tree, self._heap, self._live, changed, self._seq, slot or self._key, recheck, num_tokens,
+                        on_evict, keep_nodes)
         self._compact()
         return result
 
-    def _evict_device_python(self, num_tokens: int, on_evict: Callable[[Any, bool], Any] | None
-                             ) -> tuple[int, list, list]:
+    def _evict_device_python(self, num_tokens: int, on_evict: Callable[[Any, bool], Any] | None,
+                             keep_nodes: bool = True) -> tuple[int, list, list]:
         """:meth:`evict_device` in Python: the reference the compiled loop is tested against."""
         tree, freed, nodes, values = self.tree, 0, [], []
         for node in self.victims():
             freed += len(node.key)
-            nodes.append(node)
+            if keep_nodes:
+                nodes.append(node)
             values.append(tree.clear_device_value(node))
             removed = node._host_value is None and not node.children
             if removed:
@@ -154,3 +162,12 @@ class EvictionHeap:
         seq = next(self._seq)
         self._live[node.id] = seq
         heapq.heappush(self._heap, (key, node.id, seq, node))
+
+
+def _heap_key(order: Callable[[Any], tuple]) -> Callable[[Any], Any]:
+    """What the heap ranks ``order``'s nodes by: the slot of :data:`_SLOT_KEYS`, or the policy's key
+    (one call less per node ranked than calling the policy)."""
+    if not isinstance(order, Policy):
+        return order
+    slot = _SLOT_KEYS.get(type(order).key)
+    return operator.attrgetter(slot) if slot is not None else order.key

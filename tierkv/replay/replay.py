@@ -83,7 +83,8 @@ class ReplayConfig:
         return CacheConfig(page_size=self.page_size, eviction_policy=self.eviction_policy,
                            write_policy=self.write_policy, load_back_threshold=self.load_back_threshold,
                            enable_host=self.l2_tokens is not None, tier_mode=self.tier_mode,
-                           l2_admission=self.l2_admission, split_victims=self.split_victims)
+                           l2_admission=self.l2_admission, split_victims=self.split_victims,
+                           overlap_cpu_writes=False)  # each request's writes are waited for (flush)
 
     @property
     def total_tokens(self) -> int:

@@ -1,7 +1,5 @@
 """KV pools: shapes and dtypes, the slot allocator, host sizing and layouts, page byte access."""
 
-import os
-
 import numpy as np
 import pytest
 import torch
@@ -12,18 +10,6 @@ from tierkv.pools import HOST_LAYOUTS, DeviceKVPool, HostKVPool, KVSpec, SlotAll
 
 MHA = KVSpec(num_layers=3, kv_heads=2, head_dim=4, dtype=torch.float16)
 MLA = KVSpec(num_layers=3, attention="mla", kv_lora_rank=6, rope_dim=2, dtype=torch.bfloat16)
-
-
-@pytest.fixture(params=["native", "numpy"])
-def allocator_impl(request, monkeypatch):
-    """Run an allocator test against the native checks (tierkv/_rowcopy.c) and the numpy reference."""
-    if request.param == "numpy":
-        monkeypatch.setattr(allocator, "native", None)
-    elif allocator.native is None:
-        if os.environ.get("TIERKV_REQUIRE_NATIVE") == "1":
-            pytest.fail("tierkv._rowcopy is not built (TIERKV_REQUIRE_NATIVE=1)")
-        pytest.skip("tierkv._rowcopy is not built")
-    return request.param
 
 
 def test_mha_shapes_and_bytes():

@@ -468,7 +468,7 @@ static PyObject *free_slots(PyObject *self, PyObject *const *args, Py_ssize_t na
         if (!PyErr_Occurred()) PyErr_Format(PyExc_TypeError, "%s: out_pages is missing", usage);
         goto done;
     }
-    if (PyBuffer_IsContiguous(&out, 'C') && out.readonly == 0 && out.len / 8 == num_pages
+    if (out.readonly == 0 && out.len / 8 == num_pages
         && flip_pages(flags.buf, pages, num_pages, 0) == 0) {
         memcpy(out.buf, pages, num_pages * sizeof(int64_t));
         result = Py_None;

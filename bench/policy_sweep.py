@@ -105,7 +105,8 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--admission", action="store_true", help="tiers ask the policy before copying to L2")
     ap.add_argument("--swap-loads", action="store_true",
-                    help="what-if: an exclusive load's L2 slots take the pages L1 demotes for it (not in the cache)")
+                    help="what-if: an exclusive load's L2 slots take the pages L1 demotes for it at once "
+                         "(a swap; the cache loads in chunks)")
     ap.add_argument("--whole-nodes", action="store_true", help="evict whole nodes, as HiCache (split_victims=False)")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--json", metavar="OUT")

@@ -44,13 +44,15 @@ class CacheMachine(RuleBasedStateMachine):
                 policy=st.sampled_from(["lru", "lfu", "fifo", "mru", "priority", "gdsf", "s3fifo"]),
                 write_policy=st.sampled_from(["write_through", "write_through_selective", "write_back"]),
                 layout=st.sampled_from(HOST_LAYOUTS), io_backend=st.sampled_from(["kernel", "direct"]),
-                ratio=st.sampled_from([1.5, 2.0]), tier_mode=st.sampled_from(["inclusive", "exclusive"]),
-                split_victims=st.booleans())
-    def setup(self, page_size, policy, write_policy, layout, io_backend, ratio, tier_mode, split_victims):
+                ratio=st.sampled_from([1.25, 1.5, 2.0]), tier_mode=st.sampled_from(["inclusive", "exclusive"]),
+                split_victims=st.booleans(), load_chunk_tokens=st.sampled_from([0, 1, 4, 4096]))
+    def setup(self, page_size, policy, write_policy, layout, io_backend, ratio, tier_mode, split_victims,
+              load_chunk_tokens):
         pool = DeviceKVPool(SPEC, DEVICE_TOKENS, page_size, "cpu")
         config = CacheConfig(page_size=page_size, eviction_policy=policy, write_policy=write_policy,
                              host_layout=layout, io_backend=io_backend, hicache_ratio=ratio,
-                             load_back_threshold=2, tier_mode=tier_mode, split_victims=split_victims)
+                             load_back_threshold=2, tier_mode=tier_mode, split_victims=split_victims,
+                             load_chunk_tokens=load_chunk_tokens)
         self.cache = HiRadixCache(pool, config)
         # Copies start only when a rule lets them (see _complete_copies): runs replay deterministically
         # and writes stay in flight across other operations.

@@ -198,6 +198,14 @@ def test_gdsf_cost_per_slot_is_fixed_once_known_so_a_demoted_tail_ranks_with_its
     # HiCache's whole-node eviction
     dict(l1_tokens=48_000, eviction_policy="gdsf", split_victims=False),
     dict(l1_tokens=8_000, l2_tokens=40_000, eviction_policy="lru", tier_mode="exclusive", split_victims=False),
+    # exclusive tiers: nodes L1 demotes are protected in L2 until the eviction's batch copy ends (the
+    # simulator let L2 evict them at once: hitdensity was 0.7 % off, s3fifo off by ties); loads in chunks
+    # or in one piece
+    dict(l1_tokens=8_000, l2_tokens=40_000, eviction_policy="s3fifo", tier_mode="exclusive"),
+    dict(l1_tokens=8_000, l2_tokens=40_000, eviction_policy="hitdensity", tier_mode="exclusive"),
+    dict(l1_tokens=8_000, l2_tokens=40_000, eviction_policy="hitdensity", tier_mode="exclusive", load_chunk_tokens=0),
+    dict(l1_tokens=8_000, l2_tokens=40_000, eviction_policy="gdsf", tier_mode="exclusive", load_chunk_tokens=0),
+    dict(l1_tokens=8_000, l2_tokens=40_000, eviction_policy="arc", tier_mode="exclusive", load_chunk_tokens=1024),
 ])
 def test_simulator_matches_the_replay(kwargs):
     requests = load_trace(FIXTURE).requests
@@ -206,16 +214,6 @@ def test_simulator_matches_the_replay(kwargs):
     sim = simulate(requests, from_cache_config(config.cache_config(), config.l1_tokens, config.l2_tokens))
     assert sim.hit_tokens == sum(real.tier_hits().values())
     assert sim.written_tokens == real.written_l1_l2_tokens
-
-
-@pytest.mark.parametrize("policy", ["s3fifo", "hitdensity"])
-def test_simulator_is_close_to_the_replay_where_ties_and_timing_differ(policy):
-    """Keys computed at push (simulator) or at the eviction call (cache) may order ties differently."""
-    requests = load_trace(FIXTURE).requests
-    config = ReplayConfig(l1_tokens=8_000, l2_tokens=40_000, eviction_policy=policy, tier_mode="exclusive")
-    real = replay(requests, config).hit_ratio
-    sim = simulate(requests, from_cache_config(config.cache_config(), config.l1_tokens, config.l2_tokens)).hit_ratio
-    assert abs(sim - real) <= 0.01 * real
 
 
 def _tokens_in_both_tiers(mode: str) -> int:

@@ -38,6 +38,8 @@ def _replay_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--write-policy", default="write_through", choices=sorted(WRITE_POLICIES))
     p.add_argument("--tier-mode", default="inclusive", choices=TIER_MODES,
                    help="inclusive: L2 copies L1 (write policy); exclusive: L2 keeps what L1 dropped")
+    p.add_argument("--load-chunk-tokens", type=int, default=1024,
+                   help="exclusive tiers: a load back that makes L2 evict goes in chunks of this many tokens (0: one)")
     p.add_argument("--l2-admission", action="store_true",
                    help="copy a node to L2 only if the policy admits it (e.g. tinylfu: used twice)")
     p.add_argument("--l3-tokens", default=None, help="a bounded L3's capacity, for MIN's bound (default: unbounded)")
@@ -136,7 +138,7 @@ def replay_main(args: argparse.Namespace) -> int:
     config = ReplayConfig(l1_tokens=parse_size(args.l1_tokens), l2_tokens=l2 or None, page_size=args.page_size,
                           eviction_policy=args.policy, write_policy=args.write_policy, l3=args.l3,
                           include_output=args.include_output, verify=args.verify, tier_mode=args.tier_mode,
-                          l2_admission=args.l2_admission,
+                          l2_admission=args.l2_admission, load_chunk_tokens=args.load_chunk_tokens,
                           l3_tokens=None if args.l3_tokens is None else parse_size(args.l3_tokens))
     if args.l3 != "none":
         from tierkv.storage.factory import parse_spec

@@ -37,6 +37,11 @@ class CacheConfig:
     # an eviction takes only the pages it still needs from its last victim, splitting the node (False:
     # whole nodes, as HiCache evicts; README, "Eviction policies and tiers")
     split_victims: bool = True
+    # exclusive tiers: a load back whose L1 demotions would not fit in L2's free room goes in chunks of
+    # this many tokens (rounded down to whole pages, at least one), each copied and promoted before the
+    # next, so the demotions take the loaded pages' L2 slots instead of L2 evicting as much as the load
+    # returns; the chunks but the last are synchronous. 0: one load (README, "Eviction policies and tiers")
+    load_chunk_tokens: int = 1024
     # fetch from L3 / load from L2 only what is cheaper than recomputing it (tierkv.cache.cost_model);
     # prefill_tokens_per_s fixes the prefill rate instead of measuring the engine's
     cost_aware: bool = True
@@ -52,6 +57,7 @@ class CacheConfig:
         check_choice("tier_mode", self.tier_mode, TIER_MODES)
         check_bool("l2_admission", self.l2_admission)
         check_bool("split_victims", self.split_victims)
+        check_int("load_chunk_tokens", self.load_chunk_tokens, minimum=0)
         check_bool("cost_aware", self.cost_aware)
         check_bool("overlap_cpu_writes", self.overlap_cpu_writes)
         if self.prefill_tokens_per_s is not None:

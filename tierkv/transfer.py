@@ -304,16 +304,28 @@ class TransferController:
         """Copy L1 -> L2 and wait (write_back on eviction); returns the error if the copy failed (the
         caller keeps the KV out of L2). Bad slots raise ValueError (nothing copied); an interrupt
         (KeyboardInterrupt, SystemExit) propagates, and the caller must treat the copy as failed."""
-        run = self._write_now_cuda if self.use_cuda else self._cpu_copies["write"].run_now
-        error = _copy_here("write-back", run, device_slots, host_slots)
+        return self._copy_now("write", device_slots, host_slots)
+
+    def load_now(self, host_slots: torch.Tensor, device_slots: torch.Tensor) -> BaseException | None:
+        """Copy L2 -> L1 and wait (an exclusive tier's chunked load back); errors as :meth:`write_now`
+        (on an error the caller must not use the destination slots' KV)."""
+        return self._copy_now("load", host_slots, device_slots)
+
+    def _copy_now(self, kind: str, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> BaseException | None:
+        if self.use_cuda:
+            run = partial(self._copy_now_cuda, kind)
+        else:
+            run = self._cpu_copies[kind].run_now
+        error = _copy_here(kind, run, src_slots, dst_slots)
         raise_interrupt(error)
         return error
 
-    def _write_now_cuda(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
-        src_pages, dst_pages = _page_mapping("write", self.device_pool, device_slots, self.host_pool, host_slots)
+    def _copy_now_cuda(self, kind: str, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        src, dst = (self.device_pool, self.host_pool) if kind == "write" else (self.host_pool, self.device_pool)
+        src_pages, dst_pages = _page_mapping(kind, src, src_slots, dst, dst_slots)
         stream = torch.cuda.current_stream(self.device_pool.device)
         stream.synchronize()
-        copy_pages(self.device_pool, src_pages, self.host_pool, dst_pages, self.io_backend)
+        copy_pages(src, src_pages, dst, dst_pages, self.io_backend)
         stream.synchronize()
 
     @staticmethod

@@ -30,6 +30,29 @@ def promote_loaded(tree: RadixTree, last: TreeNode, num_tokens: int) -> list[Any
     return freed
 
 
+def chunk_path(tree: RadixTree, nodes: list[TreeNode], chunk_elements: int) -> list[list[TreeNode]]:
+    """Cut a path of ``nodes`` (root side first) into consecutive chunks of at most ``chunk_elements``
+    (a multiple of the tree's page size), splitting a node that straddles a boundary (``tree.split``:
+    the head becomes the new parent). Exclusive tiers load such chunks one after another, so each
+    chunk's freed L2 slots take the pages L1 demotes for the next. Lock contract: takes no lock; split
+    halves keep the node's lock and host_ref counts."""
+    chunks: list[list[TreeNode]] = []
+    current: list[TreeNode] = []
+    size = 0
+    for node in nodes:
+        while size + len(node) > chunk_elements:
+            room = chunk_elements - size
+            if room > 0:
+                current.append(tree.split(node, room))
+            chunks.append(current)
+            current, size = [], 0
+        current.append(node)
+        size += len(node)
+    if current:
+        chunks.append(current)
+    return chunks
+
+
 def drop_host_subtree(tree: RadixTree, node: TreeNode, policy) -> list[Any]:
     """Remove ``node``'s descendants, all L2-only, as ``node`` leaves both tiers (they have no path to
     the root any more); returns their host values (slots) for the caller to free. Children before their

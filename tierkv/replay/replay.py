@@ -63,6 +63,7 @@ class ReplayConfig:
     tier_mode: str = "inclusive"
     l2_admission: bool = False
     split_victims: bool = True  # CacheConfig.split_victims
+    load_chunk_tokens: int = 1024  # CacheConfig.load_chunk_tokens
     l3_tokens: int | None = None  # a bounded L3's capacity, for MIN's bound (None: unbounded)
 
     def __post_init__(self) -> None:
@@ -84,6 +85,7 @@ class ReplayConfig:
                            write_policy=self.write_policy, load_back_threshold=self.load_back_threshold,
                            enable_host=self.l2_tokens is not None, tier_mode=self.tier_mode,
                            l2_admission=self.l2_admission, split_victims=self.split_victims,
+                           load_chunk_tokens=self.load_chunk_tokens,
                            overlap_cpu_writes=False)  # each request's writes are waited for (flush)
 
     @property
@@ -166,8 +168,10 @@ class TraceReplayer:
             match, l3_tokens = self.storage.prefetch(req.index, key, match)
         load = cache.init_load_back(match.last_host_node)
         prefix, last_node = match.device_indices, match.last_device_node
-        if load.pending is not None and load.pending.wait():
-            hits.l2, hits.l3 = load.loaded_tokens - l3_tokens, l3_tokens
+        if load.loaded_tokens and (load.pending is None or load.pending.wait()):
+            # L3's tokens end the host path: a load cut short (chunks, exclusive tiers) loads L2's first
+            hits.l3 = max(0, load.loaded_tokens - (match.host_hit_length - l3_tokens))
+            hits.l2 = load.loaded_tokens - hits.l3
             prefix, last_node = load.device_indices, load.last_node
         # a failed load's slots are dropped by the next step; its tokens are recomputed
         if self.config.verify:

@@ -26,7 +26,7 @@ from tierkv.replay.trace import TraceRequest
 from tierkv.config import CacheConfig
 from tierkv.eviction import get_policy
 from tierkv.eviction.heap import EvictionHeap
-from tierkv.eviction.tiers import drop_host_subtree, promote_loaded, tier_orders
+from tierkv.eviction.tiers import chunk_path, drop_host_subtree, promote_loaded, tier_orders
 from tierkv.radix import RadixKey, RadixTree, TreeNode
 
 TIER_MODES = ("inclusive", "exclusive")
@@ -53,8 +53,12 @@ class SimConfig:
     write_back_ancestors: bool = False
     split_victims: bool = True  # an eviction takes only the pages it needs of its last victim (as the cache)
     # a what-if the cache does not do: an exclusive load's L2 slots take the pages L1 demotes to make room
-    # for it (a swap), instead of L2 evicting for them while the loaded copies still count
+    # for it at once (a swap through a staging buffer), where chunked loads leave the first chunk's loss
     swap_loads: bool = False
+    # exclusive tiers: a load back whose L1 demotions do not fit in L2's free room goes in chunks of this
+    # many tokens, each promoted before the next, so the demotions take the loaded pages' L2 slots (as
+    # CacheConfig.load_chunk_tokens); 0: one load, L2 evicting for the demotions
+    load_chunk_tokens: int = 1024
 
     def __post_init__(self) -> None:
         if self.tier_mode not in TIER_MODES:
@@ -108,10 +112,11 @@ class PageSim:
         hit = sum(len(n) for n in path[:device])
         last = path[device - 1] if device else self.tree.root
         host_part = path[device:]
-        if host_part and self._load_back(host_part):
-            hit += sum(len(n) for n in host_part)
-            self.result.l2_hit_tokens += sum(len(n) for n in host_part) * self.page
-            last = host_part[-1]
+        loaded = self._load_back(host_part) if host_part else []
+        if loaded:
+            hit += sum(len(n) for n in loaded)
+            self.result.l2_hit_tokens += sum(len(n) for n in loaded) * self.page
+            last = loaded[-1]
         self.tree.inc_lock_ref(last)
         # slots for every new token, a last partial page included (the engine computes it; the tree
         # keeps whole pages only, so it is freed after the insert)
@@ -139,50 +144,77 @@ class PageSim:
             if hot and (not self.config.admission or self.policy.admit(hot[-1])):
                 self._copy_to_l2(hot[-1])
 
-    def _load_back(self, host_part: list[TreeNode]) -> bool:
+    def _load_back(self, host_part: list[TreeNode]) -> list[TreeNode]:
+        """Load ``host_part`` into L1 (in chunks when the cache would, see :meth:`_load_chunks`); returns
+        the nodes loaded, a prefix of the (possibly split) path."""
         num = sum(len(n) for n in host_part)
         if num * self.page < self.config.load_back_threshold:
-            return False
+            return []
+        chunks = self._load_chunks(host_part, num)
         self.tree.inc_lock_ref(host_part[-1])
         swap = self.config.tier_mode == "exclusive" and self.config.swap_loads
-        if swap:  # the loaded pages' L2 slots take the pages L1 demotes to make room for them
-            self.l2_used -= sum(len(n) for n in host_part if not n.host_ref)
-        ok = self._make_room_l1(num)
-        if swap:
-            self.l2_used += sum(len(n) for n in host_part if not n.host_ref)
+        loaded: list[TreeNode] = []
+        for chunk in chunks:
+            size = sum(len(n) for n in chunk)
+            if swap:  # the loaded pages' L2 slots take the pages L1 demotes to make room for them
+                self.l2_used -= sum(len(n) for n in chunk if not n.host_ref)
+            ok = self._make_room_l1(size)
+            if swap:
+                self.l2_used += sum(len(n) for n in chunk if not n.host_ref)
+            if not ok:
+                break
+            for n in chunk:
+                self.tree.set_device_value(n, range(len(n)))
+            if self.config.tier_mode == "exclusive":  # promote: the L2 copy is no longer needed
+                freed = promote_loaded(self.tree, chunk[-1], size)
+                self.l2_used -= sum(len(v) for v in freed)
+            loaded += chunk
         self.tree.dec_lock_ref(host_part[-1])
-        if not ok:
-            return False
-        for n in host_part:
-            self.tree.set_device_value(n, range(len(n)))
-        if self.config.tier_mode == "exclusive":  # promote: the L2 copy is no longer needed
-            freed = promote_loaded(self.tree, host_part[-1], num)
-            self.l2_used -= sum(len(v) for v in freed)
-        return True
+        return loaded
+
+    def _load_chunks(self, host_part: list[TreeNode], num_pages: int) -> list[list[TreeNode]]:
+        """As ``HiRadixCache``: exclusive tiers load in chunks of ``load_chunk_tokens`` when L1's
+        demotions would not fit in L2's free room, so each chunk's freed L2 slots take the next's."""
+        chunk_pages = max(1, self.config.load_chunk_tokens // self.page) if self.config.load_chunk_tokens else 0
+        l1_short = self.l1_used + num_pages - self.l1_pages
+        if self.config.tier_mode != "exclusive" or chunk_pages <= 0 or num_pages <= chunk_pages \
+                or l1_short <= self.l2_pages - self.l2_used:
+            return [host_part]
+        return chunk_path(self.tree, host_part, chunk_pages)
 
     def _make_room_l1(self, num_pages: int) -> bool:
         if self.l1_used + num_pages <= self.l1_pages:
             return True
-        for victim in self.l1_heap.victims():
-            need = self.l1_used + num_pages - self.l1_pages
-            if self.config.split_victims and len(victim) > need:
-                self.tree.split(victim, len(victim) - need)  # the head stays in L1, ranked as before
-            self._evict_l1(victim)
-            if self.l1_used + num_pages <= self.l1_pages:
-                return True
-        return False
+        demoted: list[TreeNode] = []  # protected in L2 until the room is made, as the cache's batch copy
+        try:
+            for victim in self.l1_heap.victims():
+                need = self.l1_used + num_pages - self.l1_pages
+                if self.config.split_victims and len(victim) > need:
+                    self.tree.split(victim, len(victim) - need)  # the head stays in L1, ranked as before
+                if self._evict_l1(victim):
+                    self.tree.inc_host_ref(victim)
+                    demoted.append(victim)
+                if self.l1_used + num_pages <= self.l1_pages:
+                    return True
+            return False
+        finally:
+            for node in demoted:
+                self.tree.dec_host_ref(node)
 
-    def _evict_l1(self, node: TreeNode) -> None:
+    def _evict_l1(self, node: TreeNode) -> bool:
+        """Evict ``node`` from L1; True when it was copied to L2 on the way (write_back, exclusive)."""
         on_evict = self.config.tier_mode == "exclusive" or self.config.write_threshold is None
+        copied = False
         if on_evict and node.host_value is None and self.l2_pages:
             if not self.config.admission or self.policy.admit(node):
-                self._copy_to_l2(node, ancestors=self.config.write_back_ancestors)
+                copied = self._copy_to_l2(node, ancestors=self.config.write_back_ancestors)
         self.tree.clear_device_value(node)
         removed = node.host_value is None
         if removed:  # its host-only descendants are unreachable now
             self.l2_used -= sum(len(v) for v in drop_host_subtree(self.tree, node, self.policy))
             self.tree.remove_leaf(node)
         self.policy.on_evict(node, removed)
+        return copied
 
     def _copy_to_l2(self, node: TreeNode, ancestors: bool = True) -> bool:
         """Give ``node`` and (``ancestors``) its ancestors without one an L2 copy, evicting from L2 for room."""
@@ -229,7 +261,8 @@ def from_cache_config(cache: CacheConfig, l1_tokens: int, l2_tokens: int | None)
     return SimConfig(l1_tokens=l1_tokens, l2_tokens=l2_tokens, page_size=cache.page_size,
                      eviction_policy=cache.eviction_policy, tier_mode=cache.tier_mode,
                      write_threshold=cache.write_threshold, admission=cache.l2_admission,
-                     load_back_threshold=cache.load_back_threshold, split_victims=cache.split_victims)
+                     load_back_threshold=cache.load_back_threshold, split_victims=cache.split_victims,
+                     load_chunk_tokens=cache.load_chunk_tokens)
 
 
 def simulate(requests: list[TraceRequest], config: SimConfig) -> SimResult:

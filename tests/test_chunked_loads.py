@@ -44,6 +44,28 @@ def test_chunks_let_demotions_take_the_loaded_pages_l2_slots(caches):
     cache.check_integrity()
 
 
+def test_a_chunked_load_splits_no_node(caches):
+    cache, kv = full_tiers(caches, load_chunk_tokens=4)
+    match = cache.match_prefix(RadixKey(A))
+    [node] = [n for n in cache.tree.path_to_root(match.last_host_node)]
+    result = load(cache, A)
+    assert result.last_node is node and node.device_value is not None and node.host_value is None
+    assert len(cache.tree.path_to_root(node)) == 1
+
+
+def test_a_protected_node_keeps_its_l2_copy_through_a_chunked_load(caches):
+    """An L3 backup reading A's L2 copy (host_ref) keeps it: A's slots are not freed chunk by chunk,
+    so the demotions make L2 evict, but A's copy is whole afterwards."""
+    cache, kv = full_tiers(caches, load_chunk_tokens=4)
+    node = cache.match_prefix(RadixKey(A)).last_host_node
+    cache.tree.inc_host_ref(node)
+    result = load(cache, A)
+    assert same_bits(cache.device_pool.read_tokens(result.device_indices), kv["A"])
+    assert same_bits(cache.host_pool.read_tokens(node.host_value), kv["A"])  # both tiers hold A
+    cache.tree.dec_host_ref(node)
+    cache.check_integrity()
+
+
 def test_one_load_makes_l2_evict_as_much_as_it_loads(caches):
     cache, kv = full_tiers(caches, load_chunk_tokens=0)
     result = load(cache, A)

@@ -3,6 +3,8 @@
 One page per 512-token trace block (page_size 512), so each request's blocks are its pages.
 """
 
+import pytest
+
 from tierkv.radix import RadixKey
 from tierkv.replay.sim import PageSim, SimConfig
 from tierkv.replay.trace import BLOCK_TOKENS, TraceRequest
@@ -81,17 +83,19 @@ def test_lazy_ancestors_lose_the_l2_leaf_when_the_ancestor_cannot_be_copied():
     assert sim.result.written_tokens == 2 * PAGE
 
 
-def test_swap_loads_what_if_keeps_the_l2_page_a_load_makes_l2_evict():
+@pytest.mark.parametrize("load, b_hit", [
+    (dict(load_chunk_tokens=0), 0),  # one load: L2 evicts all of B for C
+    (dict(load_chunk_tokens=256), PAGE - 256),  # chunks: only the first chunk's demotions find L2 full
+    (dict(load_chunk_tokens=16), PAGE - 16),
+    (dict(load_chunk_tokens=0, swap_loads=True), PAGE),  # the what-if: C takes A's slots at once
+])
+def test_a_load_back_makes_l2_evict_only_what_its_first_chunk_demotes(load, b_hit):
     """Exclusive tiers, L1 one block, L2 two. Loading A back makes L1 demote C while A's L2 copy still
-    counts, so L2 (A, B) evicts B; the swap what-if lets C take A's slot, and B still hits."""
-    results = {}
-    for swap in (False, True):
-        sim = _sim(l1_tokens=PAGE, l2_tokens=2 * PAGE, tier_mode="exclusive", write_threshold=None,
-                   swap_loads=swap)
-        results[swap] = _serve(sim, (1,), (2,), (3,), (1,), (2,))
-        assert sim.l2_used <= sim.l2_pages
-    assert results[False] == [0, 0, 0, PAGE, 0]
-    assert results[True] == [0, 0, 0, PAGE, PAGE]
+    counts: in one load L2 (A, B) evicts B; in chunks each chunk's freed L2 slots take the next one's
+    demotions, so B loses one chunk; the swap what-if lets C take A's slots, and all of B still hits."""
+    sim = _sim(l1_tokens=PAGE, l2_tokens=2 * PAGE, tier_mode="exclusive", write_threshold=None, **load)
+    assert _serve(sim, (1,), (2,), (3,), (1,), (2,)) == [0, 0, 0, PAGE, b_hit]
+    assert sim.l2_used <= sim.l2_pages and sim.l1_in_flight == 0
 
 
 def test_split_victims_evicts_only_the_pages_it_needs():

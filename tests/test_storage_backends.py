@@ -252,6 +252,42 @@ def test_malformed_keys_and_tensors_are_refused(backend):
         store.batch_get(make_keys(1), [torch.zeros(PAGE_NBYTES, dtype=torch.float32)])
 
 
+def test_a_bad_key_anywhere_in_a_batch_refuses_the_whole_batch(backend):
+    store = backend.open()
+    good = make_keys(3)
+    for bad in ["\u00e9" * 20, "ab" * 7, "AB" * 10, b"ab" * 10, None]:
+        with pytest.raises(ValueError, match="page key"):
+            store.batch_set([*good, bad], make_pages(4))
+        with pytest.raises(ValueError, match="page key"):
+            store.batch_get([good[0], bad], empty_pages(2))
+    assert store.batch_exists(good) == 0  # nothing of a refused batch was written
+
+
+def test_non_contiguous_and_off_cpu_tensors_are_refused(backend):
+    store = backend.open()
+    strided = torch.zeros(2 * PAGE_NBYTES, dtype=torch.uint8)[::2]
+    for bad in [strided, torch.zeros(PAGE_NBYTES, dtype=torch.uint8, device="meta"),
+                torch.zeros(PAGE_NBYTES, dtype=torch.int8)]:
+        with pytest.raises(ValueError, match="contiguous uint8 on cpu"):
+            store.batch_set(make_keys(1), [bad])
+    with pytest.raises(TypeError, match="torch.Tensor, got ndarray"):  # was an AttributeError
+        store.batch_set(make_keys(1), [make_pages(1)[0].numpy()])
+    assert store.batch_exists(make_keys(1)) == 0
+
+
+@pytest.mark.parametrize("page_key", [None, "k" * 20], ids=["checksum", "mac"])
+def test_a_contiguous_page_of_any_shape_round_trips(backend, page_key):
+    # Regression: a (2, n/2) page was viewed as 2 rows, so the memory store and keyed stores raised
+    # "copy of 2 bytes into 3000" / "payload of 2 bytes" on a page the contract accepts.
+    store = backend.open(page_key=page_key) if page_key else backend.open()
+    keys = make_keys(2)
+    pages = [p.view(2, PAGE_NBYTES // 2) for p in make_pages(2)]
+    assert store.batch_set(keys, pages) == [True, True]
+    targets = [torch.zeros(2, PAGE_NBYTES // 2, dtype=torch.uint8) for _ in keys]
+    assert store.batch_get(keys, targets) == [True, True]
+    assert all(torch.equal(t, p) for t, p in zip(targets, pages))
+
+
 def test_one_writer_and_one_reader_thread_never_see_a_torn_page(backend):
     store = backend.open()
     keys, versions = make_keys(2), make_pages(2)

@@ -38,7 +38,7 @@ def _replay_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--write-policy", default="write_through", choices=sorted(WRITE_POLICIES))
     p.add_argument("--tier-mode", default="inclusive", choices=TIER_MODES,
                    help="inclusive: L2 copies L1 (write policy); exclusive: L2 keeps what L1 dropped")
-    p.add_argument("--load-chunk-tokens", type=int, default=1024,
+    p.add_argument("--load-chunk-tokens", type=int, default=256,
                    help="exclusive tiers: a load back that makes L2 evict goes in chunks of this many tokens (0: one)")
     p.add_argument("--l2-admission", action="store_true",
                    help="copy a node to L2 only if the policy admits it (e.g. tinylfu: used twice)")

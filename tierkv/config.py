@@ -38,10 +38,10 @@ class CacheConfig:
     # whole nodes, as HiCache evicts; README, "Eviction policies and tiers")
     split_victims: bool = True
     # exclusive tiers: a load back whose L1 demotions would not fit in L2's free room goes in chunks of
-    # this many tokens (rounded down to whole pages, at least one), each copied and promoted before the
-    # next, so the demotions take the loaded pages' L2 slots instead of L2 evicting as much as the load
-    # returns; the chunks but the last are synchronous. 0: one load (README, "Eviction policies and tiers")
-    load_chunk_tokens: int = 1024
+    # this many tokens (rounded down to whole pages, at least one), each copied, waited for and its L2
+    # slots freed before the next makes room, so the demotions take the loaded pages' L2 slots instead
+    # of L2 evicting as much as the load returns (tierkv.chunked_load). 0: one asynchronous load
+    load_chunk_tokens: int = 256
     # fetch from L3 / load from L2 only what is cheaper than recomputing it (tierkv.cache.cost_model);
     # prefill_tokens_per_s fixes the prefill rate instead of measuring the engine's
     cost_aware: bool = True

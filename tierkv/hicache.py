@@ -23,10 +23,11 @@ from tierkv.cache.l3 import StorageController
 from tierkv.cache.l3_methods import StorageTierMethods
 from tierkv.cache_eviction import EvictionMethods
 from tierkv.cache_records import CacheStats, LoadResult, MatchResult, PendingLoad, PendingWrite  # noqa: F401
+from tierkv.chunked_load import ChunkedLoad
 from tierkv.config import CacheConfig
 from tierkv.eviction import get_policy
 from tierkv.eviction.heap import EvictionHeap
-from tierkv.eviction.tiers import chunk_path, promote_loaded, tier_orders
+from tierkv.eviction.tiers import promote_loaded, tier_orders
 from tierkv.failed_loads import FailedLoads
 from tierkv.layer_load import DeferredLoads, LayerLoads
 from tierkv.pools.kv import DeviceKVPool, HostKVPool, host_pool_tokens
@@ -378,21 +379,15 @@ class HiRadixCache(StorageTierMethods, EvictionMethods):
         if mem_quota is not None and num_tokens > mem_quota - newly_locked:
             self.tree.dec_lock_ref(last_node)
             return LoadResult(self._path_indices(device_part), last_device)
-        chunks = self._load_chunks(host_only, num_tokens)
-        loaded = self._load_leading_chunks(chunks, last_node)
-        rest = chunks[-1]
-        num_rest = sum(len(n) for n in rest)
-        all_chunks_loaded = len(loaded) == sum(map(len, chunks[:-1]))
-        device_slots = self._alloc_device(num_rest) if all_chunks_loaded else None
+        if self._loads_in_chunks(num_tokens):
+            return self._load_in_chunks(host_only, last_node, device_part, last_device)
+        device_slots = self._alloc_device(num_tokens)
         if device_slots is None:
             self.tree.dec_lock_ref(last_node)
-            if not loaded:
-                return LoadResult(self._path_indices(device_part), last_device)
-            return LoadResult(self._path_indices(self.tree.path_to_root(loaded[-1])), loaded[-1], None,
-                              sum(len(n) for n in loaded))
-        host_slots = torch.cat([n.host_value for n in rest])
+            return LoadResult(self._path_indices(device_part), last_device)
+        host_slots = torch.cat([n.host_value for n in host_only])
         offset = 0
-        for n in rest:
+        for n in host_only:
             self.tree.set_device_value(n, device_slots[offset:offset + len(n)])
             offset += len(n)
         self.tree.inc_host_ref(last_node)
@@ -401,65 +396,37 @@ class HiRadixCache(StorageTierMethods, EvictionMethods):
             self.deferred_loads.queue(pending, host_slots)
         else:
             pending.handle = self.transfer.load(host_slots, device_slots, pending)
-        self.stats.loaded_tokens += num_rest
-        return LoadResult(self._path_indices(self.tree.path_to_root(last_node)), last_node, pending, num_tokens)
+        self.stats.loaded_tokens += num_tokens
+        return LoadResult(self._path_indices(path), last_node, pending, num_tokens)
 
-    def _load_chunks(self, host_only: list[TreeNode], num_tokens: int) -> list[list[TreeNode]]:
-        """The host-only path cut into chunks of ``load_chunk_tokens`` (exclusive tiers, when L1's
-        demotions for the load would not fit in L2's free room: each chunk is promoted before the next
-        makes room, so its freed L2 slots take the next one's demotions), else one chunk."""
-        page = self.config.page_size
-        chunk_tokens = max(page, self.config.load_chunk_tokens // page * page)
-        if self.config.tier_mode != "exclusive" or not self.config.load_chunk_tokens or num_tokens <= chunk_tokens:
-            return [host_only]
+    def _loads_in_chunks(self, num_tokens: int) -> bool:
+        """Exclusive tiers load in chunks (:mod:`tierkv.chunked_load`) when L1's demotions for the load
+        would not fit in L2's free room and the load is longer than a chunk."""
+        if self.config.tier_mode != "exclusive" or not self.config.load_chunk_tokens:
+            return False
+        if num_tokens <= self._chunk_tokens:
+            return False
         if self.transfer.loads:
             self.loading_check()  # finished loads promoted first: their L2 slots are free room too
-        l1_short = num_tokens - self.device_pool.num_free_slots
-        if l1_short <= self.host_pool.num_free_slots:
-            return [host_only]
-        return chunk_path(self.tree, host_only, chunk_tokens)
+        return num_tokens - self.device_pool.num_free_slots > self.host_pool.num_free_slots
 
-    def _load_leading_chunks(self, chunks: list[list[TreeNode]], last_node: TreeNode) -> list[TreeNode]:
-        """Load every chunk but the last, one after another; the nodes loaded. A chunk that does not
-        load ends it (the path beyond stays in L2). Lock contract: the caller's lock on ``last_node``
-        is released here only if a chunk's copy is interrupted (which propagates)."""
-        loaded: list[TreeNode] = []
+    @property
+    def _chunk_tokens(self) -> int:
+        page = self.config.page_size
+        return max(page, self.config.load_chunk_tokens // page * page)
+
+    def _load_in_chunks(self, host_only: list[TreeNode], last_node: TreeNode, device_part: list[TreeNode],
+                        last_device: TreeNode) -> LoadResult:
+        """Load the host-only path synchronously, chunk by chunk; what loaded is served even if a chunk
+        does not load. Lock contract: releases the caller's lock on ``last_node`` (the KV is in L1)."""
         try:
-            for chunk in chunks[:-1]:
-                if not self._load_now(chunk):
-                    break
-                loaded += chunk
-        except BaseException:  # its slots are settled by _load_now; the lock is the caller's
+            loaded = ChunkedLoad(self, host_only, self._chunk_tokens).run()
+        finally:
             self.tree.dec_lock_ref(last_node)
-            raise
-        return loaded
-
-    def _load_now(self, chunk: list[TreeNode]) -> bool:
-        """Copy one chunk of a load back into L1 and wait, then promote it (its L2 slots are freed);
-        False when L1 has no room or the copy failed (the chunk stays in L2, its device slots freed).
-        Lock contract: the caller holds a lock on the path's last node."""
-        num_tokens = sum(len(n) for n in chunk)
-        device_slots = self._alloc_device(num_tokens)
-        if device_slots is None:
-            return False
-        try:
-            error = self.transfer.load_now(torch.cat([n.host_value for n in chunk]), device_slots)
-        except BaseException:
-            self.device_pool.free(device_slots)
-            raise
-        if error is not None:
-            self.stats.failed_copies += 1
-            self.device_pool.free(device_slots)
-            return False
-        offset = 0
-        for n in chunk:
-            self.tree.set_device_value(n, device_slots[offset:offset + len(n)])
-            offset += len(n)
-        freed = promote_loaded(self.tree, chunk[-1], num_tokens)
-        if freed:
-            self.host_pool.free(torch.cat(freed))
-        self.stats.loaded_tokens += num_tokens
-        return True
+        if not loaded:
+            return LoadResult(self._path_indices(device_part), last_device)
+        return LoadResult(self._path_indices(self.tree.path_to_root(loaded[-1])), loaded[-1], None,
+                          sum(len(n) for n in loaded))
 
     def start_loading(self) -> LayerLoads:
         """Start the deferred loads as one layer-wise batch; the forward pass calls ``wait_layer(i)`` on

@@ -7,7 +7,7 @@ in turn). So when a node leaves both tiers, its descendants (all L2-only then) l
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
 from tierkv.radix import RadixTree, TreeNode
 
@@ -30,27 +30,25 @@ def promote_loaded(tree: RadixTree, last: TreeNode, num_tokens: int) -> list[Any
     return freed
 
 
-def chunk_path(tree: RadixTree, nodes: list[TreeNode], chunk_elements: int) -> list[list[TreeNode]]:
-    """Cut a path of ``nodes`` (root side first) into consecutive chunks of at most ``chunk_elements``
-    (a multiple of the tree's page size), splitting a node that straddles a boundary (``tree.split``:
-    the head becomes the new parent). Exclusive tiers load such chunks one after another, so each
-    chunk's freed L2 slots take the pages L1 demotes for the next. Lock contract: takes no lock; split
-    halves keep the node's lock and host_ref counts."""
-    chunks: list[list[TreeNode]] = []
-    current: list[TreeNode] = []
-    size = 0
+def chunk_segments(nodes: list[TreeNode], chunk_elements: int) -> Iterator[list[tuple[TreeNode, int, int]]]:
+    """Cut a path of ``nodes`` (root side first) into consecutive chunks of ``chunk_elements`` (the last
+    may be shorter), each a list of ``(node, start, end)`` segments; a node may straddle chunks. Exclusive
+    tiers load such chunks one after another, so each chunk's freed L2 slots take the pages L1 demotes
+    for the next. Lock contract: reads only node lengths."""
+    chunk: list[tuple[TreeNode, int, int]] = []
+    room = chunk_elements
     for node in nodes:
-        while size + len(node) > chunk_elements:
-            room = chunk_elements - size
-            if room > 0:
-                current.append(tree.split(node, room))
-            chunks.append(current)
-            current, size = [], 0
-        current.append(node)
-        size += len(node)
-    if current:
-        chunks.append(current)
-    return chunks
+        start = 0
+        while start < len(node):
+            end = min(len(node), start + room)
+            chunk.append((node, start, end))
+            room -= end - start
+            start = end
+            if room == 0:
+                yield chunk
+                chunk, room = [], chunk_elements
+    if chunk:
+        yield chunk
 
 
 def drop_host_subtree(tree: RadixTree, node: TreeNode, policy) -> list[Any]:

@@ -63,7 +63,7 @@ class ReplayConfig:
     tier_mode: str = "inclusive"
     l2_admission: bool = False
     split_victims: bool = True  # CacheConfig.split_victims
-    load_chunk_tokens: int = 1024  # CacheConfig.load_chunk_tokens
+    load_chunk_tokens: int = 256  # CacheConfig.load_chunk_tokens
     l3_tokens: int | None = None  # a bounded L3's capacity, for MIN's bound (None: unbounded)
 
     def __post_init__(self) -> None:

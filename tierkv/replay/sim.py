@@ -26,7 +26,7 @@ from tierkv.replay.trace import TraceRequest
 from tierkv.config import CacheConfig
 from tierkv.eviction import get_policy
 from tierkv.eviction.heap import EvictionHeap
-from tierkv.eviction.tiers import chunk_path, drop_host_subtree, promote_loaded, tier_orders
+from tierkv.eviction.tiers import chunk_segments, drop_host_subtree, promote_loaded, tier_orders
 from tierkv.radix import RadixKey, RadixTree, TreeNode
 
 TIER_MODES = ("inclusive", "exclusive")
@@ -58,7 +58,7 @@ class SimConfig:
     # exclusive tiers: a load back whose L1 demotions do not fit in L2's free room goes in chunks of this
     # many tokens, each promoted before the next, so the demotions take the loaded pages' L2 slots (as
     # CacheConfig.load_chunk_tokens); 0: one load, L2 evicting for the demotions
-    load_chunk_tokens: int = 1024
+    load_chunk_tokens: int = 256
 
     def __post_init__(self) -> None:
         if self.tier_mode not in TIER_MODES:
@@ -92,6 +92,7 @@ class PageSim:
         self.l1_pages = config.l1_tokens // self.page
         self.l2_pages = (config.l2_tokens or 0) // self.page
         self.l2_used = 0
+        self.l1_in_flight = 0  # pages a chunked load has copied into L1 for a node not yet all there
         device_order, host_order = tier_orders(self.policy, config.tier_mode)
         self.l1_heap = EvictionHeap(self.tree, "device", device_order)
         self.l2_heap = EvictionHeap(self.tree, "host", host_order)
@@ -99,7 +100,7 @@ class PageSim:
 
     @property
     def l1_used(self) -> int:
-        return self.tree.evictable_size + self.tree.protected_size
+        return self.tree.evictable_size + self.tree.protected_size + self.l1_in_flight
 
     def serve(self, req: TraceRequest) -> int:
         """Replay one request; returns its hit tokens."""
@@ -145,42 +146,73 @@ class PageSim:
                 self._copy_to_l2(hot[-1])
 
     def _load_back(self, host_part: list[TreeNode]) -> list[TreeNode]:
-        """Load ``host_part`` into L1 (in chunks when the cache would, see :meth:`_load_chunks`); returns
-        the nodes loaded, a prefix of the (possibly split) path."""
+        """Load ``host_part`` into L1 (in chunks when the cache would); returns the nodes loaded, a prefix
+        of the path (the last may be the head of a node split where a chunked load stopped)."""
         num = sum(len(n) for n in host_part)
         if num * self.page < self.config.load_back_threshold:
             return []
-        chunks = self._load_chunks(host_part, num)
         self.tree.inc_lock_ref(host_part[-1])
-        swap = self.config.tier_mode == "exclusive" and self.config.swap_loads
-        loaded: list[TreeNode] = []
-        for chunk in chunks:
-            size = sum(len(n) for n in chunk)
-            if swap:  # the loaded pages' L2 slots take the pages L1 demotes to make room for them
-                self.l2_used -= sum(len(n) for n in chunk if not n.host_ref)
-            ok = self._make_room_l1(size)
-            if swap:
-                self.l2_used += sum(len(n) for n in chunk if not n.host_ref)
-            if not ok:
-                break
-            for n in chunk:
-                self.tree.set_device_value(n, range(len(n)))
-            if self.config.tier_mode == "exclusive":  # promote: the L2 copy is no longer needed
-                freed = promote_loaded(self.tree, chunk[-1], size)
-                self.l2_used -= sum(len(v) for v in freed)
-            loaded += chunk
+        chunk_pages = max(1, self.config.load_chunk_tokens // self.page) if self.config.load_chunk_tokens else 0
+        if self._loads_in_chunks(num, chunk_pages):
+            loaded = self._load_in_chunks(host_part, chunk_pages)
+        else:
+            loaded = self._load_at_once(host_part, num)
         self.tree.dec_lock_ref(host_part[-1])
         return loaded
 
-    def _load_chunks(self, host_part: list[TreeNode], num_pages: int) -> list[list[TreeNode]]:
-        """As ``HiRadixCache``: exclusive tiers load in chunks of ``load_chunk_tokens`` when L1's
-        demotions would not fit in L2's free room, so each chunk's freed L2 slots take the next's."""
-        chunk_pages = max(1, self.config.load_chunk_tokens // self.page) if self.config.load_chunk_tokens else 0
-        l1_short = self.l1_used + num_pages - self.l1_pages
-        if self.config.tier_mode != "exclusive" or chunk_pages <= 0 or num_pages <= chunk_pages \
-                or l1_short <= self.l2_pages - self.l2_used:
-            return [host_part]
-        return chunk_path(self.tree, host_part, chunk_pages)
+    def _loads_in_chunks(self, num_pages: int, chunk_pages: int) -> bool:
+        """As ``HiRadixCache._loads_in_chunks``: exclusive tiers, a load longer than a chunk whose L1
+        demotions would not fit in L2's free room."""
+        if self.config.tier_mode != "exclusive" or chunk_pages <= 0 or num_pages <= chunk_pages:
+            return False
+        return self.l1_used + num_pages - self.l1_pages > self.l2_pages - self.l2_used
+
+    def _load_at_once(self, host_part: list[TreeNode], num: int) -> list[TreeNode]:
+        swap = self.config.tier_mode == "exclusive" and self.config.swap_loads
+        if swap:  # the loaded pages' L2 slots take the pages L1 demotes to make room for them
+            self.l2_used -= sum(len(n) for n in host_part if not n.host_ref)
+        ok = self._make_room_l1(num)
+        if swap:
+            self.l2_used += sum(len(n) for n in host_part if not n.host_ref)
+        if not ok:
+            return []
+        for n in host_part:
+            self.tree.set_device_value(n, range(len(n)))
+        if self.config.tier_mode == "exclusive":  # promote: the L2 copy is no longer needed
+            freed = promote_loaded(self.tree, host_part[-1], num)
+            self.l2_used -= sum(len(v) for v in freed)
+        return host_part
+
+    def _load_in_chunks(self, host_part: list[TreeNode], chunk_pages: int) -> list[TreeNode]:
+        """As :class:`tierkv.chunked_load.ChunkedLoad`: each chunk's L2 pages are freed once it is in L1;
+        a node takes its L1 pages when its last chunk lands; a load that stops inside a node splits it."""
+        loaded: list[TreeNode] = []
+        filled, free_host = 0, False  # of the node being filled
+        for segments in chunk_segments(host_part, chunk_pages):
+            num = sum(end - start for _, start, end in segments)
+            if not self._make_room_l1(num):
+                break
+            self.l1_in_flight += num
+            for node, start, end in segments:
+                if start == 0:
+                    filled, free_host = 0, node.host_ref == 0
+                filled += end - start
+                if free_host:
+                    self.l2_used -= end - start
+                if end == len(node):
+                    loaded.append(self._hand_over(node, free_host))
+                    filled = 0
+        if filled:  # stopped inside a node: its head is loaded
+            node = next(n for n in host_part if n.device_value is None)
+            loaded.append(self._hand_over(self.tree.split(node, filled), free_host))
+        return loaded
+
+    def _hand_over(self, node: TreeNode, free_host: bool) -> TreeNode:
+        self.l1_in_flight -= len(node)
+        self.tree.set_device_value(node, range(len(node)))
+        if free_host:
+            node.host_value = None  # its pages were freed as they were copied
+        return node
 
     def _make_room_l1(self, num_pages: int) -> bool:
         if self.l1_used + num_pages <= self.l1_pages:

@@ -132,7 +132,7 @@ class RedisStore(PageStore):
 
     def batch_get(self, keys: list[str], targets: list[torch.Tensor]) -> list[bool]:
         views = self._check_batch(keys, targets)
-        names = [(self.redis_key(k),) for k in keys]
+        names = [(self.key_prefix + k,) for k in keys]  # keys checked by _check_batch
         verifier = Verifier(self.format, self._helper_pool)
 
         def land(start: int, blobs: list) -> None:
@@ -151,7 +151,7 @@ class RedisStore(PageStore):
 
     def batch_set(self, keys: list[str], values: list[torch.Tensor]) -> list[bool]:
         views = self._check_batch(keys, values)
-        names = [self.redis_key(k).encode() for k in keys]
+        names = [(self.key_prefix + k).encode() for k in keys]  # keys checked by _check_batch
         if not names:
             return []
         with self._timed("set"):

@@ -5,6 +5,7 @@ import os
 import pytest
 
 from tierkv import cpu_copy
+from tierkv.pools import allocator
 from tests.servers import MooncakeMaster, RedisServer, running
 
 
@@ -22,15 +23,30 @@ def mooncake_master():
         yield server
 
 
+def skip_without_native(reason: str) -> None:
+    """Skip a test of a native part that is not built; fail instead under TIERKV_REQUIRE_NATIVE=1."""
+    if os.environ.get("TIERKV_REQUIRE_NATIVE") == "1":
+        pytest.fail(f"{reason} (TIERKV_REQUIRE_NATIVE=1)")
+    pytest.skip(reason)
+
+
 @pytest.fixture(params=["native", "torch"])
 def cpu_copy_impl(request, monkeypatch):
     """Run a copy test against the native chunk copy and against the torch fallback (same bytes)."""
     if request.param == "torch":
         monkeypatch.setattr(cpu_copy, "native", None)
     elif not cpu_copy.native_available():
-        if os.environ.get("TIERKV_REQUIRE_NATIVE") == "1":
-            pytest.fail("tierkv._rowcopy is not built (TIERKV_REQUIRE_NATIVE=1)")
-        pytest.skip("tierkv._rowcopy is not built")
+        skip_without_native("tierkv._rowcopy is not built")
+    return request.param
+
+
+@pytest.fixture(params=["native", "numpy"])
+def allocator_impl(request, monkeypatch):
+    """Run a slot allocator test against its native checks (tierkv/_rowcopy.c) and its numpy reference."""
+    if request.param == "numpy":
+        monkeypatch.setattr(allocator, "native", None)
+    elif allocator.native is None:
+        skip_without_native("tierkv._rowcopy is not built")
     return request.param
 
 

@@ -32,6 +32,7 @@ def test_defaults_are_valid():
     ("hicache_size_gb", "8"),
     ("load_back_threshold", -1),
     ("load_back_threshold", 1.5),
+    ("overlap_cpu_writes", 0),
 ])
 def test_bad_value_is_a_value_error_naming_it(field, value):
     with pytest.raises(ValueError) as err:

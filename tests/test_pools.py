@@ -1,9 +1,12 @@
 """KV pools: shapes and dtypes, the slot allocator, host sizing and layouts, page byte access."""
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from tierkv.pools import HOST_LAYOUTS, DeviceKVPool, HostKVPool, KVSpec, SlotAllocator, host_pool_tokens
+from tierkv.pools import HOST_LAYOUTS, DeviceKVPool, HostKVPool, KVSpec, SlotAllocator, allocator, host_pool_tokens
 
 MHA = KVSpec(num_layers=3, kv_heads=2, head_dim=4, dtype=torch.float16)
 MLA = KVSpec(num_layers=3, attention="mla", kv_lora_rank=6, rope_dim=2, dtype=torch.bfloat16)
@@ -42,7 +45,7 @@ def test_wrong_dtype_is_a_value_error_naming_it(dtype):
         KVSpec(num_layers=1, kv_heads=1, head_dim=2, dtype=dtype)
 
 
-def test_allocator_hands_out_whole_pages_until_full():
+def test_allocator_hands_out_whole_pages_until_full(allocator_impl):
     alloc = SlotAllocator(16, 4)
     a = alloc.alloc(8)
     assert a.tolist() == list(range(8))
@@ -57,7 +60,7 @@ def test_allocator_hands_out_whole_pages_until_full():
     alloc.free(b)
 
 
-def test_allocator_double_free_is_an_error():
+def test_allocator_double_free_is_an_error(allocator_impl):
     alloc = SlotAllocator(8, 2)
     slots = alloc.alloc(4)
     alloc.free(slots)
@@ -71,7 +74,7 @@ def test_allocator_double_free_is_an_error():
     assert alloc.owned_mask().sum() == 2  # a rejected free changes nothing
 
 
-def test_allocator_rejects_partial_or_foreign_pages():
+def test_allocator_rejects_partial_or_foreign_pages(allocator_impl):
     alloc = SlotAllocator(8, 4)
     alloc.alloc(8)
     with pytest.raises(ValueError, match="whole"):
@@ -192,7 +195,7 @@ def _reference_pages(slots: torch.Tensor, page_size: int) -> list[int] | None:
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_slot_page_conversion_fast_paths_match_the_plain_definition(page_size):
+def test_slot_page_conversion_fast_paths_match_the_plain_definition(page_size, allocator_impl):
     """Runs of slots take a fast path, scattered pages the general one: both give the plain result."""
     alloc = SlotAllocator(64 * page_size, page_size)
     run = alloc.alloc(8 * page_size)
@@ -204,7 +207,7 @@ def test_slot_page_conversion_fast_paths_match_the_plain_definition(page_size):
         assert alloc.pages_to_slots(torch.tensor(expected)).tolist() == slots.tolist()
 
 
-def test_misaligned_or_partial_pages_are_refused_by_every_check():
+def test_misaligned_or_partial_pages_are_refused_by_every_check(allocator_impl):
     alloc = SlotAllocator(64, 4)
     held = alloc.alloc(16)
     shifted = held + 1
@@ -219,3 +222,36 @@ def test_misaligned_or_partial_pages_are_refused_by_every_check():
         alloc.check_allocated(inner, "slots")
     alloc.free(held)
     assert alloc.num_free_slots == 64
+
+
+@pytest.mark.skipif(allocator.native is None, reason="tierkv._rowcopy is not built")
+@settings(max_examples=200, deadline=None)
+@given(page_size=st.sampled_from([1, 2, 4]), held=st.lists(st.booleans(), min_size=8, max_size=8),
+       picks=st.lists(st.integers(-1, 9), max_size=6), shift=st.integers(-1, 1), cut=st.integers(0, 2))
+def test_native_checks_agree_with_the_numpy_reference(page_size, held, picks, shift, cut):
+    """free and check_allocated accept, refuse (same error) and change state exactly as the reference
+    does, for any slots: pages free or held, repeated, out of range, shifted or cut short."""
+    pages = torch.tensor(picks, dtype=torch.int64)
+    slots = (pages[:, None] * page_size + torch.arange(page_size)).reshape(-1) + shift
+    slots = slots[:max(0, len(slots) - cut)]
+    outcomes = []
+    for impl in (allocator.native, None):
+        alloc = SlotAllocator(8 * page_size, page_size)
+        alloc._is_free[:] = ~np.array(held)
+        alloc._free_pages = np.flatnonzero(alloc._is_free)
+        saved, allocator.native = allocator.native, impl
+        try:
+            outcome = []
+            for check in (lambda: alloc.check_allocated(slots, "slots"), lambda: alloc.free(slots)):
+                try:
+                    check()
+                    outcome.append("ok")
+                except ValueError as exc:
+                    outcome.append(str(exc))
+            alloc._merge_released()
+            outcome.append((alloc._is_free.tolist(), alloc._free_pages.tolist()))
+            outcome.append(alloc.pages_to_slots(torch.tensor([3, 1, 2])).tolist())
+        finally:
+            allocator.native = saved
+        outcomes.append(outcome)
+    assert outcomes[0] == outcomes[1]

@@ -319,3 +319,27 @@ def test_staged_layer_copy_moves_exactly_one_layer(spec, layout, page_size):
     copy_layer(host, host_pages, device, device_pages, 1)
     assert torch.equal(device.gather_pages(device_pages).view(torch.uint8), expected.view(torch.uint8))
     assert torch.equal(device.gather_pages(torch.tensor([1, 2, 3])).view(torch.uint8), untouched.view(torch.uint8))
+
+
+def test_without_write_overlap_a_large_write_runs_on_the_calling_thread():
+    """overlap_cpu_writes=False (the replay, which waits for every write at once): a write over the inline
+    size is done, and its bytes are in L2, when write() returns; the default hands it to the copy thread."""
+    spec = WIDE_SPECS["mha"]
+    device, host = DeviceKVPool(spec, 256, 1, "cpu"), HostKVPool(spec, 512, 1, pin_memory=False)
+    tc = TransferController(device, host, overlap_writes=False)
+    try:
+        kv = _fill(device, torch.arange(64), seed=3)
+        handle = tc.write(torch.arange(64), torch.arange(100, 164), "w")  # 512 KiB: over the inline size
+        assert handle.done() and handle.error is None and handle.run_here is None
+        assert torch.equal(host.read_tokens(torch.arange(100, 164)), kv)
+        assert [p for _, p in tc.pop_done(tc.writes, tc.num_done(tc.writes))] == ["w"]
+    finally:
+        tc.shutdown()
+    tc = TransferController(device, host)
+    try:
+        handle = tc.write(torch.arange(64), torch.arange(200, 264), "w")
+        assert handle.run_here is not None  # queued for the copy thread
+        tc.synchronize()
+        assert torch.equal(host.read_tokens(torch.arange(200, 264)), kv)
+    finally:
+        tc.shutdown()

@@ -46,6 +46,9 @@ class CacheConfig:
     # prefill_tokens_per_s fixes the prefill rate instead of measuring the engine's
     cost_aware: bool = True
     prefill_tokens_per_s: float | None = None
+    # CPU pools: large L1 -> L2 writes run on a copy thread, overlapping the scheduler's next step (False:
+    # on the caller's, for a caller that waits for them at once, as the trace replay does)
+    overlap_cpu_writes: bool = True
 
     def __post_init__(self) -> None:
         check_int("page_size", self.page_size, minimum=1)
@@ -56,6 +59,7 @@ class CacheConfig:
         check_bool("split_victims", self.split_victims)
         check_int("load_chunk_tokens", self.load_chunk_tokens, minimum=0)
         check_bool("cost_aware", self.cost_aware)
+        check_bool("overlap_cpu_writes", self.overlap_cpu_writes)
         if self.prefill_tokens_per_s is not None:
             check_number("prefill_tokens_per_s", self.prefill_tokens_per_s, minimum=0, exclusive_minimum=True)
         check_choice("io_backend", self.io_backend, IO_BACKENDS)

@@ -22,7 +22,7 @@ from tierkv.pools.kv import PagedKVBuffer, rows_adjacent_per_page
 
 log = logging.getLogger(__name__)
 
-NATIVE_API_VERSION = 3  # the API_VERSION of tierkv/_rowcopy.c that this module calls
+NATIVE_API_VERSION = 4  # the API_VERSION of tierkv/_rowcopy.c that this module calls
 
 
 def usable_native(module: ModuleType | None) -> ModuleType | None:

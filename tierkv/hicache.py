@@ -67,7 +67,8 @@ class HiRadixCache(StorageTierMethods, EvictionMethods):
         self.transfer: TransferController | None = None
         if self.config.enable_host:
             self.host_pool = host_pool or self._make_host_pool()
-            self.transfer = TransferController(device_pool, self.host_pool, self.config.io_backend)
+            self.transfer = TransferController(device_pool, self.host_pool, self.config.io_backend,
+                                               self.config.overlap_cpu_writes)
             self.deferred_loads = DeferredLoads(self.transfer)
         self.storage: StorageController | None = None  # the L3 tier: see attach_storage
         self.failed_loads = FailedLoads(self.tree, device_pool)

@@ -224,10 +224,14 @@ class TransferController:
     Thread contract: submit and poll from one thread (the scheduler's); only copies run elsewhere.
     """
 
-    def __init__(self, device_pool: DeviceKVPool, host_pool: HostKVPool, io_backend: str = "kernel") -> None:
+    def __init__(self, device_pool: DeviceKVPool, host_pool: HostKVPool, io_backend: str = "kernel",
+                 overlap_writes: bool = True) -> None:
         if io_backend not in IO_BACKENDS:
             raise ValueError(f"io_backend {io_backend!r} is not one of {IO_BACKENDS}")
         self.device_pool, self.host_pool, self.io_backend = device_pool, host_pool, io_backend
+        # CPU writes over _INLINE_COPY_MAX_BYTES go to the worker, overlapping the caller's next work;
+        # False: they run here too (a caller that waits for each write at once gains nothing from a hand-off)
+        self.overlap_writes = overlap_writes
         self.writes: deque[_Queued] = deque()
         self.loads: deque[_Queued] = deque()
         self.use_cuda = device_pool.device.type == "cuda"
@@ -401,7 +405,8 @@ class TransferController:
         The handle and ack queues behave the same; the ack is simply complete at once."""
         if self.delay_hook is not None:
             return False
-        if kind == "write" and len(src_slots) * self._cpu_copies[kind].bytes_per_slot > _INLINE_COPY_MAX_BYTES:
+        if (kind == "write" and self.overlap_writes
+                and len(src_slots) * self._cpu_copies[kind].bytes_per_slot > _INLINE_COPY_MAX_BYTES):
             return False
         return self._worker.idle()
 

@@ -5,6 +5,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+try:
+    from tierkv import _rowcopy
+except ImportError:  # no compiler at install time: the numpy checks below do it all
+    _rowcopy = None
+# The native checks of free and check_allocated (tierkv/_rowcopy.c, API 4): one pass each, where numpy's
+# take a dozen ops and a sort. None: the numpy reference alone (a build without them; tests set it).
+native = _rowcopy if getattr(_rowcopy, "API_VERSION", 0) == 4 else None
+_NATIVE_REFUSED = (ValueError, TypeError, BufferError, RuntimeError)
+
 
 class SlotAllocator:
     """Owns ``num_pages`` pages of ``page_size`` slots. Slots are int64 CPU tensors.
@@ -13,7 +22,10 @@ class SlotAllocator:
     allocations stay mostly contiguous, which lets copies run as few large blocks.
 
     The bookkeeping is numpy, not torch: requests allocate and free a few pages at a time, where
-    torch's per-op dispatch cost several times what numpy's does on the same tiny arrays.
+    torch's per-op dispatch cost several times what numpy's does on the same tiny arrays. The checks of
+    :meth:`free` and :meth:`check_allocated` run natively when built (:data:`native`); whatever the native
+    check refuses goes through the numpy reference, which names the problem (or accepts a form C does not
+    take), so both give the same results and errors.
     """
 
     def __init__(self, num_slots: int, page_size: int) -> None:
@@ -58,6 +70,12 @@ class SlotAllocator:
     def check_allocated(self, slots: torch.Tensor, name: str) -> None:
         """Raise ValueError unless ``slots`` (1-D int64) are whole aligned pages in range, allocated,
         each given once. Vectorised numpy: inserts call it on every prompt's slots."""
+        if native is not None:
+            try:
+                native.check_allocated(slots, self.page_size, self._is_free)
+                return
+            except _NATIVE_REFUSED:
+                pass  # the reference names the problem
         slots_np = slots.detach().cpu().numpy()
         if len(slots_np) == 0:
             return
@@ -98,6 +116,16 @@ class SlotAllocator:
         """Return whole pages of slots; freeing a slot that is already free is an error."""
         if slots.numel() == 0:
             return
+        if native is not None and slots.numel() % self.page_size == 0:
+            pages = np.empty(slots.numel() // self.page_size, dtype=np.int64)
+            try:
+                native.free_slots(slots, self.page_size, self._is_free, pages)
+            except _NATIVE_REFUSED:
+                pass  # nothing changed: the reference names the problem
+            else:
+                self._released.append(pages)
+                self._num_released += len(pages)
+                return
         pages = self._slots_to_pages(slots, every_slot=False)
         was_free = self._is_free[pages]
         if was_free.any() or (len(pages) > 1 and not _all_distinct(pages)):
@@ -120,6 +148,10 @@ class SlotAllocator:
         return torch.from_numpy(~self._is_free)
 
     def _pages_to_slots(self, pages: np.ndarray) -> np.ndarray:
+        if native is not None and pages.flags.c_contiguous:
+            slots = np.empty(len(pages) * self.page_size, dtype=np.int64)
+            native.pages_to_slots(pages, self.page_size, slots)
+            return slots
         if self.page_size == 1:
             return pages.copy()
         if len(pages) > 1 and self._is_run(pages):  # the usual allocation: one stretch of free pages

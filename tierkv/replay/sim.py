@@ -56,8 +56,8 @@ class SimConfig:
     # for it at once (a swap through a staging buffer), where chunked loads leave the first chunk's loss
     swap_loads: bool = False
     # exclusive tiers: a load back whose L1 demotions do not fit in L2's free room goes in chunks of this
-    # many tokens, each promoted before the next, so the demotions take the loaded pages' L2 slots (as
-    # CacheConfig.load_chunk_tokens); 0: one load, L2 evicting for the demotions
+    # many tokens, each chunk's L2 pages freed once it is in L1, so the next chunk's demotions take them
+    # (as CacheConfig.load_chunk_tokens); 0: one load, L2 evicting for the demotions
     load_chunk_tokens: int = 256
 
     def __post_init__(self) -> None:

@@ -27,13 +27,13 @@ class Pair:
     """A scheduler half and a worker half over one set of 'vLLM' KV tensors."""
 
     def __init__(self, tmp_path: Path | None = None, pages: int = 16, faults: dict | None = None,
-                 read_timeout_s: float = 5.0) -> None:
+                 read_timeout_s: float = 5.0, policy: str = ConnectorConfig.eviction_policy) -> None:
         backend = f"file://{tmp_path}" if tmp_path is not None else None
         backend_config = {"faults": faults} if faults else {}
         storage = StorageConfig(prefetch_threshold=0, prefetch_timeout_base=read_timeout_s,
                                 prefetch_timeout_per_ki_token=0.0, io_wait_timeout_s=0.5,
                                 backend_config=backend_config)
-        self.config = ConnectorConfig(storage_backend=backend, storage=storage)
+        self.config = ConnectorConfig(storage_backend=backend, storage=storage, eviction_policy=policy)
         self.geometry = KVGeometry("tiny", "test", "float32", BLOCK_SHAPE, LAYERS, BLOCK, BLOCK_NBYTES,
                                    DEVICE_BLOCKS, pages)
         stores = [open_store(backend, self.geometry.store_namespace(0), self.geometry.page_nbytes,
@@ -205,6 +205,34 @@ def test_full_l2_skips_saves_while_pages_are_protected_then_evicts():
     assert pair.match("d", prompt_b) == (HIT, False)
     pair.scheduler.check_integrity()
     pair.close()
+
+
+@pytest.mark.parametrize("policy", ["gdsf", "tinylfu"])
+def test_frequency_aware_policies_see_each_use_of_an_l2_prefix(policy):
+    """The connector's tree drives the policy's hooks as the cache does (uses, inserts, evictions): A,
+    used three times, outlives B, newer but used once. Before, the connector never reported a use, so
+    every node had none and both policies fell back to recency: A went."""
+    pair = Pair(pages=6, policy=policy)  # room for two prompts of 3 pages
+    prompt_a, prompt_b, prompt_c = list(range(14)), list(range(50, 64)), list(range(200, 214))
+    pair.compute("a1", prompt_a, [0, 1, 2, 3])
+    for req_id in ("a2", "a3"):
+        assert pair.match(req_id, prompt_a) == (HIT, False)
+        pair.scheduler.after_alloc(req_id, prompt_a, [4, 5, 6, 7], HIT)
+        pair.step()
+        pair.scheduler.request_finished(req_id)
+    pair.compute("b1", prompt_b, [8, 9, 10, 11])
+    pair.compute("c1", prompt_c, [12, 13, 14, 15])  # L2 full: A or B goes
+    assert pair.scheduler.stats.evicted_tokens == HIT
+    assert pair.match("a4", prompt_a) == (HIT, False)
+    assert pair.match("b2", prompt_b) == (0, False)
+    pair.scheduler.check_integrity()
+    pair.close()
+
+
+def test_the_connectors_default_policy_is_the_caches():
+    from tierkv.config import CacheConfig
+
+    assert ConnectorConfig().eviction_policy == CacheConfig().eviction_policy == "gdsf"
 
 
 @pytest.mark.parametrize("extra, field", [

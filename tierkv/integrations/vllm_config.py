@@ -37,7 +37,7 @@ class ConnectorConfig:
     hicache_ratio: float = 2.0
     hicache_size_gb: float | None = None
     write_policy: str = "write_through"
-    eviction_policy: str = "lru"
+    eviction_policy: str = "gdsf"  # the cache's default; behind vLLM's own L1 as measured for inclusive L2 (README)
     load_back_threshold: int = 0
     storage_backend: str | None = None
     model_tag: str | None = None

@@ -190,6 +190,8 @@ class SchedulerTiers:
         req = self.requests.setdefault(req_id, _Request(req_id))
         if req.protected is None and req.saved_tokens == 0:
             path = self.tree.match(RadixKey(prompt[: len(prompt) // self.page_size * self.page_size]))
+            for node in path.nodes:  # the request uses its L2 prefix once: policies count uses themselves
+                self.priority.on_access(node)
             if path.nodes:
                 self._protect(req, path.nodes[-1])
             req.saved_tokens = path.num_tokens
@@ -258,6 +260,8 @@ class SchedulerTiers:
             leaf.host_value = slots
             hashes = self._hashes(req, tokens[:end])
             leaf.hash_values = hashes[start // self.page_size:]
+            self.priority.on_access(leaf)  # as HiRadixCache.insert: a new leaf is used, then inserted
+            self.priority.on_insert(leaf)
             op = SaveOp(list(block_ids[start // self.page_size: end // self.page_size]),
                         self.allocator.slots_to_pages(slots).tolist(), list(leaf.hash_values))
             self._maybe_backup(op, leaf)
@@ -298,6 +302,7 @@ class SchedulerTiers:
             slots.append(node.host_value)
             node.host_value = None
             self.tree.remove_leaf(node)
+            self.priority.on_evict(node, removed=True)  # L2 is this tree's only tier
             if freed >= num_tokens:
                 break
         if slots:

@@ -25,6 +25,15 @@ def test_l2_is_sized_above_l1_and_alike_with_and_without_l3():
     assert l2.l1_tokens == l3.l1_tokens
 
 
+def test_exclusive_tiers_run_and_agree_with_no_cache(capsys):
+    assert main(["--conversations", "3", "--turns", "2", "--system-tokens", "48", "--quick",
+                 "--tier-mode", "exclusive"]) == 0
+    printed = capsys.readouterr().out
+    assert "exclusive tiers" in printed and "outputs identical across modes: yes" in printed
+    results = run_all("tiny-llama", TINY, modes=("l1+l2",), tier_mode="exclusive")
+    assert results[0].error is None and results[0].hit_tokens["L1"] + results[0].hit_tokens["L2"] > 0
+
+
 def test_cli_prints_the_table(capsys, tmp_path):
     out_json = tmp_path / "r.json"
     assert main(["--conversations", "2", "--turns", "2", "--system-tokens", "32", "--quick",

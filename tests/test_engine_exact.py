@@ -67,3 +67,25 @@ def test_multi_turn_conversation_reuses_whole_history(model):
         history = history + got.output + messages[turn]
     engine.check_integrity()
     engine.close()
+
+
+def test_exclusive_tiers_load_back_in_chunks_exactly(model):
+    """Exclusive tiers (L2 holds what L1 dropped): a prefix demoted to a full L2 comes back in chunks
+    (tierkv.chunked_load), and the outputs are those of no cache."""
+    prompt = prompts_with_shared_prefix(1, prefix_len=320, suffix_len=7, seed=5)
+    fillers = prompts_with_shared_prefix(6, prefix_len=0, suffix_len=200, seed=6)
+    want = reference(model, prompt, MAX_NEW)
+    engine = Engine(model, EngineConfig(mode="l1+l2", l1_tokens=512, page_size=16, hicache_ratio=1.5,
+                                        tier_mode="exclusive"))
+    chunks = []
+    load_now = engine.cache.transfer.load_now
+    engine.cache.transfer.load_now = lambda *args: chunks.append(args) or load_now(*args)
+    got = engine.generate(prompt, MAX_NEW)
+    engine.generate(fillers, MAX_NEW)  # demotes the prompt to L2 and fills L2
+    assert engine.cache.host_pool.num_free_slots < 256
+    got += engine.generate(prompt, MAX_NEW)
+    assert got[1].host_hit_tokens >= 256 and len(chunks) >= 2
+    for g in got:
+        assert_same(g, want[0])
+    engine.check_integrity()
+    engine.close()

@@ -25,6 +25,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from tierkv.config import TIER_MODES
 from tierkv.engine.engine import CACHE_MODES, MODE_LABELS, Engine, EngineConfig, sync_device
 from tierkv.engine.loader import build_model
 from tierkv.engine.request import Request
@@ -135,11 +136,11 @@ def _record(result: ModeResult, r: Request) -> None:
 
 
 def engine_config(mode: str, workload: ChatWorkload, device: str, l3_dir: str, chunk_tokens: int,
-                  l2_fraction: float = L2_FRACTION) -> EngineConfig:
+                  l2_fraction: float = L2_FRACTION, tier_mode: str = "inclusive") -> EngineConfig:
     """L1 holds about a quarter of the working set (at least two requests); L2, in both rows that have
     one, ``l2_fraction`` of it (at least 1.5x L1). Chat turns come back round robin, which a tier keeps
     only if it holds every history: with L2 under the working set, what the L1+L2+L3 row gains over
-    L1+L2 is what L3 supplies, like for like."""
+    L1+L2 is what L3 supplies, like for like. ``tier_mode`` applies to both rows with an L2."""
     l1 = max(workload.working_set_tokens // 4, 2 * workload.max_context_tokens)
     ratio = max(1.5, l2_fraction * workload.working_set_tokens / l1)
     l3 = mode == "l1+l2+l3"
@@ -151,14 +152,15 @@ def engine_config(mode: str, workload: ChatWorkload, device: str, l3_dir: str, c
     extra = {"prefetch_threshold": threshold, "prefetch_stop_policy": "wait_complete",
              "prefetch_max_tokens_in_flight": 2 * workload.max_context_tokens}
     return EngineConfig(mode=mode, device=device, l1_tokens=l1 - l1 % PAGE_SIZE, page_size=PAGE_SIZE,
-                        hicache_ratio=ratio, chunk_tokens=chunk_tokens,
+                        hicache_ratio=ratio, chunk_tokens=chunk_tokens, tier_mode=tier_mode,
                         host_layout="page_first" if l3 else "layer_first",
                         l3=f"file:{l3_dir}" if l3 else None, storage_extra=extra if l3 else None)
 
 
 def run_all(model_name: str, workload: ChatWorkload, device: str = "cpu", chunk_tokens: int = 512,
             modes: tuple[str, ...] = CACHE_MODES, repeats: int = 1,
-            on_run: Callable[[str], None] | None = None, l2_fraction: float = L2_FRACTION) -> list[ModeResult]:
+            on_run: Callable[[str], None] | None = None, l2_fraction: float = L2_FRACTION,
+            tier_mode: str = "inclusive") -> list[ModeResult]:
     """Each mode ``repeats`` times, the modes interleaved so machine noise hits them alike; per mode the
     run with the shortest wall time is kept (the least disturbed one). ``on_run(mode)`` follows each run."""
     model = build_model(model_name, device)
@@ -166,7 +168,7 @@ def run_all(model_name: str, workload: ChatWorkload, device: str = "cpu", chunk_
     best: dict[str, ModeResult] = {}
     for _ in range(repeats):
         for mode in modes:
-            result = run_mode(model, workload, mode, device, chunk_tokens, l2_fraction)
+            result = run_mode(model, workload, mode, device, chunk_tokens, l2_fraction, tier_mode)
             if on_run is not None:
                 on_run(mode)
             kept = best.get(mode)
@@ -176,11 +178,12 @@ def run_all(model_name: str, workload: ChatWorkload, device: str = "cpu", chunk_
 
 
 def run_mode(model, workload: ChatWorkload, mode: str, device: str, chunk_tokens: int,
-             l2_fraction: float = L2_FRACTION) -> ModeResult:
+             l2_fraction: float = L2_FRACTION, tier_mode: str = "inclusive") -> ModeResult:
     """One replay of ``workload`` in ``mode`` on a fresh engine (and an empty L3 directory)."""
     with tempfile.TemporaryDirectory(prefix="tierkv-bench-l3-") as l3_dir:
         try:
-            engine = Engine(model, engine_config(mode, workload, device, l3_dir, chunk_tokens, l2_fraction))
+            engine = Engine(model, engine_config(mode, workload, device, l3_dir, chunk_tokens, l2_fraction,
+                                                 tier_mode))
         except ValueError as exc:
             return ModeResult(mode, error=str(exc))
         try:
@@ -236,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--conversations", type=int)
     parser.add_argument("--turns", type=int)
     parser.add_argument("--system-tokens", type=int)
+    parser.add_argument("--user-tokens", type=int, help="new tokens a user adds each turn")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, help="runs per mode, best kept (default: 1 with --quick, else 3)")
     parser.add_argument("--json", help="also write the results here")
@@ -243,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="L2 of the rows that have one, as a fraction of the working set")
     parser.add_argument("--models", help="comma-separated models: print the crossover table over them "
                                          "(no cache vs L1+L2 vs L1+L2+L3, ratios per run) instead")
+    parser.add_argument("--tier-mode", choices=TIER_MODES, default="inclusive",
+                        help="L1+L2 tiers in the rows with an L2 (exclusive: L2 holds what L1 dropped)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (1 avoids oversubscription on a shared CPU)")
     args = parser.parse_args(argv)
@@ -251,20 +257,21 @@ def main(argv: list[str] | None = None) -> int:
                                 output_tokens=8) \
         if args.quick else ChatWorkload()
     overrides = {"num_conversations": args.conversations, "num_turns": args.turns,
-                 "system_tokens": args.system_tokens, "seed": args.seed}
+                 "system_tokens": args.system_tokens, "user_tokens": args.user_tokens, "seed": args.seed}
     workload = ChatWorkload(**(asdict(workload) | {k: v for k, v in overrides.items() if v is not None}))
     repeats = args.repeats or (1 if args.quick else 3)
     if args.models:
         from tierkv.engine.bench_crossover import main_crossover
-        return main_crossover(args.models.split(","), workload, args.device, repeats, args.l2_fraction, args.json)
+        return main_crossover(args.models.split(","), workload, args.device, repeats, args.l2_fraction, args.json,
+                              args.tier_mode)
     print(f"engine bench: model {args.model} on {args.device}; {workload.num_conversations} conversations x "
           f"{workload.num_turns} turns, {workload.num_system_prompts} shared system prompts of "
           f"{workload.system_tokens} tokens, {workload.user_tokens} user + {workload.output_tokens} output "
-          f"tokens per turn; best of {repeats} interleaved runs per mode", flush=True)
+          f"tokens per turn; {args.tier_mode} tiers; best of {repeats} interleaved runs per mode", flush=True)
     with Progress(console=Console(stderr=True), transient=True) as progress:
         task = progress.add_task("engine bench", total=repeats * len(CACHE_MODES))
         results = run_all(args.model, workload, args.device, repeats=repeats, l2_fraction=args.l2_fraction,
-                          on_run=lambda mode: progress.update(task, advance=1, description=f"ran {mode}"))
+                          tier_mode=args.tier_mode, on_run=lambda mode: progress.update(task, advance=1, description=f"ran {mode}"))
     print(format_table(results))
     if args.json:
         with open(args.json, "w") as f:

@@ -42,7 +42,7 @@ class SweepRow:
 
 
 def run_sweep(models: list[str], workload: ChatWorkload, device: str = "cpu", repeats: int = 5,
-              l2_fraction: float = 0.5, chunk_tokens: int = 512) -> list[SweepRow]:
+              l2_fraction: float = 0.5, chunk_tokens: int = 512, tier_mode: str = "inclusive") -> list[SweepRow]:
     """Every model, its modes interleaved within each repeat so machine noise hits them alike."""
     rows: list[SweepRow] = []
     for name in models:
@@ -51,7 +51,8 @@ def run_sweep(models: list[str], workload: ChatWorkload, device: str = "cpu", re
         by_mode = {mode: SweepRow(name, mode) for mode in SWEEP_MODES}
         for repeat in range(repeats):
             order = SWEEP_MODES[repeat % len(SWEEP_MODES):] + SWEEP_MODES[: repeat % len(SWEEP_MODES)]  # no mode always runs first or last
-            runs = {mode: run_mode(model, workload, mode, device, chunk_tokens, l2_fraction) for mode in order}
+            runs = {mode: run_mode(model, workload, mode, device, chunk_tokens, l2_fraction, tier_mode)
+                    for mode in order}
             failed = [r.error for r in runs.values() if r.error]
             if failed:
                 raise RuntimeError(f"model {name}: {failed[0]}")
@@ -101,11 +102,11 @@ def format_crossover(rows: list[SweepRow]) -> str:
 
 
 def main_crossover(models: list[str], workload: ChatWorkload, device: str, repeats: int, l2_fraction: float,
-                   json_path: str | None) -> int:
+                   json_path: str | None, tier_mode: str = "inclusive") -> int:
     print(f"crossover: models {', '.join(models)} on {device}; {workload.num_conversations} conversations x "
           f"{workload.num_turns} turns; {repeats} interleaved runs per mode; L2 {l2_fraction} of the "
-          f"working set", flush=True)
-    rows = run_sweep(models, workload, device, repeats, l2_fraction)
+          f"working set, {tier_mode} tiers", flush=True)
+    rows = run_sweep(models, workload, device, repeats, l2_fraction, tier_mode=tier_mode)
     print(format_crossover(rows))
     if json_path:
         with open(json_path, "w") as f:

@@ -10,8 +10,10 @@ import sys
 from pathlib import Path
 
 from tierkv.cli import token_count
+from tierkv.config import TIER_MODES, CacheConfig
 from tierkv.engine.config import PRESETS
 from tierkv.engine.engine import CACHE_MODES, Engine, EngineConfig
+from tierkv.eviction import POLICIES
 
 DEFAULT_L1_TOKENS = "8k"
 
@@ -37,6 +39,10 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-running", type=int, default=16, help="requests batched together")
     parser.add_argument("--prefill-tokens-per-s", type=float, default=None,
                         help="fix the prefill rate the fetch-or-recompute decisions use (default: measured)")
+    parser.add_argument("--tier-mode", choices=TIER_MODES, default="inclusive",
+                        help="inclusive: L2 copies what L1 holds; exclusive: L2 holds what L1 dropped")
+    parser.add_argument("--eviction-policy", choices=sorted(POLICIES), default=CacheConfig.eviction_policy,
+                        help="order in which L1 and L2 pages go")
 
 
 def serve_parser() -> argparse.ArgumentParser:
@@ -107,7 +113,8 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         return EngineConfig(mode=args.mode, device=args.device, l1_tokens=args.l1_tokens, page_size=args.page_size,
                             hicache_ratio=ratio, l3=args.l3, storage_extra=extra,
                             max_running_requests=args.max_running, chunk_tokens=args.chunk_tokens,
-                            model_id=args.model_id, prefill_tokens_per_s=args.prefill_tokens_per_s)
+                            model_id=args.model_id, prefill_tokens_per_s=args.prefill_tokens_per_s,
+                            tier_mode=args.tier_mode, eviction_policy=args.eviction_policy)
     except ValueError as exc:
         raise CliError(_name_flag(str(exc))) from None
 

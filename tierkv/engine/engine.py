@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tierkv.config import WRITE_POLICIES, CacheConfig
+from tierkv.config import TIER_MODES, WRITE_POLICIES, CacheConfig
+from tierkv.eviction import POLICIES
 from tierkv.engine.config import ModelConfig
 from tierkv.engine.loader import build_model, model_namespace
 from tierkv.engine.models import CausalLM
@@ -36,6 +37,8 @@ class EngineConfig:
     hicache_ratio: float = 2.0
     hicache_size_gb: float | None = None
     write_policy: str = "write_through"
+    tier_mode: str = "inclusive"  # CacheConfig.tier_mode: exclusive L2 holds what L1 dropped
+    eviction_policy: str = CacheConfig.eviction_policy
     host_layout: str = "layer_first"
     kv_dtype: str | None = None
     l3: str | None = None
@@ -56,6 +59,8 @@ class EngineConfig:
         if self.hicache_size_gb is not None:  # 0: use the ratio
             check_number("hicache_size_gb", self.hicache_size_gb, minimum=0)
         check_choice("write_policy", self.write_policy, sorted(WRITE_POLICIES))
+        check_choice("tier_mode", self.tier_mode, TIER_MODES)
+        check_choice("eviction_policy", self.eviction_policy, sorted(POLICIES))
         check_choice("host_layout", self.host_layout, HOST_LAYOUTS)
         if self.kv_dtype is not None:
             try:
@@ -87,6 +92,7 @@ class Engine:
         spec = self.model.config.kv_spec(cfg.kv_dtype)
         self.device_pool = DeviceKVPool(spec, cfg.l1_tokens, cfg.page_size, self.model.device)
         cache_cfg = CacheConfig(page_size=cfg.page_size, write_policy=cfg.write_policy, host_layout=cfg.host_layout,
+                                tier_mode=cfg.tier_mode, eviction_policy=cfg.eviction_policy,
                                 hicache_ratio=cfg.hicache_ratio, hicache_size_gb=cfg.hicache_size_gb,
                                 enable_host=cfg.mode in ("l1+l2", "l1+l2+l3"), cost_aware=cfg.cost_aware,
                                 prefill_tokens_per_s=cfg.prefill_tokens_per_s)

@@ -5,7 +5,9 @@ the per-call :func:`eviction_order` over the frontier (the way every eviction wo
 policy, both tier modes; locks, host copies, touches and key rises without an event (hit counts) mixed in.
 """
 
+import gc
 import random
+import weakref
 
 import pytest
 import torch
@@ -322,3 +324,55 @@ def test_a_parent_with_many_children_is_evicted_after_the_last_of_them(tree_impl
     assert freed == 14 and [list(n.key) for n in nodes] == [[k] for k in range(1, 13)] + [[1, 2]]
     assert tree.root.children == {}
     tree.check_integrity()
+
+
+class _Slots(list):
+    """A device value a test can watch die (a list subclass takes weak references; slices stay _Slots)."""
+
+    def __getitem__(self, index):
+        got = super().__getitem__(index)
+        return _Slots(got) if isinstance(index, slice) else got
+
+
+def _watched_tree():
+    tree = RadixTree()
+    for ids in ([1, 2, 3], [1, 2, 4], [1, 2, 4, 5, 6], [7], [7, 8, 9]):  # splits, a chain, root children
+        tree.insert(RadixKey(ids), _Slots(ids))
+    values = [n.device_value for n in tree.nodes() if n.device_value is not None]
+    return tree, EvictionHeap(tree, "device", get_policy("lru")), [weakref.ref(v) for v in values]
+
+
+@pytest.mark.parametrize("keep_nodes", [True, False])
+def test_evict_device_hands_back_each_value_with_the_one_reference_the_tree_held(tree_impl, keep_nodes):
+    """The compiled loop moves a value's reference from its node to the list it returns: none is added
+    (a leak) or lost (a value freed under the caller)."""
+    import sys
+
+    tree, heap, watched = _watched_tree()
+    freed, nodes, values = heap.evict_device(100, keep_nodes=keep_nodes)
+    assert freed == 9 and len(values) == len(watched) and len(nodes) == (len(watched) if keep_nodes else 0)
+    del tree, heap, nodes
+    gc.collect()
+    assert [sys.getrefcount(values[i]) for i in range(len(values))] == [2] * len(values)  # the list's own
+    assert sorted(map(id, values)) == sorted(id(w()) for w in watched)
+    del values
+    assert [w() for w in watched] == [None] * len(watched)
+
+
+def test_an_on_evict_hook_that_raises_leaks_no_value(tree_impl):
+    """An error inside the loop propagates; the values evicted before it are dropped with the call's
+    frame (as the Python loop drops its list), not kept alive by the compiled loop."""
+    tree, heap, watched = _watched_tree()
+    calls = []
+
+    def hook(node, removed):
+        calls.append(node)
+        if len(calls) == 2:
+            raise RuntimeError("hook failed")
+
+    with pytest.raises(RuntimeError, match="hook failed"):
+        heap.evict_device(100, hook)
+    assert len(calls) == 2 and all(n.device_value is None for n in calls)
+    del tree, heap, calls
+    gc.collect()
+    assert [w() for w in watched] == [None] * len(watched)

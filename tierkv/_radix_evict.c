@@ -1,4 +1,5 @@
 #include "_radix_evict.h"
+#include <string.h>
 
 /* The compiled eviction loop of tierkv._radix (module and key functions: _radix.c).
  *
@@ -76,6 +77,45 @@ static int drain(EvictCtx *c) {
     return rc < 0 ? -1 : PySet_Clear(c->changed);
 }
 
+/* append ``ref`` (a reference the stash takes over, released here if it cannot) */
+static int stash_take(Stash *s, PyObject *ref) {
+    if (s->len == s->cap) {
+        Py_ssize_t cap = s->cap < 64 ? 64 : 2 * s->cap;
+        PyObject **items = PyMem_Realloc(s->items, (size_t)cap * sizeof(PyObject *));
+        if (items == NULL) {
+            Py_DECREF(ref);
+            PyErr_NoMemory();
+            return -1;
+        }
+        s->items = items, s->cap = cap;
+    }
+    s->items[s->len++] = ref;
+    return 0;
+}
+
+static void stash_drop(Stash *s) {
+    for (Py_ssize_t i = 0; i < s->len; i++) {
+        Py_DECREF(s->items[i]);
+    }
+    PyMem_Free(s->items);
+    s->items = NULL, s->len = s->cap = 0;
+}
+
+/* the stash's references as a new list (NULL on error); the stash is left empty either way */
+static PyObject *stash_list(Stash *s) {
+    PyObject *list = PyList_New(s->len);
+    if (list == NULL) {
+        stash_drop(s);
+        return NULL;
+    }
+    if (s->len > 0) {
+        memcpy(((PyListObject *)list)->ob_item, s->items, (size_t)s->len * sizeof(PyObject *));
+    }
+    PyMem_Free(s->items);
+    s->items = NULL, s->len = s->cap = 0;
+    return list;
+}
+
 /* on_evict(node, removed) when the caller gave a hook: a policy's state (GDSF's clock) may rank the
  * parent that joins next */
 static int report(EvictCtx *c, PyObject *node, PyObject *removed) {
@@ -89,12 +129,16 @@ static int report(EvictCtx *c, PyObject *node, PyObject *removed) {
 
 /* clear_device_value(node), then remove_leaf(node) when no tier holds it; ``node`` is a candidate */
 static int evict_one(EvictCtx *c, PyObject *node, Py_ssize_t *freed) {
+    prefetch_teardown(node);
     Py_ssize_t num_tokens = PyObject_Size(SLOT(node, key));
-    if (num_tokens < 0 || (c->nodes != NULL && PyList_Append(c->nodes, node) < 0)
-        || PyList_Append(c->values, SLOT(node, device_value)) < 0) {
+    if (num_tokens < 0 || (c->keep_nodes && stash_take(&c->nodes, Py_NewRef(node)) < 0)) {
         return -1;
     }
-    Py_SETREF(SLOT(node, device_value), Py_NewRef(Py_None));
+    PyObject *value = SLOT(node, device_value);  /* its reference moves to the stash */
+    SLOT(node, device_value) = Py_NewRef(Py_None);
+    if (stash_take(&c->values, value) < 0) {
+        return -1;
+    }
     c->evicted_tokens += num_tokens;
     *freed += num_tokens;
     PyObject *parent = SLOT(node, parent);  /* the caller marks it changed (see evict_loop) */
@@ -289,22 +333,6 @@ static int account(PyObject *tree, Py_ssize_t num_tokens) {
     return set;
 }
 
-/* A new list the collector does not track while the loop fills it (no Python code sees it before it is
- * returned): the collections the loop's allocations trigger need not traverse it. track() before return. */
-static PyObject *untracked_list(void) {
-    PyObject *list = PyList_New(0);
-    if (list != NULL) {
-        PyObject_GC_UnTrack(list);
-    }
-    return list;
-}
-
-static void track(PyObject *list) {
-    if (list != NULL && !PyObject_GC_IsTracked(list)) {
-        PyObject_GC_Track(list);
-    }
-}
-
 PyObject *tierkv_evict_device(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (nargs != 10) {
@@ -326,9 +354,8 @@ PyObject *tierkv_evict_device(PyObject *self, PyObject *const *args, Py_ssize_t 
     }
     PyObject *frontiers = NULL, *page = NULL, *result = NULL;
     c.root = PyObject_GetAttrString(tree, "root");
-    c.nodes = keep_nodes ? untracked_list() : NULL, c.values = untracked_list();
-    if (c.root == NULL || (keep_nodes && c.nodes == NULL) || c.values == NULL
-        || tierkv_bind_layout(Py_TYPE(c.root)) < 0 || tierkv_bind_key_slots(&c) < 0
+    c.keep_nodes = keep_nodes;
+    if (c.root == NULL || tierkv_bind_layout(Py_TYPE(c.root)) < 0 || tierkv_bind_key_slots(&c) < 0
         || (frontiers = PyObject_GetAttrString(c.root, "_frontiers")) == NULL
         || (c.device = PyObject_GetAttrString(frontiers, "device")) == NULL
         || (c.host = PyObject_GetAttrString(frontiers, "host")) == NULL
@@ -345,14 +372,15 @@ PyObject *tierkv_evict_device(PyObject *self, PyObject *const *args, Py_ssize_t 
     int rc = evict_loop(&c, num_tokens, recheck);
     rc = account(tree, c.evicted_tokens) < 0 ? -1 : rc;
     if (rc == 0) {
-        track(c.values);
-        track(c.nodes);
-        result = c.nodes != NULL ? Py_BuildValue("(nOO)", c.evicted_tokens, c.nodes, c.values)
-                                 : Py_BuildValue("(n[]O)", c.evicted_tokens, c.values);
+        PyObject *freed = PyLong_FromSsize_t(c.evicted_tokens);
+        PyObject *nodes = stash_list(&c.nodes), *values = stash_list(&c.values);
+        result = freed && nodes && values ? PyTuple_Pack(3, freed, nodes, values) : NULL;
+        Py_XDECREF(freed), Py_XDECREF(nodes), Py_XDECREF(values);
     }
 done:
+    stash_drop(&c.nodes), stash_drop(&c.values);  /* after an error: what was evicted is dropped */
     Py_XDECREF(frontiers), Py_XDECREF(page), Py_XDECREF(c.root);
-    Py_XDECREF(c.device), Py_XDECREF(c.host), Py_XDECREF(c.host_changed), Py_XDECREF(c.nodes), Py_XDECREF(c.values);
+    Py_XDECREF(c.device), Py_XDECREF(c.host), Py_XDECREF(c.host_changed);
     return result;
 }
 

@@ -168,7 +168,8 @@ def startup_summary(server, args: argparse.Namespace) -> list[str]:
              f"({engine.device_pool.num_slots * spec.bytes_per_token / 2**20:,.1f} MiB)"]
     if engine.cache.host_pool is not None:
         host = engine.cache.host_pool.num_slots
-        lines[-1] += f", L2 {host:,} tokens ({host * spec.bytes_per_token / 2**20:,.1f} MiB)"
+        lines[-1] += f", L2 {host:,} tokens ({host * spec.bytes_per_token / 2**20:,.1f} MiB, {engine.config.tier_mode})"
+    lines[-1] += f"; eviction {engine.config.eviction_policy}"
     if args.l3:
         from tierkv.storage.factory import redact_spec
 

@@ -19,8 +19,9 @@ from tierkv.storage.factory import open_store
 from tierkv.storage.page_format import HEADER_SIZE
 
 PAGE_NBYTES = 3000  # deliberately not a power of two
-# file-python: the file store's Python I/O loop (keyed stores and builds without tierkv._pageio use it)
-BACKENDS = ["memory", "file", "file-python", "redis", "mooncake"]
+# file-python: the file store's Python I/O loop (keyed stores and builds without tierkv._pageio use it);
+# file-threads: the native reads spread over several threads whatever the batch's size
+BACKENDS = ["memory", "file", "file-python", "file-threads", "redis", "mooncake"]
 
 
 def make_keys(num_pages: int, model: str = "m", seed: int = 0) -> list[str]:
@@ -61,6 +62,8 @@ class Backend:
             store = open_store(f"file://{self.tmp_path}/l3", namespace, page_nbytes, extra)
             if self.name == "file-python":
                 store._native = None
+            elif self.name == "file-threads":
+                store.read_threads, store.parallel_read_min_nbytes = 3, 0
         elif self.name == "redis":
             store = open_store(self.server.url, namespace, page_nbytes,
                                {"key_prefix": f"t{os.getpid()}:", "timeout_s": 1.0, "retry_backoff_s": 0.05,
@@ -314,7 +317,7 @@ def test_one_writer_and_one_reader_thread_never_see_a_torn_page(backend):
 BLOB_NBYTES = PAGE_NBYTES + HEADER_SIZE
 
 
-@pytest.mark.parametrize("backend", ["memory", "file", "file-python"], indirect=True)
+@pytest.mark.parametrize("backend", ["memory", "file", "file-python", "file-threads"], indirect=True)
 def test_max_bytes_bounds_the_store_evicting_the_least_recently_used(backend):
     """Issue 15, item 5: a bounded L3 evicts by recency (reads count as use) and never exceeds its bound."""
     store = backend.open(max_bytes=4 * BLOB_NBYTES + 100)

@@ -38,6 +38,15 @@ def empty_pages(num_pages: int) -> list[torch.Tensor]:
     return [torch.zeros(PAGE_NBYTES, dtype=torch.uint8) for _ in range(num_pages)]
 
 
+def corrupt_mooncake_page(store, key: str, offset: int) -> None:
+    """Flip the byte at ``offset`` of ``key``'s stored blob (payload, then the header as a trailer)."""
+    name, client = store.object_key(key), store.client
+    blob = torch.zeros(store.format.blob_nbytes, dtype=torch.uint8)
+    assert client.get_into(name, blob.data_ptr(), blob.numel()) == blob.numel()
+    blob[offset] ^= 0xFF
+    assert client.upsert_from(name, blob.data_ptr(), blob.numel()) == 0
+
+
 class Backend:
     """How the suite opens and tampers with one backend's stores."""
 
@@ -98,11 +107,7 @@ class Backend:
             client.set(name, bytes(blob))
             client.close()
         else:
-            name, client = store.object_key(key), store.client
-            blob = torch.zeros(store.format.blob_nbytes, dtype=torch.uint8)
-            assert client.get_into(name, blob.data_ptr(), blob.numel()) == blob.numel()
-            blob[offset] ^= 0xFF
-            assert client.upsert_from(name, blob.data_ptr(), blob.numel()) == 0
+            corrupt_mooncake_page(store, key, offset)
 
     def close(self) -> None:
         for store in self.stores:
@@ -732,4 +737,53 @@ def test_mooncake_small_pages_move_in_the_fewest_calls(mooncake_master):
         store.client = client
         store.clear()
     finally:
+        store.close()
+
+
+def _failing_gets(store, faults: dict) -> object:
+    """A stand-in client whose get of a range starting at a key of ``faults`` raises ("raise") or answers
+    a transport error for that key's page ("code"); everything else goes to the real client."""
+    client, lock = store.client, threading.Lock()
+
+    class FailingClient:
+        def __getattr__(self, name):
+            return getattr(client, name)
+
+        def batch_get_into_multi_buffers(self, names, *args):
+            with lock:
+                fault = faults.pop(names[0][len(store.key_prefix):], None)
+            if fault == "raise":
+                raise RuntimeError("transfer failed")
+            codes = client.batch_get_into_multi_buffers(names, *args)
+            return [-1] + codes[1:] if fault == "code" else codes
+    return FailingClient()
+
+
+@pytest.mark.parametrize("fault", ["code", "raise"])
+def test_mooncake_a_failed_get_range_costs_hits_only(mooncake_master, monkeypatch, fault):
+    """Gets go in ranges on two threads. A page whose transfer fails inside a range is a counted miss,
+    a corrupt page in another range too, and every other page a hit with its own bytes; a range whose
+    call raises is all misses (and the store backs off, so ranges not yet started miss too): never an
+    exception, never a wrong byte, and once the backoff ends the batch reads again."""
+    from tierkv.storage import mooncake_store
+    monkeypatch.setattr(mooncake_store, "GET_RANGE_NBYTES", 4 * PAGE_NBYTES)
+    store = open_store(mooncake_master.url, f"ns-failed-{fault}", PAGE_NBYTES, mooncake_master.client_config())
+    try:
+        keys, pages = make_keys(24), make_pages(24)
+        assert store.batch_set(keys, pages) == [True] * 24
+        corrupt_mooncake_page(store, keys[13], 7)
+        client, store.client = store.client, _failing_gets(store, {keys[16]: fault})  # range 4's first page
+        targets = empty_pages(24)
+        found = store.batch_get(keys, targets)
+        store.client = client
+        assert all(torch.equal(targets[i], pages[i]) for i in range(24) if found[i])
+        if fault == "code":
+            assert found == [i not in (13, 16) for i in range(24)]
+            assert store.stats.corrupt_pages == 1 and store.stats.errors == 1
+        else:
+            assert not any(found[16:20]) and found.count(True) <= 24 - 5 and store.stats.errors >= 1
+            store.backoff.succeeded()  # the window's end
+        assert store.batch_get(keys, empty_pages(24)) == [i != 13 for i in range(24)]
+    finally:
+        store.clear()
         store.close()

@@ -229,7 +229,7 @@ def test_batches_of_several_helper_groups_round_trip_and_catch_corruption(backen
     from tierkv.storage import mooncake_store, overlap
     from tierkv.storage.overlap import pages_per_group
     monkeypatch.setattr(overlap, "MIN_OVERLAP_PAGE_NBYTES", 0 if overlapped else 1 << 40)
-    monkeypatch.setattr(mooncake_store, "GET_RANGE_NBYTES", 4 * PAGE_NBYTES if overlapped else 1 << 40)
+    monkeypatch.setattr(mooncake_store, "RANGE_NBYTES", 4 * PAGE_NBYTES if overlapped else 1 << 40)
     threads_before = set(threading.enumerate())
     store = backend.open()
     num_pages = 2 * pages_per_group(PAGE_NBYTES) + 5
@@ -705,13 +705,13 @@ def test_file_batch_opens_each_subdirectory_once(tmp_path, monkeypatch):
     assert store.batch_exists(keys) == num_pages and sorted(opened) == sorted(subdirs)
 
 
-def test_mooncake_small_pages_move_in_the_fewest_calls(mooncake_master):
-    """Headers hashed in place (pages below the overlap size) have nothing to overlap with a ramp of
-    calls, and every call costs round trips: a put batch goes in as few calls as the per-call page limit
-    allows."""
+def test_mooncake_batches_move_in_ranges_not_a_call_per_page(mooncake_master):
+    """Every call costs round trips to the master: a batch of small pages goes in one call per
+    RANGE_NBYTES range (two in flight), in both directions."""
     from tierkv.storage import mooncake_store
-    page_nbytes, num_pages = 64 << 10, 256  # 16 MiB: several calls of the ramp
-    store = open_store(mooncake_master.url, "ns-calls", page_nbytes, mooncake_master.client_config())
+    page_nbytes, num_pages = 64 << 10, 768  # 48 MiB: three ranges
+    store = open_store(mooncake_master.url, "ns-calls", page_nbytes,
+                       {**mooncake_master.client_config(), "global_segment_size": 128 << 20})
     try:
         keys = make_keys(num_pages)
         g = torch.Generator().manual_seed(1)
@@ -726,12 +726,11 @@ def test_mooncake_small_pages_move_in_the_fewest_calls(mooncake_master):
                     return lambda *args, **kwargs: (calls.append(name), method(*args, **kwargs))[1]
                 return method
         client, store.client = store.client, CountingClient()
-        fewest = -(-num_pages // mooncake_store._MAX_CALL_PAGES)
-        assert store.batch_set(keys, pages) == [True] * num_pages and len(calls) == fewest
+        ranges = -(-num_pages * page_nbytes // mooncake_store.RANGE_NBYTES)
+        assert ranges == 3
+        assert store.batch_set(keys, pages) == [True] * num_pages and len(calls) == ranges
         calls.clear()
         targets = [torch.zeros(page_nbytes, dtype=torch.uint8) for _ in keys]
-        # gets go in ranges of GET_RANGE_NBYTES (two in flight), however few calls that makes
-        ranges = -(-num_pages * page_nbytes // mooncake_store.GET_RANGE_NBYTES)
         assert store.batch_get(keys, targets) == [True] * num_pages and len(calls) == ranges
         assert all(map(torch.equal, targets, pages))
         store.client = client
@@ -766,7 +765,7 @@ def test_mooncake_a_failed_get_range_costs_hits_only(mooncake_master, monkeypatc
     call raises is all misses (and the store backs off, so ranges not yet started miss too): never an
     exception, never a wrong byte, and once the backoff ends the batch reads again."""
     from tierkv.storage import mooncake_store
-    monkeypatch.setattr(mooncake_store, "GET_RANGE_NBYTES", 4 * PAGE_NBYTES)
+    monkeypatch.setattr(mooncake_store, "RANGE_NBYTES", 4 * PAGE_NBYTES)
     store = open_store(mooncake_master.url, f"ns-failed-{fault}", PAGE_NBYTES, mooncake_master.client_config())
     try:
         keys, pages = make_keys(24), make_pages(24)
@@ -784,6 +783,37 @@ def test_mooncake_a_failed_get_range_costs_hits_only(mooncake_master, monkeypatc
             assert not any(found[16:20]) and found.count(True) <= 24 - 5 and store.stats.errors >= 1
             store.backoff.succeeded()  # the window's end
         assert store.batch_get(keys, empty_pages(24)) == [i != 13 for i in range(24)]
+    finally:
+        store.clear()
+        store.close()
+
+
+def test_mooncake_a_failed_put_range_costs_only_its_pages(mooncake_master, monkeypatch):
+    """Puts go in ranges on two threads: a range whose call raises is False (counted), every other range
+    is stored and reads back exactly; the failed pages are simply absent."""
+    from tierkv.storage import mooncake_store
+    monkeypatch.setattr(mooncake_store, "RANGE_NBYTES", 4 * PAGE_NBYTES)
+    store = open_store(mooncake_master.url, "ns-failed-put", PAGE_NBYTES, mooncake_master.client_config())
+    try:
+        keys, pages = make_keys(24), make_pages(24)
+        assert store.batch_exists(keys[:1]) == 0
+        client = store.client
+
+        class FailingClient:
+            def __getattr__(self, name):
+                return getattr(client, name)
+
+            def batch_put_from_multi_buffers(self, names, *args):
+                if names[0] == store.object_key(keys[8]):
+                    raise RuntimeError("transfer failed")
+                return client.batch_put_from_multi_buffers(names, *args)
+        store.client = FailingClient()
+        assert store.batch_set(keys, pages) == [not 8 <= i < 12 for i in range(24)]
+        store.client = client
+        assert store.stats.errors == 1 + 4 and store.stats.set_pages == 20  # the call, then each of its pages
+        targets = empty_pages(24)
+        assert store.batch_get(keys, targets) == [not 8 <= i < 12 for i in range(24)]
+        assert all(torch.equal(targets[i], pages[i]) for i in range(24) if not 8 <= i < 12)
     finally:
         store.clear()
         store.close()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tierkv.hashing import HashNamespace, page_hashes
-from tierkv.storage.overlap import Headers, Verifier, helper_pool, pages_per_group, ramp, run_ranges
+from tierkv.storage.overlap import Headers, Verifier, helper_pool, pages_per_group, run_ranges
 from tierkv.storage.page_format import PageFormat
 
 PAGE_NBYTES = 3000
@@ -24,17 +24,6 @@ def _pages(num_pages: int) -> tuple[list[str], list[memoryview]]:
     g = torch.Generator().manual_seed(1)
     pages = [torch.randint(0, 256, (PAGE_NBYTES,), dtype=torch.uint8, generator=g) for _ in keys]
     return keys, [memoryview(p.numpy()) for p in pages]
-
-
-@pytest.mark.parametrize("num_pages,page_nbytes", [(0, 4096), (1, 8 << 20), (3, 3000), (16, 8 << 20),
-                                                   (1024, 128 << 10), (5000, 4096)])
-def test_ramp_covers_every_page_once_in_order_with_small_ends(num_pages, page_nbytes):
-    bounds = ramp(num_pages, page_nbytes, 4 << 20, 64 << 20, 512)
-    assert [p for start, end in bounds for p in range(start, end)] == list(range(num_pages))
-    sizes = [end - start for start, end in bounds]
-    assert all(0 < s <= 512 for s in sizes)
-    if len(sizes) > 2:  # the first and last calls overlap nothing: sizes grow from and shrink to them
-        assert sizes[0] <= sizes[1] and sizes[-1] <= sizes[-2]
 
 
 @pytest.mark.parametrize("page_key", [None, "k" * 32])

@@ -6,10 +6,10 @@ with a spare core a batch costs about its I/O time, not I/O plus one hashing pas
 to the helpers in groups of about ``GROUP_NBYTES`` (one hand-off per group, not per page: a hand-off
 costs more than hashing a small page).
 
-With the native checksums (:mod:`tierkv.storage.native`), :class:`GroupHeaders` and :func:`checked_group`
-cost one GIL-free xxh3 call (and one vectorised header compare) per range instead of Python work per
-page. Helpers hide the hash only when a core is idle: it is a pass over memory either way, and on
-a busy 2-core machine the hand-offs and a cold read on another core cost more than they hide.
+With the native checksums (:mod:`tierkv.storage.native`), :func:`checked_group` costs one GIL-free
+xxh3 call and one vectorised header compare per range instead of Python work per page. Helpers hide
+the hash only when a core is idle: it is a pass over memory either way, and on a busy 2-core machine
+the hand-offs and a cold read on another core cost more than they hide.
 
 :func:`run_ranges` splits a batch into ranges that the caller and a helper each take in turn, moving and
 checking a whole range on one thread: for a backend that copies on a thread of its own (Mooncake's
@@ -52,32 +52,6 @@ def helper_pool() -> ThreadPoolExecutor:
 
 def pages_per_group(page_nbytes: int) -> int:
     return max(1, GROUP_NBYTES // page_nbytes)
-
-
-def ramp(num_pages: int, page_nbytes: int, min_nbytes: int = GROUP_NBYTES, max_nbytes: int = 32 << 20,
-         max_pages: int = 256) -> list[tuple[int, int]]:
-    """(start, end) page ranges for a batch moved one backend call per range, overlapped with the helpers:
-    sizes double from ``min_nbytes`` up to ``max_nbytes`` and halve again towards the end, since the
-    first range's headers (writes) and the last range's checks (reads) cannot overlap any transfer,
-    while every call has a fixed cost (a round trip to a master)."""
-    def pages(nbytes: int) -> int:
-        return max(1, min(max_pages, nbytes // page_nbytes))
-    head, tail = [], []
-    nbytes, left = min_nbytes, num_pages
-    while left > 0:
-        size = min(pages(nbytes), left)
-        head.append(size)
-        left -= size
-        if left > 0:
-            size = min(pages(nbytes), left)
-            tail.append(size)
-            left -= size
-        nbytes = min(2 * nbytes, max_nbytes)
-    bounds, start = [], 0
-    for size in head + tail[::-1]:
-        bounds.append((start, start + size))
-        start += size
-    return bounds
 
 
 def _headers(fmt: PageFormat, keys: list[str], views: list[memoryview]) -> list[bytes]:
@@ -200,18 +174,12 @@ class Verifier(_Jobs):
         return self._failures + [failure for future in self._futures for failure in future.result()]
 
 
-# With the native checksums (tierkv.storage.native) a helper's job is one call without the GIL per group
-# of pages, whatever their size: pages of any size overlap, in groups that ``ramp`` sizes.
 def checked_group(pageio: ModuleType, fmt: PageFormat, indexes: list[int], keys: list[str], headers: np.ndarray,
                   payloads: list[memoryview]) -> list[tuple[int, PageFormatError]]:
     """(index from ``indexes``, error) of each unkeyed page whose stored header (a row of ``headers``)
     does not match its payload: one native xxh3 call and one vectorised compare."""
     digests = pageio.xxh3_many(payloads)
     return [(indexes[i], err) for i, err in fmt.check_headers(keys, headers, payloads, digests)]
-
-
-def _headers_group(pageio: ModuleType, fmt: PageFormat, keys: list[str], payloads: list[memoryview]) -> np.ndarray:
-    return fmt.filled_headers(keys, pageio.xxh3_many(payloads))
 
 
 def run_ranges(work: Callable[[int, int, int], T], ranges: list[tuple[int, int]],
@@ -237,25 +205,3 @@ def run_ranges(work: Callable[[int, int, int], T], ranges: list[tuple[int, int]]
         if not future.cancelled() and future.exception() is not None:
             raise future.exception()
     return results
-
-
-class GroupHeaders(_Jobs):
-    """Headers of unkeyed pages to write, range by range (native xxh3), computed in helper threads ahead of
-    the caller, who sends one range while the next one is hashed."""
-
-    def __init__(self, fmt: PageFormat, keys: list[str], payloads: list[memoryview], ranges: list[tuple[int, int]],
-                 pool: Callable[[], ThreadPoolExecutor], pageio: ModuleType, in_place: bool) -> None:
-        super().__init__()
-        self._fmt, self._keys, self._payloads, self._pageio, self._ranges = fmt, keys, payloads, pageio, ranges
-        if in_place or len(ranges) == 1:  # computed when asked (nothing to overlap with one range)
-            return
-        helpers = pool()
-        self._futures = [helpers.submit(_headers_group, pageio, fmt, keys[start:end], payloads[start:end])
-                         for start, end in ranges]
-
-    def get(self, index: int) -> np.ndarray:
-        """The (pages, 48) headers of range ``index`` (waits for them)."""
-        if not self._futures:
-            start, end = self._ranges[index]
-            return _headers_group(self._pageio, self._fmt, self._keys[start:end], self._payloads[start:end])
-        return self._futures[index].result()

@@ -13,6 +13,8 @@ side. Each chunk of a page is checksummed right before it is written or right af
 it is in the core's cache. With the native page I/O (:mod:`tierkv.storage.native`) a whole batch is
 one call without the GIL: per page that saves ~15 us of Python (open, read, close, hasher, header
 check), half the time of a 128 KiB read; keyed stores (a MAC) and builds without it use the Python loop.
+A large batch is read on several native threads, each page read and hashed by one of them, so with a
+spare core the hash of one page runs beside the kernel's copy of another.
 
 Every path below the namespace directory is opened one component at a time under directory file
 descriptors with ``O_NOFOLLOW``: a symlink planted anywhere inside the store (a subdirectory or a
@@ -59,6 +61,13 @@ _NO_SUBDIR, _BAD_SUBDIR = -1, -2
 # batch under PARALLEL_READ_MIN_NBYTES stays on the calling thread (a thread costs ~30 us to start).
 MAX_READ_THREADS = 4
 PARALLEL_READ_MIN_NBYTES = 2 << 20
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity where the platform has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
 
 
 def _write_all(fd: int, buffers: list[memoryview], offset: int) -> None:
@@ -126,7 +135,7 @@ class FileStore(PageStore):
             self._rebuild_index()
         # The native batch I/O checks xxh3 checksums only; a MAC is computed in Python.
         self._native = native.pageio if self.format.page_key is None else None
-        self.read_threads = max(1, min(MAX_READ_THREADS, len(os.sched_getaffinity(0))))
+        self.read_threads = min(MAX_READ_THREADS, usable_cores())
         self.parallel_read_min_nbytes = PARALLEL_READ_MIN_NBYTES
 
     def path(self, key: str) -> str:

@@ -12,7 +12,9 @@ process, all threads: tierkv's extra work, which only a spare core can hide). Ra
             reply is copied into its target page (tierkv's get lands pages there too)
   mooncake  the store client's batch_put_from / batch_get_into of the same bytes, one call per batch
 The raw sides verify nothing; tierkv writes a header (checksum, xxh3-64, or a MAC with ``--page-key``)
-with every page and verifies it on every read. Targets (issue 16): file and redis >= 0.9, mooncake
+with every page and verifies it on every read. The raw sides run on one thread (one call); tierkv moves a
+file read batch on up to one thread per core (4 at most) and a mooncake batch in ranges on two, each page
+hashed by the thread that moves it: with a spare core it can beat raw, the CPU ratio shows the extra work. Targets (issue 16): file and redis >= 0.9, mooncake
 >= 0.8. A last table gives the memory backend's RSS over the bytes it stores, measured in a fresh
 subprocess per page size (target <= 1.2). ``--digests`` adds a table of the digests alone.
 
@@ -41,7 +43,7 @@ import xxhash
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tierkv.hashing import HashNamespace, page_hashes  # noqa: E402
-from tierkv.storage import native  # noqa: E402
+from tierkv.storage import file as file_backend, mooncake_store, native  # noqa: E402
 from tierkv.storage.factory import open_store  # noqa: E402
 from tierkv.storage.page_format import CHUNK_NBYTES  # noqa: E402
 
@@ -387,7 +389,9 @@ def main() -> None:
         return
     page_sizes = [int(size) for size in args.page_sizes.split(",")]
     print(f"fsync={args.fsync}, cold={args.cold}, page_key={bool(args.page_key)}, "
-          f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
+          f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; tierkv moves a batch on up to "
+          f"{min(file_backend.MAX_READ_THREADS, file_backend.usable_cores())} threads (file reads) or "
+          f"{mooncake_store.IO_THREADS} (mooncake), each page hashed by the thread that moves it; raw sides use one")
     rows = []
     for size in page_sizes:
         new_rows = bench_page_size(size, args)

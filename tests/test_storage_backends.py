@@ -19,8 +19,9 @@ from tierkv.storage.factory import open_store
 from tierkv.storage.page_format import HEADER_SIZE
 
 PAGE_NBYTES = 3000  # deliberately not a power of two
-# file-python: the file store's Python I/O loop (keyed stores and builds without tierkv._pageio use it)
-BACKENDS = ["memory", "file", "file-python", "redis", "mooncake"]
+# file-python: the file store's Python I/O loop (keyed stores and builds without tierkv._pageio use it);
+# file-threads: the native reads spread over several threads whatever the batch's size
+BACKENDS = ["memory", "file", "file-python", "file-threads", "redis", "mooncake"]
 
 
 def make_keys(num_pages: int, model: str = "m", seed: int = 0) -> list[str]:
@@ -35,6 +36,15 @@ def make_pages(num_pages: int, seed: int = 0) -> list[torch.Tensor]:
 
 def empty_pages(num_pages: int) -> list[torch.Tensor]:
     return [torch.zeros(PAGE_NBYTES, dtype=torch.uint8) for _ in range(num_pages)]
+
+
+def corrupt_mooncake_page(store, key: str, offset: int) -> None:
+    """Flip the byte at ``offset`` of ``key``'s stored blob (payload, then the header as a trailer)."""
+    name, client = store.object_key(key), store.client
+    blob = torch.zeros(store.format.blob_nbytes, dtype=torch.uint8)
+    assert client.get_into(name, blob.data_ptr(), blob.numel()) == blob.numel()
+    blob[offset] ^= 0xFF
+    assert client.upsert_from(name, blob.data_ptr(), blob.numel()) == 0
 
 
 class Backend:
@@ -61,6 +71,8 @@ class Backend:
             store = open_store(f"file://{self.tmp_path}/l3", namespace, page_nbytes, extra)
             if self.name == "file-python":
                 store._native = None
+            elif self.name == "file-threads":
+                store.read_threads, store.parallel_read_min_nbytes = 3, 0
         elif self.name == "redis":
             store = open_store(self.server.url, namespace, page_nbytes,
                                {"key_prefix": f"t{os.getpid()}:", "timeout_s": 1.0, "retry_backoff_s": 0.05,
@@ -95,11 +107,7 @@ class Backend:
             client.set(name, bytes(blob))
             client.close()
         else:
-            name, client = store.object_key(key), store.client
-            blob = torch.zeros(store.format.blob_nbytes, dtype=torch.uint8)
-            assert client.get_into(name, blob.data_ptr(), blob.numel()) == blob.numel()
-            blob[offset] ^= 0xFF
-            assert client.upsert_from(name, blob.data_ptr(), blob.numel()) == 0
+            corrupt_mooncake_page(store, key, offset)
 
     def close(self) -> None:
         for store in self.stores:
@@ -218,9 +226,10 @@ def test_corrupt_page_is_a_counted_miss(backend, offset):
 def test_batches_of_several_helper_groups_round_trip_and_catch_corruption(backend, overlapped, monkeypatch):
     """Big batches hash and verify in the store's helper threads (tierkv.storage.overlap; small pages in
     place): the same verdicts as one page at a time, and a closed store leaves no helper thread behind."""
-    from tierkv.storage import overlap
+    from tierkv.storage import mooncake_store, overlap
     from tierkv.storage.overlap import pages_per_group
     monkeypatch.setattr(overlap, "MIN_OVERLAP_PAGE_NBYTES", 0 if overlapped else 1 << 40)
+    monkeypatch.setattr(mooncake_store, "RANGE_NBYTES", 4 * PAGE_NBYTES if overlapped else 1 << 40)
     threads_before = set(threading.enumerate())
     store = backend.open()
     num_pages = 2 * pages_per_group(PAGE_NBYTES) + 5
@@ -314,7 +323,7 @@ def test_one_writer_and_one_reader_thread_never_see_a_torn_page(backend):
 BLOB_NBYTES = PAGE_NBYTES + HEADER_SIZE
 
 
-@pytest.mark.parametrize("backend", ["memory", "file", "file-python"], indirect=True)
+@pytest.mark.parametrize("backend", ["memory", "file", "file-python", "file-threads"], indirect=True)
 def test_max_bytes_bounds_the_store_evicting_the_least_recently_used(backend):
     """Issue 15, item 5: a bounded L3 evicts by recency (reads count as use) and never exceeds its bound."""
     store = backend.open(max_bytes=4 * BLOB_NBYTES + 100)
@@ -696,12 +705,13 @@ def test_file_batch_opens_each_subdirectory_once(tmp_path, monkeypatch):
     assert store.batch_exists(keys) == num_pages and sorted(opened) == sorted(subdirs)
 
 
-def test_mooncake_small_pages_move_in_the_fewest_calls(mooncake_master):
-    """Pages checked in place (below the overlap size) have nothing to overlap with a ramp of calls,
-    and every call costs round trips: a batch goes in as few calls as the per-call page limit allows."""
+def test_mooncake_batches_move_in_ranges_not_a_call_per_page(mooncake_master):
+    """Every call costs round trips to the master: a batch of small pages goes in one call per
+    RANGE_NBYTES range (two in flight), in both directions."""
     from tierkv.storage import mooncake_store
-    page_nbytes, num_pages = 64 << 10, 256  # 16 MiB: several calls of the ramp
-    store = open_store(mooncake_master.url, "ns-calls", page_nbytes, mooncake_master.client_config())
+    page_nbytes, num_pages = 64 << 10, 768  # 48 MiB: three ranges
+    store = open_store(mooncake_master.url, "ns-calls", page_nbytes,
+                       {**mooncake_master.client_config(), "global_segment_size": 128 << 20})
     try:
         keys = make_keys(num_pages)
         g = torch.Generator().manual_seed(1)
@@ -716,13 +726,94 @@ def test_mooncake_small_pages_move_in_the_fewest_calls(mooncake_master):
                     return lambda *args, **kwargs: (calls.append(name), method(*args, **kwargs))[1]
                 return method
         client, store.client = store.client, CountingClient()
-        fewest = -(-num_pages // mooncake_store._MAX_CALL_PAGES)
-        assert store.batch_set(keys, pages) == [True] * num_pages and len(calls) == fewest
+        ranges = -(-num_pages * page_nbytes // mooncake_store.RANGE_NBYTES)
+        assert ranges == 3
+        assert store.batch_set(keys, pages) == [True] * num_pages and len(calls) == ranges
         calls.clear()
         targets = [torch.zeros(page_nbytes, dtype=torch.uint8) for _ in keys]
-        assert store.batch_get(keys, targets) == [True] * num_pages and len(calls) == fewest
+        assert store.batch_get(keys, targets) == [True] * num_pages and len(calls) == ranges
         assert all(map(torch.equal, targets, pages))
         store.client = client
         store.clear()
     finally:
+        store.close()
+
+
+def _failing_gets(store, faults: dict) -> object:
+    """A stand-in client whose get of a range starting at a key of ``faults`` raises ("raise") or answers
+    a transport error for that key's page ("code"); everything else goes to the real client."""
+    client, lock = store.client, threading.Lock()
+
+    class FailingClient:
+        def __getattr__(self, name):
+            return getattr(client, name)
+
+        def batch_get_into_multi_buffers(self, names, *args):
+            with lock:
+                fault = faults.pop(names[0][len(store.key_prefix):], None)
+            if fault == "raise":
+                raise RuntimeError("transfer failed")
+            codes = client.batch_get_into_multi_buffers(names, *args)
+            return [-1] + codes[1:] if fault == "code" else codes
+    return FailingClient()
+
+
+@pytest.mark.parametrize("fault", ["code", "raise"])
+def test_mooncake_a_failed_get_range_costs_hits_only(mooncake_master, monkeypatch, fault):
+    """Gets go in ranges on two threads. A page whose transfer fails inside a range is a counted miss,
+    a corrupt page in another range too, and every other page a hit with its own bytes; a range whose
+    call raises is all misses (and the store backs off, so ranges not yet started miss too): never an
+    exception, never a wrong byte, and once the backoff ends the batch reads again."""
+    from tierkv.storage import mooncake_store
+    monkeypatch.setattr(mooncake_store, "RANGE_NBYTES", 4 * PAGE_NBYTES)
+    store = open_store(mooncake_master.url, f"ns-failed-{fault}", PAGE_NBYTES, mooncake_master.client_config())
+    try:
+        keys, pages = make_keys(24), make_pages(24)
+        assert store.batch_set(keys, pages) == [True] * 24
+        corrupt_mooncake_page(store, keys[13], 7)
+        client, store.client = store.client, _failing_gets(store, {keys[16]: fault})  # range 4's first page
+        targets = empty_pages(24)
+        found = store.batch_get(keys, targets)
+        store.client = client
+        assert all(torch.equal(targets[i], pages[i]) for i in range(24) if found[i])
+        if fault == "code":
+            assert found == [i not in (13, 16) for i in range(24)]
+            assert store.stats.corrupt_pages == 1 and store.stats.errors == 1
+        else:
+            assert not any(found[16:20]) and found.count(True) <= 24 - 5 and store.stats.errors >= 1
+            store.backoff.succeeded()  # the window's end
+        assert store.batch_get(keys, empty_pages(24)) == [i != 13 for i in range(24)]
+    finally:
+        store.clear()
+        store.close()
+
+
+def test_mooncake_a_failed_put_range_costs_only_its_pages(mooncake_master, monkeypatch):
+    """Puts go in ranges on two threads: a range whose call raises is False (counted), every other range
+    is stored and reads back exactly; the failed pages are simply absent."""
+    from tierkv.storage import mooncake_store
+    monkeypatch.setattr(mooncake_store, "RANGE_NBYTES", 4 * PAGE_NBYTES)
+    store = open_store(mooncake_master.url, "ns-failed-put", PAGE_NBYTES, mooncake_master.client_config())
+    try:
+        keys, pages = make_keys(24), make_pages(24)
+        assert store.batch_exists(keys[:1]) == 0
+        client = store.client
+
+        class FailingClient:
+            def __getattr__(self, name):
+                return getattr(client, name)
+
+            def batch_put_from_multi_buffers(self, names, *args):
+                if names[0] == store.object_key(keys[8]):
+                    raise RuntimeError("transfer failed")
+                return client.batch_put_from_multi_buffers(names, *args)
+        store.client = FailingClient()
+        assert store.batch_set(keys, pages) == [not 8 <= i < 12 for i in range(24)]
+        store.client = client
+        assert store.stats.errors == 1 + 4 and store.stats.set_pages == 20  # the call, then each of its pages
+        targets = empty_pages(24)
+        assert store.batch_get(keys, targets) == [not 8 <= i < 12 for i in range(24)]
+        assert all(torch.equal(targets[i], pages[i]) for i in range(24) if not 8 <= i < 12)
+    finally:
+        store.clear()
         store.close()

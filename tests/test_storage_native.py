@@ -208,7 +208,7 @@ def test_native_read_statuses_name_each_fault(tmp_path):
         headers = bytearray(HEADER_SIZE * 5)
         results = native.pageio.read_pages(subdirs, [(k + ".page").encode() for k in keys],
                                            [memoryview(t.numpy()) for t in empty_pages(5)], headers,
-                                           store.format.header_templates(keys), PAGE_NBYTES, 1024, 32, False)
+                                           store.format.header_templates(keys), PAGE_NBYTES, 1024, 32, False, 1)
     finally:
         for fd in subdirs:
             os.close(fd)
@@ -217,6 +217,95 @@ def test_native_read_statuses_name_each_fault(tmp_path):
     targets = empty_pages(5)
     assert store.batch_get(keys, targets) == [True, False, False, False, False]
     assert store.stats.corrupt_pages == 2 and store.stats.errors == 1 and torch.equal(targets[0], pages[0])
+
+
+def _native_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.parametrize("num_threads", [2, 4, 16])
+def test_threaded_reads_answer_each_page_as_one_thread_does(tmp_path, num_threads):
+    """Pages spread over reader threads: each fault (absent, truncated, corrupt payload, a symlink, a
+    directory planted as a page) is the same status for the same page as on one thread, every good page
+    lands in its own target, and the threads are gone when the call returns."""
+    num_pages = 24
+    store = open_store(f"file:{tmp_path}", "ns", PAGE_NBYTES)
+    keys, pages = make_keys(num_pages), make_pages(num_pages)
+    assert store.batch_set(keys[:-1], pages[:-1]) == [True] * (num_pages - 1)
+    with open(store.path(keys[3]), "r+b") as f:
+        f.truncate(PAGE_NBYTES + 7)
+    with open(store.path(keys[10]), "r+b") as f:
+        f.seek(PAGE_NBYTES // 2)
+        f.write(b"\x00" if pages[10][PAGE_NBYTES // 2] else b"\x01")
+    os.unlink(store.path(keys[11]))
+    os.symlink(store.path(keys[0]), store.path(keys[11]))
+    os.unlink(store.path(keys[17]))
+    os.mkdir(store.path(keys[17]))
+    subdirs = [os.open(os.path.dirname(store.path(k)), os.O_RDONLY | os.O_DIRECTORY) for k in keys]
+    answers = []
+    try:
+        for threads in (1, num_threads):
+            headers, targets = bytearray(HEADER_SIZE * num_pages), empty_pages(num_pages)
+            before = _native_threads()
+            results = native.pageio.read_pages(subdirs, [(k + ".page").encode() for k in keys],
+                                               [memoryview(t.numpy()) for t in targets], headers,
+                                               store.format.header_templates(keys), PAGE_NBYTES, 1024, 32, False,
+                                               threads)
+            assert _native_threads() == before
+            answers.append((results, bytes(headers), targets))
+    finally:
+        for fd in subdirs:
+            os.close(fd)
+    (one, one_headers, _), (many, many_headers, targets) = answers
+    assert many == one and many_headers == one_headers
+    statuses = [status for status, _ in many]
+    bad = {3: 2, 10: 3, 11: -errno.ELOOP, 17: 2, num_pages - 1: 1}
+    assert statuses == [bad.get(i, 0) for i in range(num_pages)]
+    assert all(torch.equal(targets[i], pages[i]) for i in range(num_pages) if i not in bad)
+
+
+@pytest.mark.parametrize("num_threads", [0, 17, -1])
+def test_read_thread_counts_out_of_range_are_refused(tmp_path, num_threads):
+    with pytest.raises(ValueError, match="num_threads"):
+        native.pageio.read_pages([], [], [], bytearray(), bytearray(), PAGE_NBYTES, 1024, 32, False, num_threads)
+
+
+def test_a_threaded_store_read_misses_only_its_bad_pages(tmp_path):
+    """A corrupt and a missing page inside a batch read on several threads are misses (the corrupt one
+    counted and dropped); their neighbours are hits with their own bytes; a second read still agrees."""
+    store = open_store(f"file:{tmp_path}", "ns", PAGE_NBYTES)
+    store.read_threads, store.parallel_read_min_nbytes = 4, 0
+    keys, pages = make_keys(32), make_pages(32)
+    assert store.batch_set(keys, pages) == [True] * 32
+    with open(store.path(keys[9]), "r+b") as f:
+        f.seek(PAGE_NBYTES + 40)  # the header's key digest: a page filed under another key
+        f.write(b"\xff")
+    os.unlink(store.path(keys[20]))
+    for _ in range(2):
+        targets = empty_pages(32)
+        assert store.batch_get(keys, targets) == [i not in (9, 20) for i in range(32)]
+        assert all(torch.equal(targets[i], pages[i]) for i in range(32) if i not in (9, 20))
+    assert store.stats.corrupt_pages == 1 and not os.path.exists(store.path(keys[9]))
+    assert store.stats.get_pages == 60 and store.stats.errors == 0
+
+
+def test_large_batches_read_on_several_threads_small_ones_on_one(tmp_path, monkeypatch):
+    """The store spreads a batch over its reader threads only when it is large enough to pay for them."""
+    store = open_store(f"file:{tmp_path}", "ns", PAGE_NBYTES)
+    store.read_threads = 3
+    keys, pages = make_keys(8), make_pages(8)
+    assert store.batch_set(keys, pages) == [True] * 8
+    calls = []
+    real = native.pageio.read_pages
+
+    def recording(*args):
+        calls.append(args[-1])
+        return real(*args)
+    monkeypatch.setattr(store, "_native", type("Native", (), {"read_pages": staticmethod(recording)}))
+    store.parallel_read_min_nbytes = 8 * PAGE_NBYTES
+    assert store.batch_get(keys, empty_pages(8)) == [True] * 8
+    assert store.batch_get(keys[:7], empty_pages(7)) == [True] * 7
+    assert calls == [3, 1]
 
 
 def test_check_headers_explains_a_mismatch_verify_cannot_see():

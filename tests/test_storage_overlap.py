@@ -1,10 +1,13 @@
 """The helper-thread checksums of tierkv.storage.overlap: same headers, same verdicts, every page once."""
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
 from tierkv.hashing import HashNamespace, page_hashes
-from tierkv.storage.overlap import Headers, Verifier, helper_pool, pages_per_group, ramp
+from tierkv.storage.overlap import Headers, Verifier, helper_pool, pages_per_group, run_ranges
 from tierkv.storage.page_format import PageFormat
 
 PAGE_NBYTES = 3000
@@ -21,17 +24,6 @@ def _pages(num_pages: int) -> tuple[list[str], list[memoryview]]:
     g = torch.Generator().manual_seed(1)
     pages = [torch.randint(0, 256, (PAGE_NBYTES,), dtype=torch.uint8, generator=g) for _ in keys]
     return keys, [memoryview(p.numpy()) for p in pages]
-
-
-@pytest.mark.parametrize("num_pages,page_nbytes", [(0, 4096), (1, 8 << 20), (3, 3000), (16, 8 << 20),
-                                                   (1024, 128 << 10), (5000, 4096)])
-def test_ramp_covers_every_page_once_in_order_with_small_ends(num_pages, page_nbytes):
-    bounds = ramp(num_pages, page_nbytes, 4 << 20, 64 << 20, 512)
-    assert [p for start, end in bounds for p in range(start, end)] == list(range(num_pages))
-    sizes = [end - start for start, end in bounds]
-    assert all(0 < s <= 512 for s in sizes)
-    if len(sizes) > 2:  # the first and last calls overlap nothing: sizes grow from and shrink to them
-        assert sizes[0] <= sizes[1] and sizes[-1] <= sizes[-2]
 
 
 @pytest.mark.parametrize("page_key", [None, "k" * 32])
@@ -66,3 +58,68 @@ def test_verifier_names_exactly_the_bad_pages_and_lands_the_good_ones(with_targe
     if with_target:
         good = [i for i in range(len(keys)) if i not in bad]
         assert all(bytes(targets[i].numpy()) == bytes(views[i]) for i in good)
+
+
+def _ranges(num_ranges: int) -> list[tuple[int, int]]:
+    return [(3 * i, 3 * i + 3) for i in range(num_ranges)]
+
+
+def test_run_ranges_does_each_range_once_in_order_on_the_caller_and_a_helper():
+    """Both threads take ranges (each one's first range waits until the other has taken one), every
+    range runs once, and the results come back in range order."""
+    pool = helper_pool()
+    both = threading.Barrier(2, timeout=60.0)  # a liveness bound, not a timing
+    seen = []
+
+    def work(thread: int, start: int, end: int) -> tuple[int, int]:
+        if thread not in {t for t, _ in seen}:
+            seen.append((thread, start))
+            both.wait()
+        else:
+            seen.append((thread, start))
+        return start, end
+    try:
+        assert run_ranges(work, _ranges(9), lambda: pool, 2) == _ranges(9)
+    finally:
+        pool.shutdown()
+    assert sorted(start for _, start in seen) == [start for start, _ in _ranges(9)]
+    assert {thread for thread, _ in seen} == {0, 1}
+
+
+def test_run_ranges_does_not_wait_for_a_busy_helper():
+    """With every helper thread taken by other work, the caller does all ranges and returns; the helper
+    job it queued is cancelled, never run later against the finished batch."""
+    pool = ThreadPoolExecutor(1)
+    release = threading.Event()
+    blocker = pool.submit(release.wait, 60.0)
+    threads = []
+    try:
+        assert run_ranges(lambda t, s, e: threads.append(t) or s, _ranges(4), lambda: pool, 2) == [0, 3, 6, 9]
+    finally:
+        release.set()
+        blocker.result()
+        pool.shutdown()
+    assert threads == [0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("failing_thread", [0, 1])
+def test_run_ranges_raises_a_jobs_error_after_every_range_in_flight_ended(failing_thread):
+    pool = helper_pool()
+    running = []
+    both = threading.Barrier(2, timeout=60.0)
+
+    def work(thread: int, start: int, end: int) -> int:
+        running.append(start)
+        if start < 6:
+            both.wait()  # the first two ranges run at once, one per thread
+        if thread == failing_thread and start < 6:
+            running.remove(start)
+            raise RuntimeError(f"range {start} failed")
+        running.remove(start)
+        return start
+    try:
+        with pytest.raises(RuntimeError, match="failed"):
+            run_ranges(work, _ranges(2), lambda: pool, 2)
+        assert running == []
+    finally:
+        pool.shutdown()

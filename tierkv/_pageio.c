@@ -3,7 +3,9 @@
  * Why: per page, Python's os.open/preadv/close, a hasher object and a header check cost ~15 us, half
  * of a 128 KiB page's read; here a whole batch is one call that runs without the GIL (the scheduler
  * and the checksum helpers keep running), and each page is hashed chunk by chunk right after (reads)
- * or before (writes) the kernel copies it, while the chunk is in the core's cache.
+ * or before (writes) the kernel copies it, while the chunk is in the core's cache. A read batch may run
+ * on several threads, each page read and hashed by one of them (so its chunks stay in that core's
+ * cache): with a spare core the kernel's copy of one page overlaps the hash of another.
  *
  * The checksum is xxh3-64, the one tierkv.storage.page_format computes with the xxhash package: this
  * module takes the functions from that package's own shared object (bind_xxh3, given its path), so the
@@ -19,6 +21,9 @@
 #include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -26,6 +31,8 @@
 #include <unistd.h>
 
 #define HEADER_NBYTES 48
+#define MAX_READ_THREADS 16
+#define READER_STACK_NBYTES (256 << 10)
 
 /* Read results (the first item of each (status, value) pair). */
 enum { READ_OK = 0, READ_ABSENT = 1, READ_BAD_SIZE = 2, READ_MISMATCH = 3, READ_SHORT = 4, READ_NO_DIR = 5 };
@@ -326,35 +333,102 @@ static PyObject *results_list(const PageResult *results, Py_ssize_t n) {
     return out;
 }
 
+/* One read_pages call shared by its reader threads: each takes the next page not yet taken, so a thread
+ * the scheduler holds back delays at most the page it holds, not a fixed share of the batch. */
+typedef struct {
+    const Batch *batch;
+    PageResult *results;
+    Py_ssize_t chunk_nbytes, checksum_offset;
+    int touch;
+    atomic_size_t next;
+} ReadJob;
+
+typedef struct {
+    ReadJob *job;
+    void *state; /* this thread's xxh3 state (NULL: no verification) */
+    pthread_t thread;
+} Reader;
+
+static void *read_some(void *arg) {
+    Reader *reader = arg;
+    ReadJob *job = reader->job;
+    for (;;) {
+        size_t i = atomic_fetch_add(&job->next, 1);
+        if (i >= (size_t)job->batch->count) break;
+        job->results[i] = read_one(job->batch, (Py_ssize_t)i, job->chunk_nbytes, job->checksum_offset, job->touch,
+                                   reader->state);
+    }
+    return NULL;
+}
+
+/* Runs the job on the calling thread and num_readers - 1 more (fewer if the system refuses threads:
+ * the pages then go to those that run). The extra threads block every signal, as CPython expects of
+ * threads it does not know. */
+static void run_readers(Reader *readers, int num_readers) {
+    int started = 1;
+    if (num_readers > 1) {
+        pthread_attr_t attr;
+        sigset_t all, old;
+        sigfillset(&all);
+        int attr_ok = pthread_attr_init(&attr) == 0;
+        if (attr_ok) pthread_attr_setstacksize(&attr, READER_STACK_NBYTES);
+        pthread_sigmask(SIG_BLOCK, &all, &old);
+        while (started < num_readers &&
+               pthread_create(&readers[started].thread, attr_ok ? &attr : NULL, read_some, &readers[started]) == 0) {
+            started++;
+        }
+        pthread_sigmask(SIG_SETMASK, &old, NULL);
+        if (attr_ok) pthread_attr_destroy(&attr);
+    }
+    read_some(&readers[0]);
+    for (int k = 1; k < started; k++) pthread_join(readers[k].thread, NULL);
+}
+
 static PyObject *read_pages(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *fds, *names, *payloads, *headers, *expected;
     Py_ssize_t payload_nbytes, chunk_nbytes, checksum_offset;
-    int touch;
+    int touch, num_readers;
     Batch b;
-    if (!PyArg_ParseTuple(args, "OOOOOnnnp:read_pages", &fds, &names, &payloads, &headers, &expected, &payload_nbytes,
-                          &chunk_nbytes, &checksum_offset, &touch)) return NULL;
+    if (!PyArg_ParseTuple(args, "OOOOOnnnpi:read_pages", &fds, &names, &payloads, &headers, &expected,
+                          &payload_nbytes, &chunk_nbytes, &checksum_offset, &touch, &num_readers)) return NULL;
     int verify = expected != Py_None;
     if (verify && require_xxh3() < 0) return NULL;
     if (chunk_nbytes < 1 || (verify && (checksum_offset < 0 || checksum_offset > HEADER_NBYTES - 8))) {
         return PyErr_Format(PyExc_ValueError, "chunk_nbytes %zd or checksum_offset %zd out of range", chunk_nbytes,
                             checksum_offset);
     }
+    if (num_readers < 1 || num_readers > MAX_READ_THREADS) {
+        return PyErr_Format(PyExc_ValueError, "num_threads %d is not in 1..%d", num_readers, MAX_READ_THREADS);
+    }
     PyObject *out = NULL;
     PageResult *results = NULL;
-    void *state = NULL;
+    Reader readers[MAX_READ_THREADS];
+    memset(readers, 0, sizeof(readers));
+    ReadJob job;
     if (get_batch(fds, names, NULL, payloads, headers, verify ? expected : NULL, 1, payload_nbytes, &b) < 0) goto done;
+    if (num_readers > b.count) num_readers = b.count > 0 ? (int)b.count : 1;
     results = PyMem_Calloc(b.count ? b.count : 1, sizeof(PageResult));
-    if (results == NULL || (verify && (state = xxh3.create()) == NULL)) {
+    if (results == NULL) {
         PyErr_NoMemory();
         goto done;
     }
+    job = (ReadJob){&b, results, chunk_nbytes, checksum_offset, touch, 0};
+    for (int k = 0; k < num_readers; k++) {
+        readers[k].job = &job;
+        if (verify && (readers[k].state = xxh3.create()) == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+    }
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < b.count; i++) results[i] = read_one(&b, i, chunk_nbytes, checksum_offset, touch, state);
+    run_readers(readers, num_readers);
     Py_END_ALLOW_THREADS
     out = results_list(results, b.count);
 done:
-    if (state != NULL) xxh3.free_state(state);
+    for (int k = 0; k < MAX_READ_THREADS; k++) {
+        if (readers[k].state != NULL) xxh3.free_state(readers[k].state);
+    }
     PyMem_Free(results);
     release_batch(&b);
     return out;
@@ -485,9 +559,10 @@ static PyMethodDef methods[] = {
      "were found"},
     {"xxh3_many", xxh3_many, METH_VARARGS, "xxh3_many(buffers) -> [xxh3-64 of each], without the GIL"},
     {"read_pages", read_pages, METH_VARARGS,
-     "read_pages(dir_fds, names, payloads, headers, expected, payload_nbytes, chunk_nbytes, checksum_offset, touch)"
-     " -> [(status, value)]: open names[i] under dir_fds[i] (-1: absent, -2: unusable) without following a "
-     "symlink, read its payload into payloads[i] and its 48-byte trailer into headers[i*48:]; with expected "
+     "read_pages(dir_fds, names, payloads, headers, expected, payload_nbytes, chunk_nbytes, checksum_offset, touch, "
+     "num_threads) -> [(status, value)]: on num_threads threads (1-16; each page read and hashed by one), "
+     "open names[i] under dir_fds[i] (-1: absent, -2: unusable) without following a symlink, read its payload "
+     "into payloads[i] and its 48-byte trailer into headers[i*48:]; with expected "
      "(header templates) hash the payload and compare the trailer with the template holding that checksum. "
      "status 0 ok (value: checksum), 1 absent, 2 wrong size (value: size), 3 header mismatch (value: checksum), "
      "4 short read (value: bytes), 5 directory unusable, -errno"},
@@ -502,7 +577,7 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_pageio", NULL, -1, methods};
 
 /* Bumped whenever a function's arguments change (tierkv/storage/native.py checks it). */
-#define API_VERSION 1
+#define API_VERSION 2
 
 PyMODINIT_FUNC PyInit__pageio(void) {
     PyObject *m = PyModule_Create(&module);

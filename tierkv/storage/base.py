@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from tierkv.storage.overlap import GroupChecks, Verifier, helper_pool
+from tierkv.storage.overlap import helper_pool
 from tierkv.storage.page_format import PageFormat, PageFormatError, namespace_digest
 
 log = logging.getLogger(__name__)
@@ -305,10 +305,11 @@ class PageStore(ABC):
         self._count(corrupt_pages=1)
         self._drop(key)
 
-    def _rejected(self, verifier: Verifier | GroupChecks, keys: list[str], found: list[bool]) -> list[bool]:
-        """``found`` with the pages ``verifier`` failed turned to False (each rejected), and the good
-        ones counted as read."""
-        for index, err in verifier.failures():
+    def _rejected(self, failures: list[tuple[int, PageFormatError]], keys: list[str],
+                  found: list[bool]) -> list[bool]:
+        """``found`` with the pages that failed verification (``failures``: index, error) turned to False
+        (each rejected), and the good ones counted as read."""
+        for index, err in failures:
             found[index] = False
             self._reject(keys[index], err)
         num_found = sum(found)

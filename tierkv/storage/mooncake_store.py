@@ -2,14 +2,16 @@
 
 Each page is one object: the payload then the 48-byte header, written from and read into two buffers
 (``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``), so the payload moves straight
-between the host pool's memory and the store. A batch goes in a few large calls (each costs a round
-trip to the master). Pages of 1 MiB and more are hashed, for their headers or to verify them, in helper
-threads while the transfer engine (which releases the GIL) moves the neighbouring range; smaller ones
-in place (see :mod:`tierkv.storage.overlap`). With the native module (:mod:`tierkv.storage.native`) a
-range is one GIL-free xxh3 call and one vectorised header compare, not Python work per page; the hash
-stays a pass over memory the transfer does not make (the transfer engine's copy cannot carry it). Objects are put-if-absent: a page's key names its
-whole prefix, so its bytes never change, and a repeated put keeps the first copy. A page that fails
-verification is removed so a later backup can write it again.
+between the host pool's memory and the store. A batch goes in ranges of ``RANGE_NBYTES`` (each call
+costs a round trip to the master) that the calling thread and a helper take in turn, each range hashed
+and put, or fetched and verified, by the thread that took it (see
+:func:`tierkv.storage.overlap.run_ranges`): the transfer engine copies on a thread of its own, so with
+two ranges in flight its copies never wait for a hash. With the native module
+(:mod:`tierkv.storage.native`) a range's checksums are one GIL-free xxh3 call (and one vectorised
+header compare), not Python work per page; the hash stays a pass over memory the transfer does not
+make (the transfer engine's copy cannot carry it), hidden only by a spare core. Objects are
+put-if-absent: a page's key names its whole prefix, so its bytes never change, and a repeated put keeps
+the first copy. A page that fails verification is removed so a later backup can write it again.
 
 RDMA needs the host pool registered (:meth:`register_host_buffer`); TCP works without. The client is
 set up on first use; a failed setup or an unreachable master counts an error, answers a miss and backs
@@ -26,17 +28,21 @@ import threading
 import numpy as np
 import torch
 
-from tierkv.storage import native, overlap
+from tierkv.storage import native
 from tierkv.storage.base import Backoff, PageStore, check_key
-from tierkv.storage.overlap import GroupChecks, GroupHeaders, Headers, Verifier, ramp
-from tierkv.storage.page_format import HEADER_SIZE
+from tierkv.storage.overlap import PageCheck, checked_group, run_ranges, verify_group
+from tierkv.storage.page_format import HEADER_SIZE, PageFormatError
 
 _NOT_FOUND = -704  # OBJECT_NOT_FOUND in Mooncake's error codes
 _BUFFER_TOO_SMALL = -600  # the stored object is larger than a page blob: not one of our pages
-# Pages per call: from ~4 MiB (the first headers and the last checks overlap nothing) up to 64 MiB
-# (a call costs ~0.2 ms of round trips here, so fewer is better); pages checked in place go in calls
-# of up to 128 MiB.
-_MIN_CALL_NBYTES, _MAX_CALL_NBYTES, _IN_PLACE_CALL_NBYTES, _MAX_CALL_PAGES = 4 << 20, 64 << 20, 128 << 20, 1024
+# Ranges of this many bytes (at most _MAX_CALL_PAGES pages), taken in turn by IO_THREADS threads (the
+# caller and one helper). Gets side by side with one call of the whole batch (raw), idle 2-core machine:
+# 128 KiB pages 0.76 of raw in 2 MiB ranges, 1.14-1.22 in 8-16 MiB, 1.03 in 32 MiB; 8 MiB pages 0.90
+# in 8 or 16 MiB ranges. Puts: 0.85-0.87 of raw in 16 MiB ranges where the earlier ramp of calls (a
+# helper hashing the next range) or one call after an in-place hash made 0.68.
+RANGE_NBYTES = 16 << 20
+IO_THREADS = 2
+_MAX_CALL_PAGES = 1024
 _TRANSPORT_ERROR = -1
 _CONNECT_TIMEOUT_S = 2.0
 
@@ -67,9 +73,9 @@ class MooncakeStore(PageStore):
         self.client = None
         self._setup_lock = threading.Lock()
         self._registered: list[torch.Tensor] = []
-        # One header arena per direction (one reader and one writer thread may run at once).
-        self._get_headers = torch.zeros(_MAX_CALL_PAGES, HEADER_SIZE, dtype=torch.uint8)
-        self._set_headers = torch.zeros(_MAX_CALL_PAGES, HEADER_SIZE, dtype=torch.uint8)
+        # Header arenas: one for writes, and one per get thread (one reader and one writer thread may run).
+        self._get_headers = torch.zeros(IO_THREADS * _MAX_CALL_PAGES, HEADER_SIZE, dtype=torch.uint8)
+        self._set_headers = torch.zeros(IO_THREADS * _MAX_CALL_PAGES, HEADER_SIZE, dtype=torch.uint8)
         self._get_lock, self._set_lock = threading.Lock(), threading.Lock()
         # Native checksums (one GIL-free call and one vectorised header compare per range) for xxh3
         # pages; a MAC is computed page by page in Python.
@@ -174,38 +180,30 @@ class MooncakeStore(PageStore):
         base = headers.data_ptr()
         return [[page.data_ptr(), base + i * HEADER_SIZE] for i, page in enumerate(pages)]
 
-    def _calls(self, num_pages: int) -> list[tuple[int, int]]:
-        if self._in_place:
-            # Checked in place (see overlap): nothing to overlap, and each call costs ~0.2-0.4 ms of round
-            # trips, so the fewest calls win (bench_storage 128 KiB: ramp 0.56/0.52, this 0.60-0.65/0.57-0.60).
-            per_call = max(1, min(_MAX_CALL_PAGES, _IN_PLACE_CALL_NBYTES // self.page_nbytes))
-            return [(start, min(start + per_call, num_pages)) for start in range(0, num_pages, per_call)]
-        return ramp(num_pages, self.page_nbytes, _MIN_CALL_NBYTES, _MAX_CALL_NBYTES, _MAX_CALL_PAGES)
+    def _ranges(self, num_pages: int) -> list[tuple[int, int]]:
+        """(start, end) of each range of a batch: ``RANGE_NBYTES`` (at most ``_MAX_CALL_PAGES`` pages)."""
+        per_range = max(1, min(_MAX_CALL_PAGES, RANGE_NBYTES // self.page_nbytes))
+        return [(start, min(start + per_range, num_pages)) for start in range(0, num_pages, per_range)]
 
     def batch_get(self, keys: list[str], targets: list[torch.Tensor]) -> list[bool]:
         views = self._check_batch(keys, targets)
-        found: list[bool] = []
-        if self._native is not None:
-            checks = GroupChecks(self.format, self._helper_pool, self._native, self._in_place)
-        else:
-            checks = Verifier(self.format, self._helper_pool)
-        with self._timed("get"), self._get_lock, checks:
-            for start, end in self._calls(len(keys)):
-                found += self._get_range(start, keys[start:end], targets[start:end], views[start:end], checks)
-            return self._rejected(checks, keys, found)
+        ranges = self._ranges(len(keys))
 
-    @property
-    def _in_place(self) -> bool:
-        """Whether pages are checksummed by the calling thread (else helpers overlap it with transfers)."""
-        return self.page_nbytes < overlap.MIN_OVERLAP_PAGE_NBYTES
+        def get_range(thread: int, start: int, end: int) -> tuple[list[bool], list[tuple[int, PageFormatError]]]:
+            return self._get_range(thread, start, keys[start:end], targets[start:end], views[start:end])
+        with self._timed("get"), self._get_lock:
+            parts = run_ranges(get_range, ranges, self._helper_pool, IO_THREADS)
+            found = [hit for hits, _ in parts for hit in hits]
+            return self._rejected([failure for _, failures in parts for failure in failures], keys, found)
 
-    def _get_range(self, start: int, keys: list[str], targets: list[torch.Tensor], views: list[memoryview],
-                   verifier: Verifier | GroupChecks) -> list[bool]:
-        """One call for pages ``start...``; whole pages go to ``verifier``, the rest are misses here."""
+    def _get_range(self, thread: int, start: int, keys: list[str], targets: list[torch.Tensor],
+                   views: list[memoryview]) -> tuple[list[bool], list[tuple[int, PageFormatError]]]:
+        """One call for pages ``start...`` into ``thread``'s header rows, then their checks: (found, the
+        whole pages that failed verification); other pages are misses here."""
         client = self._connect()
         if client is None:
-            return [False] * len(keys)
-        headers = self._get_headers
+            return [False] * len(keys), []
+        headers = self._get_headers[thread * _MAX_CALL_PAGES:(thread + 1) * _MAX_CALL_PAGES]
         try:
             sizes = client.batch_get_into_multi_buffers(
                 [self.key_prefix + k for k in keys],  # keys checked by batch_get
@@ -213,26 +211,29 @@ class MooncakeStore(PageStore):
                 [[self.page_nbytes, HEADER_SIZE]] * len(keys))
         except RuntimeError as err:
             self._failed("get", err)
-            return [False] * len(keys)
+            return [False] * len(keys), []
         self._judge("get", sizes, (_NOT_FOUND, _BUFFER_TOO_SMALL))
-        header_rows = headers.numpy()[:len(keys)].copy()  # the arena is reused next call
-        if isinstance(verifier, GroupChecks):
-            whole = [i for i, size in enumerate(sizes) if size == self.format.blob_nbytes]
-            verifier.add([start + i for i in whole], [keys[i] for i in whole], header_rows[whole],
-                         [views[i] for i in whole])
-        header_bytes = memoryview(header_rows.tobytes())
+        rows = headers.numpy()[:len(keys)]  # this thread's own rows: read before its next call reuses them
+        whole = [i for i, size in enumerate(sizes) if size == self.format.blob_nbytes]
+        failures = self._check_whole(start, whole, keys, rows, views) if whole else []
         found = []
         for i, (key, view, size) in enumerate(zip(keys, views, sizes)):
-            header = header_bytes[i * HEADER_SIZE:(i + 1) * HEADER_SIZE]
             if size == self.format.blob_nbytes:
-                if isinstance(verifier, Verifier):
-                    verifier.add(start + i, key, header, view)
                 found.append(True)
             elif size >= 0 or size == _BUFFER_TOO_SMALL:  # not one of our pages: fails on its length
-                found.append(self._verified(key, header, view[:max(0, size - HEADER_SIZE)]))
+                found.append(self._verified(key, rows[i].tobytes(), view[:max(0, size - HEADER_SIZE)]))
             else:  # absent, or a transport error (counted by _judge)
                 found.append(False)
-        return found
+        return found, failures
+
+    def _check_whole(self, start: int, whole: list[int], keys: list[str], rows: np.ndarray,
+                     views: list[memoryview]) -> list[tuple[int, PageFormatError]]:
+        """(batch index, error) of the pages ``whole`` (indexes in the range from ``start``) that fail."""
+        if self._native is not None:
+            return checked_group(self._native, self.format, [start + i for i in whole], [keys[i] for i in whole],
+                                 rows[whole], [views[i] for i in whole])
+        return verify_group(self.format, [PageCheck(start + i, keys[i], rows[i].tobytes(), views[i], None)
+                                          for i in whole])
 
     def _drop(self, key: str) -> None:
         client = self.client
@@ -243,36 +244,33 @@ class MooncakeStore(PageStore):
         views = self._check_batch(keys, values)
         if not keys:
             return []
-        codes: list[int] = []
         with self._timed("set"), self._set_lock:
             client = self._connect()
             if client is None:
                 return [False] * len(keys)
-            calls = self._calls(len(keys))
-            if self._native is not None:
-                with GroupHeaders(self.format, keys, views, calls, self._helper_pool, self._native,
-                                  self._in_place) as groups:
-                    for index, (start, end) in enumerate(calls):
-                        codes += self._put_range(client, keys[start:end], values[start:end], groups.get(index))
-            else:
-                with Headers(self.format, keys, views, self._helper_pool) as headers:
-                    for start, end in calls:
-                        rows = np.frombuffer(b"".join([headers.get(i) for i in range(start, end)]), dtype=np.uint8)
-                        codes += self._put_range(client, keys[start:end], values[start:end],
-                                                 rows.reshape(end - start, HEADER_SIZE))
+
+            def put_range(thread: int, start: int, end: int) -> list[int]:
+                return self._hash_and_put(client, thread, keys[start:end], values[start:end], views[start:end])
+            parts = run_ranges(put_range, self._ranges(len(keys)), self._helper_pool, IO_THREADS)
+        codes = [code for part in parts for code in part]
         self._judge("put", codes, ())
         done = [code == 0 for code in codes]
         self._count(set_pages=sum(done), set_bytes=sum(done) * self.page_nbytes)
         return done
 
-    def _put_range(self, client, keys: list[str], values: list[torch.Tensor], headers: np.ndarray) -> list[int]:
-        """One put call (``headers``: one row per page); the helper is meanwhile hashing the next range."""
-        arena = self._set_headers
-        arena.numpy()[:len(keys)] = headers
+    def _hash_and_put(self, client, thread: int, keys: list[str], values: list[torch.Tensor],
+                      views: list[memoryview]) -> list[int]:
+        """The headers of a range (into ``thread``'s rows of the arena), then one put call for it."""
+        rows = self._set_headers[thread * _MAX_CALL_PAGES:(thread + 1) * _MAX_CALL_PAGES]
+        if self._native is not None:
+            rows.numpy()[:len(keys)] = self.format.filled_headers(keys, self._native.xxh3_many(views))
+        else:
+            rows.numpy()[:len(keys)] = np.frombuffer(b"".join([self.format.header(k, v) for k, v in zip(keys, views)]),
+                                                     np.uint8).reshape(len(keys), HEADER_SIZE)
         try:
             return client.batch_put_from_multi_buffers(
                 [self.key_prefix + k for k in keys],  # keys checked by batch_set
-                self._buffers(values, arena),
+                self._buffers(values, rows),
                 [[self.page_nbytes, HEADER_SIZE]] * len(keys), self._replicate)
         except RuntimeError as err:
             self._error("put via master " + self.master, err)

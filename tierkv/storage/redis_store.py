@@ -147,7 +147,7 @@ class RedisStore(PageStore):
             if blobs is not None and not verifier.overlapped:
                 land(0, blobs)
             found = [blob is not None for blob in blobs] if blobs is not None else [False] * len(keys)
-            return self._rejected(verifier, keys, found)
+            return self._rejected(verifier.failures(), keys, found)
 
     def batch_set(self, keys: list[str], values: list[torch.Tensor]) -> list[bool]:
         views = self._check_batch(keys, values)

@@ -271,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     with Progress(console=Console(stderr=True), transient=True) as progress:
         task = progress.add_task("engine bench", total=repeats * len(CACHE_MODES))
         results = run_all(args.model, workload, args.device, repeats=repeats, l2_fraction=args.l2_fraction,
-                          tier_mode=args.tier_mode, on_run=lambda mode: progress.update(task, advance=1, description=f"ran {mode}"))
+                          tier_mode=args.tier_mode,
+                          on_run=lambda mode: progress.update(task, advance=1, description=f"ran {mode}"))
     print(format_table(results))
     if args.json:
         with open(args.json, "w") as f:

@@ -8,13 +8,13 @@ from dataclasses import dataclass
 import torch
 
 from tierkv.config import TIER_MODES, WRITE_POLICIES, CacheConfig
-from tierkv.eviction import POLICIES
 from tierkv.engine.config import ModelConfig
 from tierkv.engine.loader import build_model, model_namespace
 from tierkv.engine.models import CausalLM
 from tierkv.engine.request import Request
 from tierkv.engine.runner import ModelRunner
 from tierkv.engine.scheduler import Scheduler, SchedulerConfig
+from tierkv.eviction import POLICIES
 from tierkv.hicache import HiRadixCache
 from tierkv.pools.kv import HOST_LAYOUTS, DeviceKVPool
 from tierkv.pools.spec import parse_dtype

@@ -21,7 +21,8 @@ from tierkv.storage.page_format import HEADER_SIZE
 PAGE_NBYTES = 3000  # deliberately not a power of two
 # file-python: the file store's Python I/O loop (keyed stores and builds without tierkv._pageio use it);
 # file-threads: the native reads spread over several threads whatever the batch's size
-BACKENDS = ["memory", "file", "file-python", "file-threads", "redis", "mooncake"]
+# redis-streamed: every page streamed in small chunks, each hashed as it is sent (8 MiB pages' path)
+BACKENDS = ["memory", "file", "file-python", "file-threads", "redis", "redis-streamed", "mooncake"]
 
 
 def make_keys(num_pages: int, model: str = "m", seed: int = 0) -> list[str]:
@@ -55,7 +56,7 @@ class Backend:
         self.tmp_path = tmp_path
         self.stores: list[PageStore] = []
         self.server = None
-        if name == "redis":
+        if name.startswith("redis"):
             self.server = request.getfixturevalue("redis_server")
         elif name == "mooncake":
             self.server = request.getfixturevalue("mooncake_master")
@@ -73,10 +74,12 @@ class Backend:
                 store._native = None
             elif self.name == "file-threads":
                 store.read_threads, store.parallel_read_min_nbytes = 3, 0
-        elif self.name == "redis":
+        elif self.name.startswith("redis"):
             store = open_store(self.server.url, namespace, page_nbytes,
                                {"key_prefix": f"t{os.getpid()}:", "timeout_s": 1.0, "retry_backoff_s": 0.05,
                                 **extra})
+            if self.name == "redis-streamed":
+                store.stream_min_nbytes, store.stream_chunk_nbytes = 0, 1024
         else:
             # A Mooncake client takes ~2 s to close (segment unmount): reuse one per namespace.
             cache_key = (namespace, page_nbytes, tuple(sorted(extra.items())))
@@ -98,7 +101,7 @@ class Backend:
                 byte = f.read(1)
                 f.seek(offset)
                 f.write(bytes([byte[0] ^ 0xFF]))
-        elif self.name == "redis":
+        elif self.name.startswith("redis"):
             import redis
             client = redis.Redis(port=self.server.port)
             name = store.redis_key(key)
@@ -565,6 +568,43 @@ def test_redis_killed_gives_misses_then_recovers_after_restart(redis_server):
     assert store.batch_set(keys, pages) == [True] * 3
     targets = empty_pages(3)
     assert store.batch_get(keys, targets) == [True] * 3 and torch.equal(targets[1], pages[1])
+    store.clear()
+
+
+def test_a_reset_in_the_middle_of_a_streamed_page_costs_hits_only(redis_server):
+    """The socket fails after a few chunks of a streamed batch: no page of it counts as written, none
+    half-written is ever served, and the next batch (a fresh connection) stores whole pages."""
+    store = _redis_store(redis_server, retry_backoff_s=0.01)
+    store.stream_min_nbytes, store.stream_chunk_nbytes = 0, 512  # 6 chunks a page
+    keys, pages = make_keys(4, seed=3), make_pages(4, seed=3)
+    conn = store.client.connection_pool.get_connection()
+    sock = conn._sock if conn._sock is not None else (conn.connect() or conn._sock)
+    store.client.connection_pool.release(conn)
+    sent = []
+
+    class Resetting:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def sendall(self, data):
+            sent.append(len(data))
+            if len(sent) == 9:  # the second page's third chunk
+                raise ConnectionResetError("reset by peer")
+            return self.inner.sendall(data)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+    conn._sock = Resetting(sock)  # the store disconnects it on the error: the next use reconnects
+    assert store.batch_set(keys, pages) == [False] * 4
+    assert store.stats.errors >= 1 and len(sent) == 9 and conn._sock is None
+    time.sleep(0.05)  # past the backoff window
+    targets = empty_pages(4)
+    found = store.batch_get(keys, targets)
+    assert store.read_backoff.ready() and found[1:] == [False] * 3  # never reached the server whole
+    if found[0]:  # sent whole before the reset: stored, and exact
+        assert torch.equal(targets[0], pages[0])
+    assert store.batch_set(keys, pages) == [True] * 4
+    assert store.batch_get(keys, targets) == [True] * 4 and all(torch.equal(t, p) for t, p in zip(targets, pages))
     store.clear()
 
 

@@ -52,6 +52,9 @@ class RedisClusterStore(RedisStore):
     def client(self, value) -> None:
         self._client = value
 
+    def _streams(self) -> bool:
+        return False  # the per-node pipelines need whole values: headers come from the helpers
+
     def _send_sets(self, keys: list[str], names: list[bytes], views: list[memoryview], headers: Headers
                    ) -> tuple[list[bool], redis.ResponseError | None]:
         done: list[bool] = []

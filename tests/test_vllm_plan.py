@@ -43,11 +43,12 @@ class Pair:
         self.layers = [torch.randn(DEVICE_BLOCKS, *BLOCK_SHAPE) for _ in range(LAYERS)]
         self.worker.register(self.layers)
 
-    def step(self) -> None:
+    def step(self) -> set[str]:
+        """One engine step; the requests whose asynchronous loads the worker reported finished."""
         plan = self.scheduler.take_plan()
         self.worker.start_step(plan)
         self.worker.finish_step(plan)
-        self.report()
+        return self.report()
 
     def report(self) -> set[str]:
         report = self.worker.take_report()

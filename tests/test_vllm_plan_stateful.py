@@ -35,15 +35,21 @@ def block_kv(prefix: list[int], layer: int) -> torch.Tensor:
 
 
 class ConnectorMachine(RuleBasedStateMachine):
+    with_l3 = False
+
     @initialize(policy=st.sampled_from(POLICIES), pages=st.integers(2, 10))
     def setup(self, policy: str, pages: int) -> None:
-        self.pair = Pair(pages=pages, policy=policy)
+        self.l3_dir = tempfile.mkdtemp(prefix="tierkv-vllm-l3-") if self.with_l3 else None
+        self.policy, self.pages = policy, pages
+        self.pair = Pair(self.l3_dir, pages=pages, policy=policy)
         self.num_requests = 0
         self.async_loads: set[str] = set()
 
     def teardown(self) -> None:
         if hasattr(self, "pair"):
             self.pair.close()
+        if getattr(self, "l3_dir", None) is not None:
+            shutil.rmtree(self.l3_dir, ignore_errors=True)
 
     def _admit(self, prompt: list[int], first_block: int) -> tuple[str, list[int], int]:
         """vLLM's side of a new request: ask for the external hit, allocate blocks, take what is offered."""
@@ -59,10 +65,10 @@ class ConnectorMachine(RuleBasedStateMachine):
             self.async_loads.add(req_id)
         return req_id, blocks, hit
 
-    l3_dir: str | None = None
-
-    def _wait_loads(self) -> None:
-        """vLLM waits for a request's asynchronous (L3) load before computing; none may fail here."""
+    def _wait_loads(self, finished: set[str]) -> None:
+        """vLLM waits for a request's asynchronous (L3) load before computing (``finished``: those the
+        step's report already carried); none may fail here."""
+        self.async_loads -= finished
         deadline = time.monotonic() + 10
         while self.async_loads and time.monotonic() < deadline:
             self.async_loads -= self.pair.report()
@@ -88,8 +94,7 @@ class ConnectorMachine(RuleBasedStateMachine):
     @rule(prompt=tokens_st)
     def one_request(self, prompt: list[int]) -> None:
         req_id, blocks, hit = self._admit(prompt, 0)
-        self.pair.step()
-        self._wait_loads()
+        self._wait_loads(self.pair.step())
         self._check_loaded(prompt, blocks, hit)
         self._compute_and_save(req_id, prompt, blocks, hit)
         self.pair.step()
@@ -100,8 +105,7 @@ class ConnectorMachine(RuleBasedStateMachine):
         """Both admitted before either computes: the second's saves may find L2 full of pages the first
         protects; what it cannot save is skipped, never taken from the first."""
         admitted = [(prompt, *self._admit(prompt, start)) for prompt, start in ((first, 0), (second, 8))]
-        self.pair.step()
-        self._wait_loads()
+        self._wait_loads(self.pair.step())
         for prompt, req_id, blocks, hit in admitted:
             self._check_loaded(prompt, blocks, hit)
             self._compute_and_save(req_id, prompt, blocks, hit)
@@ -123,18 +127,7 @@ class ConnectorWithL3Machine(ConnectorMachine):
     """The same with a file L3 shared by restarts: a new pair (a new vLLM process) finds what the last
     one backed up, and every L3 hit, loaded asynchronously, is checked as the L2 hits are."""
 
-    @initialize(policy=st.sampled_from(POLICIES), pages=st.integers(2, 10))
-    def setup(self, policy: str, pages: int) -> None:
-        self.l3_dir = tempfile.mkdtemp(prefix="tierkv-vllm-l3-")
-        self.policy, self.pages = policy, pages
-        self.pair = Pair(self.l3_dir, pages=pages, policy=policy)
-        self.num_requests = 0
-        self.async_loads: set[str] = set()
-
-    def teardown(self) -> None:
-        super().teardown()
-        if self.l3_dir is not None:
-            shutil.rmtree(self.l3_dir, ignore_errors=True)
+    with_l3 = True
 
     @rule()
     def restart(self) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import redis
 import torch
@@ -214,20 +214,17 @@ class RedisStore(PageStore):
         done: list[bool] = []
         refusal = None
         set_words = b"*5\r\n$3\r\nSET" if self._expiry else b"*3\r\n$3\r\nSET"
+        tail = b"\r\n" + self._expiry
         try:
             for start in range(0, len(keys), self.batch_pages):
-                packed: list = []
+                packed: list[Iterable] = []  # per page: the command's head, then the value and the tail
                 end = min(len(keys), start + self.batch_pages)
                 for i in range(start, end):
-                    packed.append(b"%s\r\n$%d\r\n%s\r\n$%d\r\n"
-                                  % (set_words, len(names[i]), names[i], self.format.blob_nbytes))
-                    if headers is None:
-                        packed.append(_streamed(self.format, keys[i], views[i], b"\r\n" + self._expiry,
-                                                self.stream_chunk_nbytes))
-                    else:
-                        packed += [[views[i], headers.get(i), b"\r\n" + self._expiry]]
-                conn.send_packed_command(itertools.chain.from_iterable(
-                    [item] if isinstance(item, bytes) else item for item in packed), check_health=False)
+                    packed.append((b"%s\r\n$%d\r\n%s\r\n$%d\r\n"
+                                   % (set_words, len(names[i]), names[i], self.format.blob_nbytes),))
+                    packed.append(_streamed(self.format, keys[i], views[i], tail, self.stream_chunk_nbytes)
+                                  if headers is None else (views[i], headers.get(i), tail))
+                conn.send_packed_command(itertools.chain.from_iterable(packed), check_health=False)
                 for _ in range(end - start):
                     try:
                         conn.read_response()  # an error reply is read whole: the connection stays in step

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from tierkv.config import CacheConfig
 from tierkv.eviction import get_policy
 from tierkv.hashing import HashNamespace
 from tierkv.storage.config import StorageConfig
@@ -37,7 +38,7 @@ class ConnectorConfig:
     hicache_ratio: float = 2.0
     hicache_size_gb: float | None = None
     write_policy: str = "write_through"
-    eviction_policy: str = "gdsf"  # the cache's default; behind vLLM's own L1 as measured for inclusive L2 (README)
+    eviction_policy: str = CacheConfig.eviction_policy  # the cache's; measured for an L2 behind vLLM's own L1 (README)
     load_back_threshold: int = 0
     storage_backend: str | None = None
     model_tag: str | None = None

@@ -15,10 +15,10 @@ A, B, C = list(range(16)), list(range(100, 116)), list(range(200, 216))
 
 
 def full_tiers(caches, **cfg):
-    """L1 16 tokens holding C, L2 32 tokens full with A and B (page 1)."""
+    """L1 16 tokens holding C, L2 32 tokens full with A and B (page 1), its staging (one chunk) free."""
     cache = caches(device_tokens=16, hicache_ratio=2.0, tier_mode="exclusive", load_back_threshold=0, **cfg)
     kv = {name: put(cache, tokens, seed=i) for i, (name, tokens) in enumerate(zip("ABC", (A, B, C)))}
-    assert cache.host_pool.num_free_slots == 0 and cache.device_pool.num_free_slots == 0
+    assert cache.host_pool.num_free_slots == cache.config.staging_tokens and cache.device_pool.num_free_slots == 0
     return cache, kv
 
 
@@ -35,11 +35,27 @@ def test_chunks_let_demotions_take_the_loaded_pages_l2_slots(caches):
     result = load(cache, A)
     assert result.loaded_tokens == 16
     assert same_bits(cache.device_pool.read_tokens(result.device_indices), kv["A"])
-    # only the first chunk's demotions found L2 full (one tier would have evicted nothing)
-    assert cache.stats.evicted_host_tokens == 4
+    # the first chunk's demotions took the staging slots, the next ones the slots each chunk freed: L2
+    # evicted nothing, as one tier of the same size would not (was 4: the first chunk's demotions)
+    assert cache.stats.evicted_host_tokens == 0
+    assert cache.host_pool.num_free_slots == 4  # the staging is free again
     assert cache.match_prefix(RadixKey(C)).host_hit_length == 16  # C: all of it in L2, demoted
     cache.check_integrity()
     c_loaded = load(cache, C)  # the demoted KV came through the swap intact
+    assert same_bits(cache.device_pool.read_tokens(c_loaded.device_indices), kv["C"])
+    cache.check_integrity()
+
+
+def test_a_load_of_one_chunk_into_full_tiers_goes_through_the_staging(caches):
+    """A's 16 tokens are one chunk: loaded at once, its demotions made L2 evict 16 tokens (the test
+    before: one load evicts as much as it loads); through the staging, none."""
+    cache, kv = full_tiers(caches, load_chunk_tokens=16)
+    result = load(cache, A)
+    assert result.pending is None and result.loaded_tokens == 16
+    assert same_bits(cache.device_pool.read_tokens(result.device_indices), kv["A"])
+    assert cache.stats.evicted_host_tokens == 0
+    cache.check_integrity()
+    c_loaded = load(cache, C)
     assert same_bits(cache.device_pool.read_tokens(c_loaded.device_indices), kv["C"])
     cache.check_integrity()
 

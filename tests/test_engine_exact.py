@@ -82,7 +82,7 @@ def test_exclusive_tiers_load_back_in_chunks_exactly(model):
     engine.cache.transfer.load_now = lambda *args: chunks.append(args) or load_now(*args)
     got = engine.generate(prompt, MAX_NEW)
     engine.generate(fillers, MAX_NEW)  # demotes the prompt to L2 and fills L2
-    assert engine.cache.host_pool.num_free_slots < 256
+    assert engine.cache.host_pool.num_free_slots - engine.cache.config.staging_tokens < 256
     got += engine.generate(prompt, MAX_NEW)
     assert got[1].host_hit_tokens >= 256 and len(chunks) >= 2
     for g in got:

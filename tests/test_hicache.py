@@ -541,7 +541,8 @@ def test_parent_refused_by_admission_takes_its_l2_only_children_with_it(caches):
 
 # ---- exclusive tiers: a finished load frees its L2 copies before L1 demotes for more room -------------
 def test_exclusive_alloc_promotes_a_finished_load_before_l2_evicts_for_demotions(caches):
-    cache = caches(device_tokens=16, hicache_ratio=2.0, tier_mode="exclusive", load_back_threshold=0)
+    cache = caches(device_tokens=16, hicache_ratio=2.0, tier_mode="exclusive", load_back_threshold=0,
+                   load_chunk_tokens=0)  # one asynchronous load
     kv_a = put(cache, list(range(8)), seed=1)
     put(cache, list(range(100, 108)), seed=2)
     put(cache, list(range(200, 208)), seed=3)  # demotes A: L1 holds B and C, L2 holds A

@@ -85,14 +85,16 @@ def test_lazy_ancestors_lose_the_l2_leaf_when_the_ancestor_cannot_be_copied():
 
 @pytest.mark.parametrize("load, b_hit", [
     (dict(load_chunk_tokens=0), 0),  # one load: L2 evicts all of B for C
-    (dict(load_chunk_tokens=256), PAGE - 256),  # chunks: only the first chunk's demotions find L2 full
-    (dict(load_chunk_tokens=16), PAGE - 16),
+    (dict(load_chunk_tokens=256), PAGE),  # chunks: the first chunk's demotions take the staging
+    (dict(load_chunk_tokens=16), PAGE),  # (was PAGE - 256 and PAGE - 16: the first chunk's loss)
+    (dict(load_chunk_tokens=PAGE), PAGE),  # one chunk: the whole load through the staging
     (dict(load_chunk_tokens=0, swap_loads=True), PAGE),  # the what-if: C takes A's slots at once
 ])
-def test_a_load_back_makes_l2_evict_only_what_its_first_chunk_demotes(load, b_hit):
+def test_a_load_back_makes_l2_evict_nothing_in_chunks(load, b_hit):
     """Exclusive tiers, L1 one block, L2 two. Loading A back makes L1 demote C while A's L2 copy still
-    counts: in one load L2 (A, B) evicts B; in chunks each chunk's freed L2 slots take the next one's
-    demotions, so B loses one chunk; the swap what-if lets C take A's slots, and all of B still hits."""
+    counts: in one load L2 (A, B) evicts B; in chunks the first chunk's demotions take the staging L2
+    keeps free and each chunk's freed L2 slots the next one's, so all of B still hits, as with the swap
+    what-if (C takes A's slots at once)."""
     sim = _sim(l1_tokens=PAGE, l2_tokens=2 * PAGE, tier_mode="exclusive", write_threshold=None, **load)
     assert _serve(sim, (1,), (2,), (3,), (1,), (2,)) == [0, 0, 0, PAGE, b_hit]
     assert sim.l2_used <= sim.l2_pages and sim.l1_in_flight == 0

@@ -4,8 +4,11 @@ Loading pages back from L2 needs room in L1; L1 demotes pages to L2 to make it; 
 pages still hold their L2 slots, L2 would have to evict as many pages as the load brings back, where
 one tier of the same total size evicts nothing to re-touch them. So the load is cut into chunks of
 ``CacheConfig.load_chunk_tokens``, copied one after another and waited for: as soon as a chunk's KV is
-in L1 its L2 slots are freed, and the next chunk's demotions take them. Only the first chunk's
-demotions find L2 full. A node straddling chunks is handed its device slots when its last chunk lands
+in L1 its L2 slots are freed, and the next chunk's demotions take them. The first chunk's demotions go
+to the staging slots L2 keeps free at rest (``CacheConfig.staging_tokens``, one chunk), which its
+freed L2 slots then give back: a swap through one chunk of staging, so a load back makes L2 evict
+nothing (an exclusive LRU pair then hits exactly as one LRU of the same size). A load of one chunk or
+less goes the same way when L2 is full. A node straddling chunks is handed its device slots when its last chunk lands
 (its L2 slots, already freed, are dropped then); if the load stops inside it (no room, a failed copy,
 an interrupt), the node is split there: the head is loaded, the tail keeps its L2 copy.
 """
@@ -56,8 +59,18 @@ class ChunkedLoad:
         return self.loaded
 
     def _load(self, segments: list[tuple[TreeNode, int, int]]) -> bool:
+        """Load one chunk; the demotions that make L1 room for it may take as many staging slots as it
+        has tokens, which its own L2 slots, freed once it is in L1, give back."""
         cache = self.cache
         num_tokens = sum(end - start for _, start, end in segments)
+        cache.host_reserve_tokens = max(0, cache.config.staging_tokens - num_tokens)
+        try:
+            return self._copy(segments, num_tokens)
+        finally:
+            cache.restore_host_reserve()
+
+    def _copy(self, segments: list[tuple[TreeNode, int, int]], num_tokens: int) -> bool:
+        cache = self.cache
         device_slots = cache._alloc_device(num_tokens)
         if device_slots is None:
             return False

@@ -40,7 +40,8 @@ class CacheConfig:
     # exclusive tiers: a load back whose L1 demotions would not fit in L2's free room goes in chunks of
     # this many tokens (rounded down to whole pages, at least one), each copied, waited for and its L2
     # slots freed before the next makes room, so the demotions take the loaded pages' L2 slots instead
-    # of L2 evicting as much as the load returns (tierkv.chunked_load). 0: one asynchronous load
+    # of L2 evicting as much as the load returns; L2 keeps one chunk free for the first chunk's
+    # demotions (staging_tokens; tierkv.chunked_load). 0: one asynchronous load, no staging
     load_chunk_tokens: int = 256
     # fetch from L3 / load from L2 only what is cheaper than recomputing it (tierkv.cache.cost_model);
     # prefill_tokens_per_s fixes the prefill rate instead of measuring the engine's
@@ -49,6 +50,15 @@ class CacheConfig:
     # CPU pools: large L1 -> L2 writes run on a copy thread, overlapping the scheduler's next step (False:
     # on the caller's, for a caller that waits for them at once, as the trace replay does)
     overlap_cpu_writes: bool = True
+
+    @property
+    def staging_tokens(self) -> int:
+        """L2 slots kept free at rest for exclusive chunked loads (one chunk): a chunk's L1 demotions go
+        there while the chunk's own L2 slots still hold it, so L2 evicts nothing for them (a swap through
+        one chunk of staging; tierkv.chunked_load). 0 unless exclusive tiers load in chunks."""
+        if self.tier_mode != "exclusive" or not self.load_chunk_tokens or not self.enable_host:
+            return 0
+        return max(self.page_size, self.load_chunk_tokens // self.page_size * self.page_size)
 
     def __post_init__(self) -> None:
         check_int("page_size", self.page_size, minimum=1)

@@ -64,6 +64,9 @@ class HiRadixCache(StorageTierMethods, EvictionMethods):
         self.tp = tp or TPGroup.single()
         self.stats = CacheStats()
         self.host_pool = host_pool
+        # L2 slots kept free at rest: the staging of an exclusive chunked load (CacheConfig.staging_tokens);
+        # a chunk being loaded lowers it by its size while L1 demotes for it (tierkv.chunked_load)
+        self.host_reserve_tokens = self.config.staging_tokens
         self.transfer: TransferController | None = None
         if self.config.enable_host:
             self.host_pool = host_pool or self._make_host_pool()
@@ -82,7 +85,7 @@ class HiRadixCache(StorageTierMethods, EvictionMethods):
         layout = resolve_host_layout(cfg.host_layout, cfg.io_backend)
         tokens = host_pool_tokens(self.device_pool.num_slots, spec.bytes_per_token, cfg.page_size,
                                   cfg.hicache_ratio, cfg.hicache_size_gb)
-        return HostKVPool(spec, tokens, cfg.page_size, layout)
+        return HostKVPool(spec, tokens + cfg.staging_tokens, cfg.page_size, layout)
 
     # ---- lookup ---------------------------------------------------------------------------------
     def match_prefix(self, key: RadixKey) -> MatchResult:
@@ -400,15 +403,13 @@ class HiRadixCache(StorageTierMethods, EvictionMethods):
         return LoadResult(self._path_indices(path), last_node, pending, num_tokens)
 
     def _loads_in_chunks(self, num_tokens: int) -> bool:
-        """Exclusive tiers load in chunks (:mod:`tierkv.chunked_load`) when L1's demotions for the load
-        would not fit in L2's free room and the load is longer than a chunk."""
+        """Exclusive tiers load in chunks (:mod:`tierkv.chunked_load`, synchronously, one chunk or more)
+        when L1's demotions for the load would not fit in L2's free room (the staging reserve apart)."""
         if self.config.tier_mode != "exclusive" or not self.config.load_chunk_tokens:
-            return False
-        if num_tokens <= self._chunk_tokens:
             return False
         if self.transfer.loads:
             self.loading_check()  # finished loads promoted first: their L2 slots are free room too
-        return num_tokens - self.device_pool.num_free_slots > self.host_pool.num_free_slots
+        return num_tokens - self.device_pool.num_free_slots > self._host_room
 
     @property
     def _chunk_tokens(self) -> int:
@@ -448,12 +449,24 @@ class HiRadixCache(StorageTierMethods, EvictionMethods):
             slots = self.device_pool.alloc(num_tokens)
         return slots
 
+    @property
+    def _host_room(self) -> int:
+        """L2 slots free beyond the staging reserve."""
+        return self.host_pool.num_free_slots - self.host_reserve_tokens
+
     def _alloc_host(self, num_tokens: int) -> torch.Tensor | None:
-        slots = self.host_pool.alloc(num_tokens)
-        if slots is None:
-            self.evict_host(num_tokens - self.host_pool.num_free_slots)
-            slots = self.host_pool.alloc(num_tokens)
-        return slots
+        if num_tokens > self._host_room:
+            self.evict_host(num_tokens - self._host_room)
+            if num_tokens > self._host_room:
+                return None
+        return self.host_pool.alloc(num_tokens)
+
+    def restore_host_reserve(self) -> None:
+        """Staging closed: evict from L2 until the reserve is free again (what a chunk's demotions took
+        beyond the L2 slots it freed). Lock contract: as :meth:`evict_host`."""
+        self.host_reserve_tokens = self.config.staging_tokens
+        if self._host_room < 0:
+            self.evict_host(-self._host_room)
 
     def alloc_device(self, num_tokens: int) -> torch.Tensor | None:
         """Slots for a request's new tokens, evicting from L1 if needed. Lock contract: takes no lock."""
@@ -516,6 +529,9 @@ class HiRadixCache(StorageTierMethods, EvictionMethods):
             if caller_host_slots is not None:
                 host_owned.append(caller_host_slots)
             self.host_pool.allocator.check_ownership("host", host_owned)
+            if self.host_reserve_tokens != self.config.staging_tokens or self._host_room < 0:
+                raise AssertionError(f"staging reserve not free at rest: {self.host_pool.num_free_slots} L2 slots "
+                                     f"free, {self.host_reserve_tokens} reserved of {self.config.staging_tokens}")
 
 
 def _cut(path: MatchPath, num_nodes: int) -> None:

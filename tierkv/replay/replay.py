@@ -143,7 +143,8 @@ class TraceReplayer:
         device_pool = DeviceKVPool(REPLAY_KV_SPEC, config.l1_tokens, config.page_size, "cpu")
         host_pool = None
         if config.l2_tokens is not None:
-            host_pool = HostKVPool(REPLAY_KV_SPEC, config.l2_tokens, config.page_size, "page_first")
+            host_pool = HostKVPool(REPLAY_KV_SPEC, config.l2_tokens + config.cache_config().staging_tokens,
+                                   config.page_size, "page_first")
         self.cache = HiRadixCache(device_pool, config.cache_config(), host_pool=host_pool)
         # L1's K and V rows, one float64 per token slot (REPLAY_KV_SPEC), as numpy: verify writes and
         # reads them by slot index, one scatter or gather per request (torch's indexing costs more)

@@ -52,12 +52,13 @@ class SimConfig:
     # the node's ancestors that L2 lacks are copied with it (the cache's rule before: L2 a rooted subtree)
     write_back_ancestors: bool = False
     split_victims: bool = True  # an eviction takes only the pages it needs of its last victim (as the cache)
-    # a what-if the cache does not do: an exclusive load's L2 slots take the pages L1 demotes to make room
-    # for it at once (a swap through a staging buffer), where chunked loads leave the first chunk's loss
+    # a what-if for loads not in chunks (load_chunk_tokens=0): an exclusive load's L2 slots take the pages
+    # L1 demotes to make room for it at once (a swap of the whole load)
     swap_loads: bool = False
-    # exclusive tiers: a load back whose L1 demotions do not fit in L2's free room goes in chunks of this
-    # many tokens, each chunk's L2 pages freed once it is in L1, so the next chunk's demotions take them
-    # (as CacheConfig.load_chunk_tokens); 0: one load, L2 evicting for the demotions
+    # exclusive tiers: a load back whose L1 demotions do not fit in L2's free room goes in chunks of
+    # this many tokens, each chunk's L2 pages freed once it is in L1, so the next chunk's demotions take
+    # them, the first chunk's taking one chunk of staging L2 keeps free (as CacheConfig.load_chunk_tokens
+    # and staging_tokens); 0: one load, L2 evicting for the demotions
     load_chunk_tokens: int = 256
 
     def __post_init__(self) -> None:
@@ -92,6 +93,7 @@ class PageSim:
         self.l1_pages = config.l1_tokens // self.page
         self.l2_pages = (config.l2_tokens or 0) // self.page
         self.l2_used = 0
+        self.l2_staging = 0  # pages L2 may hold beyond l2_pages while a chunk's demotions are made
         self.l1_in_flight = 0  # pages a chunked load has copied into L1 for a node not yet all there
         device_order, host_order = tier_orders(self.policy, config.tier_mode)
         self.l1_heap = EvictionHeap(self.tree, "device", device_order)
@@ -161,9 +163,9 @@ class PageSim:
         return loaded
 
     def _loads_in_chunks(self, num_pages: int, chunk_pages: int) -> bool:
-        """As ``HiRadixCache._loads_in_chunks``: exclusive tiers, a load longer than a chunk whose L1
-        demotions would not fit in L2's free room."""
-        if self.config.tier_mode != "exclusive" or chunk_pages <= 0 or num_pages <= chunk_pages:
+        """As ``HiRadixCache._loads_in_chunks``: exclusive tiers, a load whose L1 demotions would not fit
+        in L2's free room."""
+        if self.config.tier_mode != "exclusive" or chunk_pages <= 0:
             return False
         return self.l1_used + num_pages - self.l1_pages > self.l2_pages - self.l2_used
 
@@ -190,18 +192,23 @@ class PageSim:
         filled, free_host = 0, False  # of the node being filled
         for segments in chunk_segments(host_part, chunk_pages):
             num = sum(end - start for _, start, end in segments)
-            if not self._make_room_l1(num):
-                break
-            self.l1_in_flight += num
-            for node, start, end in segments:
-                if start == 0:
-                    filled, free_host = 0, node.host_ref == 0
-                filled += end - start
-                if free_host:
-                    self.l2_used -= end - start
-                if end == len(node):
-                    loaded.append(self._hand_over(node, free_host))
-                    filled = 0
+            self.l2_staging = num
+            try:
+                if not self._make_room_l1(num):
+                    break
+                self.l1_in_flight += num
+                for node, start, end in segments:
+                    if start == 0:
+                        filled, free_host = 0, node.host_ref == 0
+                    filled += end - start
+                    if free_host:
+                        self.l2_used -= end - start
+                    if end == len(node):
+                        loaded.append(self._hand_over(node, free_host))
+                        filled = 0
+            finally:
+                self.l2_staging = 0
+                self._evict_l2_for(0)
         if filled:  # stopped inside a node: its head is loaded
             node = next(n for n in host_part if n.device_value is None)
             loaded.append(self._hand_over(self.tree.split(node, filled), free_host))
@@ -257,24 +264,30 @@ class PageSim:
             n = n.parent
         num = sum(len(n) for n in path)
         self.tree.inc_host_ref(node)
-        if self.l2_used + num > self.l2_pages:
-            for victim in self.l2_heap.victims():
-                if victim.device_value is not None and not self.config.l2_evicts_l1_resident:
-                    continue  # HiCache's rule: only host-only leaves leave L2 (re-marked when L1 drops it)
-                need = self.l2_used + num - self.l2_pages
-                if self.config.split_victims and len(victim) > need:
-                    self.tree.split(victim, len(victim) - need)
-                self._evict_l2(victim)
-                if self.l2_used + num <= self.l2_pages:
-                    break
+        self._evict_l2_for(num)
         self.tree.dec_host_ref(node)
-        if self.l2_used + num > self.l2_pages:
+        if self.l2_used + num > self.l2_pages + self.l2_staging:
             return False
         for n in path:
             n.host_value = range(len(n))
         self.l2_used += num
         self.result.written_tokens += num * self.page
         return True
+
+    def _evict_l2_for(self, num: int) -> None:
+        """Evict from L2 until ``num`` more pages fit (the staging pages of a chunk being loaded count)."""
+        limit = self.l2_pages + self.l2_staging
+        if self.l2_used + num <= limit:
+            return
+        for victim in self.l2_heap.victims():
+            if victim.device_value is not None and not self.config.l2_evicts_l1_resident:
+                continue  # HiCache's rule: only host-only leaves leave L2 (re-marked when L1 drops it)
+            need = self.l2_used + num - limit
+            if self.config.split_victims and len(victim) > need:
+                self.tree.split(victim, len(victim) - need)
+            self._evict_l2(victim)
+            if self.l2_used + num <= limit:
+                break
 
     def _drop_host(self, node: TreeNode) -> None:
         node.host_value = None

@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from tierkv.eviction import get_policy
+from tierkv.pools.allocator import plain_slot_slices
 from tierkv.eviction.heap import EvictionHeap
 from tierkv.radix import RadixKey, RadixTree
 from tierkv.replay.trace import load_trace
@@ -135,7 +136,8 @@ class TierkvSide:
         return self.tree.match(key).num_tokens
 
     def insert(self, key, value) -> None:
-        self.tree.insert(key, value)
+        with plain_slot_slices():  # as HiRadixCache.insert: the nodes' slices are no autograd views
+            self.tree.insert(key, value)
 
     def size(self) -> int:
         return self.tree.evictable_size + self.tree.protected_size

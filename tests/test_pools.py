@@ -255,3 +255,47 @@ def test_native_checks_agree_with_the_numpy_reference(page_size, held, picks, sh
             allocator.native = saved
         outcomes.append(outcome)
     assert outcomes[0] == outcomes[1]
+
+
+# ---- plain slot slices ----------------------------------------------------------------------------------
+def test_a_plain_slot_slice_aliases_its_storage_without_a_view_record():
+    from tierkv.pools.allocator import plain_slot_slices
+
+    slots = torch.arange(64, dtype=torch.int64)
+    with plain_slot_slices():
+        part = slots[16:48]
+    assert not part._is_view() and part._base is None  # no autograd record to make or free
+    assert part.untyped_storage().data_ptr() == slots.untyped_storage().data_ptr()
+    assert part.tolist() == list(range(16, 48))
+    assert slots[16:48]._is_view()  # outside the context, slicing is as before
+
+
+def test_plain_slot_slices_fall_back_to_plain_slicing_without_the_guard(monkeypatch):
+    import tierkv.pools.allocator as allocator
+
+    monkeypatch.setattr(allocator, "_BELOW_VIEW_TRACKING", None)
+    with allocator.plain_slot_slices():
+        part = torch.arange(8)[2:6]
+    assert part.tolist() == [2, 3, 4, 5]
+
+
+def test_the_caches_nodes_hold_plain_slices_of_the_inserted_slots():
+    """HiRadixCache.insert and eviction's splits slice under plain_slot_slices: the tree's slices cost
+    half as much to make and to free (bench/bench_tree_vs_sglang.py, evict all)."""
+    from tierkv.config import CacheConfig
+    from tierkv.hicache import HiRadixCache
+    from tierkv.pools.kv import DeviceKVPool
+    from tierkv.pools.spec import KVSpec
+    from tierkv.radix import RadixKey
+
+    pool = DeviceKVPool(KVSpec(num_layers=1, kv_heads=1, head_dim=4, dtype=torch.float32), 128, 1, "cpu")
+    cache = HiRadixCache(pool, CacheConfig(enable_host=False))
+    cache.insert(RadixKey(list(range(32))), cache.alloc_device(32))
+    # a second prompt sharing 16 tokens: the tree splits the first node and slices the new leaf
+    assert cache.insert(RadixKey(list(range(16)) + list(range(100, 124))), cache.alloc_device(40)) == 40
+    values = [n.device_value for n in cache.tree.nodes() if n.device_value is not None]
+    assert len(values) == 3 and not any(v._is_view() for v in values)
+    assert cache.evict(8) == 8  # the last victim is split (split_victims): its head stays, sliced plainly
+    values = [n.device_value for n in cache.tree.nodes() if n.device_value is not None]
+    assert sorted(len(v) for v in values) == [8, 16, 24] and not any(v._is_view() for v in values)
+    cache.check_integrity()

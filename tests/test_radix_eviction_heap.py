@@ -376,3 +376,32 @@ def test_an_on_evict_hook_that_raises_leaks_no_value(tree_impl):
     del tree, heap, calls
     gc.collect()
     assert [w() for w in watched] == [None] * len(watched)
+
+
+@pytest.mark.parametrize("enabled_before", [True, False])
+@pytest.mark.parametrize("hook_raises", [False, True])
+def test_the_collector_is_as_the_caller_left_it_after_an_eviction(tree_impl, enabled_before, hook_raises):
+    """The compiled loop pauses the cyclic collector while it runs (its heap entries would trigger young
+    collections that walk them all); afterwards, error or not, the collector is on exactly when it was."""
+    tree, heap, _ = _watched_tree()
+    seen = []
+
+    def hook(node, removed):
+        seen.append(gc.isenabled())
+        if hook_raises:
+            raise RuntimeError("hook failed")
+
+    was = gc.isenabled()
+    (gc.enable if enabled_before else gc.disable)()
+    try:
+        if hook_raises:
+            with pytest.raises(RuntimeError, match="hook failed"):
+                heap.evict_device(100, hook)
+        else:
+            heap.evict_device(100, hook)
+        assert gc.isenabled() is enabled_before
+    finally:
+        (gc.enable if was else gc.disable)()
+    assert seen
+    if tree_impl == "c":
+        assert seen == [False] * len(seen)  # paused inside the loop

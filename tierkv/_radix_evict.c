@@ -369,7 +369,16 @@ PyObject *tierkv_evict_device(PyObject *self, PyObject *const *args, Py_ssize_t 
         PyErr_SetString(PyExc_TypeError, "tree frontiers are not sets or None");
         goto done;
     }
+    /* The collector is paused for the loop: its heap entries are GC-tracked tuples that hold nodes, and
+     * the first drain of a cold evict-all pushes a whole frontier of them at once, so every 700 a young
+     * collection walked them all (a tenth of the loop's instructions). Nothing the loop makes forms a
+     * cycle and it never releases the GIL, so no other code runs meanwhile; a collection that is due
+     * runs at the next allocation after it. */
+    int gc_was_enabled = PyGC_Disable();
     int rc = evict_loop(&c, num_tokens, recheck);
+    if (gc_was_enabled) {
+        PyGC_Enable();
+    }
     rc = account(tree, c.evicted_tokens) < 0 ? -1 : rc;
     if (rc == 0) {
         PyObject *freed = PyLong_FromSsize_t(c.evicted_tokens);

@@ -9,6 +9,7 @@ import torch
 
 from tierkv.cache_records import _WriteBackBatch
 from tierkv.eviction.tiers import drop_host_subtree
+from tierkv.pools.allocator import plain_slot_slices
 from tierkv.radix import TreeNode
 
 
@@ -59,7 +60,8 @@ class EvictionMethods:
         page = self.config.page_size
         num_tokens = -(-num_tokens // page) * page
         if self.config.split_victims and len(node) > num_tokens:
-            self.tree.split(node, len(node) - num_tokens)
+            with plain_slot_slices():
+                self.tree.split(node, len(node) - num_tokens)
 
     def _remove_with_host_subtree(self, node: TreeNode) -> None:
         """Delete ``node`` (in neither tier now) and its L2-only descendants, freeing their host slots."""

@@ -30,6 +30,7 @@ from tierkv.eviction.heap import EvictionHeap
 from tierkv.eviction.tiers import promote_loaded, tier_orders
 from tierkv.failed_loads import FailedLoads
 from tierkv.layer_load import DeferredLoads, LayerLoads
+from tierkv.pools.allocator import plain_slot_slices
 from tierkv.pools.kv import DeviceKVPool, HostKVPool, host_pool_tokens
 from tierkv.radix import MatchPath, RadixKey, RadixTree, TreeNode
 from tierkv.retire import Retirements
@@ -177,7 +178,8 @@ class HiRadixCache(StorageTierMethods, EvictionMethods):
         self._note_failed_loads()
         if self.failed_loads:
             key, device_slots = self.failed_loads.cut_key(key, device_slots)
-        result = self.tree.insert(key, device_slots, priority)
+        with plain_slot_slices():  # the nodes' slices of device_slots
+            result = self.tree.insert(key, device_slots, priority)
         self._free_duplicates(device_slots, result.shared)
         owned = result.prefix_len + (len(result.new_node) if result.new_node else 0)
         if chunked:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 
@@ -13,6 +15,20 @@ except ImportError:  # no compiler at install time: the numpy checks below do it
 # take a dozen ops and a sort. None: the numpy reference alone (a build without them; tests set it).
 native = _rowcopy if getattr(_rowcopy, "API_VERSION", 0) == 4 else None
 _NATIVE_REFUSED = (ValueError, TypeError, BufferError, RuntimeError)
+# torch's dispatch guard that skips autograd's view tracking (what inference mode uses inside); None
+# where a torch build lacks it
+_BELOW_VIEW_TRACKING = getattr(torch._C, "_AutoDispatchBelowADInplaceOrView", None)
+
+
+def plain_slot_slices() -> contextlib.AbstractContextManager:
+    """A context in which slicing a slot tensor makes a plain alias of its storage, not an autograd view.
+
+    Slot tensors are int64 indices, never differentiated, so the record autograd keeps for a view (its
+    base, how to replay it) serves nothing; without it a slice costs about half as much to make and to
+    free. A tree holds one slice per node and frees one per node it evicts, so the cache inserts and
+    splits under this. Plain slicing where torch lacks the guard.
+    """
+    return _BELOW_VIEW_TRACKING() if _BELOW_VIEW_TRACKING is not None else contextlib.nullcontext()
 
 
 class SlotAllocator:

@@ -227,7 +227,10 @@ class GDSF(Policy):
         """Prefill cost of one of the node's tokens, at its middle position; fixed once known, a split
         sharing it with both halves: what the KV cost to compute does not change when an eviction cuts
         the node (else the tail of a node demoted page by page would rank above its head, and L2 keep
-        deep pages it cannot load without the ones it dropped)."""
+        deep pages it cannot load without the ones it dropped). Known from the node's first use (its
+        insert), so it does not depend on when the node is first ranked: exclusive tiers rank nodes at
+        other times than one tier does, and split them where L1 demotes, and a cost taken from the shape
+        at first ranking made the two drift apart (GDSF tiers lost 0.005 points to one tier)."""
         cost = self._cost.get(node.id)
         if cost is None:
             mid = (depth_tokens(node) + len(node) / 2) * self.element_tokens
@@ -236,7 +239,11 @@ class GDSF(Policy):
 
     def on_access(self, node: PolicyNode) -> None:
         self._base[node.id] = (node.last_access_time, self.clock)
+        self.cost_per_slot(node)  # fixed now, from the shape the insert gave it
         super().on_access(node)
+
+    def on_insert(self, node: PolicyNode) -> None:
+        self.cost_per_slot(node)
 
     def h(self, node: PolicyNode) -> float:
         tick, base = self._base.get(node.id, (None, 0.0))

@@ -74,6 +74,7 @@ class Backend:
                 store._native = None
             elif self.name == "file-threads":
                 store.read_threads, store.parallel_read_min_nbytes = 3, 0
+                store.write_threads, store.parallel_write_min_nbytes = 3, 0
         elif self.name.startswith("redis"):
             store = open_store(self.server.url, namespace, page_nbytes,
                                {"key_prefix": f"t{os.getpid()}:", "timeout_s": 1.0, "retry_backoff_s": 0.05,

@@ -316,3 +316,58 @@ def test_check_headers_explains_a_mismatch_verify_cannot_see():
     row[6] = 0x80  # a flag bit no version defines
     failures = fmt.check_headers([KEY], row.reshape(1, HEADER_SIZE), [payload], native.pageio.xxh3_many([payload]))
     assert len(failures) == 1 and isinstance(failures[0][1], PageFormatError)
+
+
+def test_large_batches_are_written_on_several_threads_small_ones_on_one(tmp_path, monkeypatch):
+    """A large batch is cut into one run of pages per writer thread, each run one native call on its own
+    thread with its own temp files; every page lands whole under its own key, in order."""
+    import threading
+
+    store = open_store(f"file:{tmp_path}", "ns", PAGE_NBYTES)
+    store.write_threads, store.parallel_write_min_nbytes = 3, 8 * PAGE_NBYTES
+    calls = []
+    real = native.pageio.write_pages
+
+    def recording(fds, temps, names, *rest):
+        calls.append((threading.get_ident(), len(names), temps[0].decode().rsplit(".", 2)[-2]))
+        return real(fds, temps, names, *rest)
+    monkeypatch.setattr(store, "_native", type("Native", (), {"write_pages": staticmethod(recording),
+                                                                "read_pages": staticmethod(native.pageio.read_pages)}))
+    keys, pages = make_keys(8), make_pages(8)
+    assert store.batch_set(keys, pages) == [True] * 8
+    assert sorted(n for _, n, _ in calls) == [2, 3, 3]  # 8 pages in runs of 2, 3 and 3
+    # the caller writes one run, two helper threads the others (a finished helper's id may be reused),
+    # each thread naming its temp files by its own id
+    assert [ident == threading.get_ident() for ident, _, _ in calls].count(True) == 1
+    assert all(tid == str(ident) for ident, _, tid in calls)
+    calls.clear()
+    assert store.batch_set(keys[:7], pages[:7]) == [True] * 7  # under the threshold: one call
+    assert [n for _, n, _ in calls] == [7]
+    targets = empty_pages(8)
+    assert store.batch_get(keys, targets) == [True] * 8
+    assert all(torch.equal(t, p) for t, p in zip(targets, pages))
+    assert store.stats.set_pages == 15 and store.stats.errors == 0
+    assert not [name for name in os.listdir(store.directory) if name.endswith(".tmp")]
+
+
+def test_a_write_thread_that_fails_costs_only_its_run(tmp_path, monkeypatch):
+    """A helper whose native call raises leaves its run unacknowledged (counted as errors); the other runs'
+    pages are stored and read back."""
+    import threading
+
+    store = open_store(f"file:{tmp_path}", "ns", PAGE_NBYTES)
+    store.write_threads, store.parallel_write_min_nbytes = 2, 0
+    real = native.pageio.write_pages
+    caller = threading.get_ident()
+
+    def failing_in_helpers(*args):
+        if threading.get_ident() != caller:
+            raise MemoryError("no memory for the run")
+        return real(*args)
+    monkeypatch.setattr(store, "_native", type("Native", (), {"write_pages": staticmethod(failing_in_helpers),
+                                                                "read_pages": staticmethod(native.pageio.read_pages)}))
+    monkeypatch.setattr(threading, "excepthook", lambda args: None)  # the helper's traceback, expected here
+    keys, pages = make_keys(6), make_pages(6)
+    assert store.batch_set(keys, pages) == [True] * 3 + [False] * 3
+    assert store.stats.errors == 3
+    assert store.batch_get(keys, empty_pages(6)) == [True] * 3 + [False] * 3

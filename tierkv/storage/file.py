@@ -13,8 +13,9 @@ side. Each chunk of a page is checksummed right before it is written or right af
 it is in the core's cache. With the native page I/O (:mod:`tierkv.storage.native`) a whole batch is
 one call without the GIL: per page that saves ~15 us of Python (open, read, close, hasher, header
 check), half the time of a 128 KiB read; keyed stores (a MAC) and builds without it use the Python loop.
-A large batch is read on several native threads, each page read and hashed by one of them, so with a
-spare core the hash of one page runs beside the kernel's copy of another.
+A large batch is read, or written, on several native threads, each page read and hashed (or hashed and
+written) by one of them, so with a spare core the hash of one page runs beside the kernel's copy of
+another.
 
 Every path below the namespace directory is opened one component at a time under directory file
 descriptors with ``O_NOFOLLOW``: a symlink planted anywhere inside the store (a subdirectory or a
@@ -61,6 +62,10 @@ _NO_SUBDIR, _BAD_SUBDIR = -1, -2
 # batch under PARALLEL_READ_MIN_NBYTES stays on the calling thread (a thread costs ~30 us to start).
 MAX_READ_THREADS = 4
 PARALLEL_READ_MIN_NBYTES = 2 << 20
+# Native writes of a batch likewise: cut into one run of pages per thread (the calling thread takes the
+# first), each run one native call that hashes each chunk just before writing it; the kernel's copy
+# into the page cache and the hash are both CPU work, which a spare core halves.
+PARALLEL_WRITE_MIN_NBYTES = 2 << 20
 
 
 def usable_cores() -> int:
@@ -137,6 +142,8 @@ class FileStore(PageStore):
         self._native = native.pageio if self.format.page_key is None else None
         self.read_threads = min(MAX_READ_THREADS, usable_cores())
         self.parallel_read_min_nbytes = PARALLEL_READ_MIN_NBYTES
+        self.write_threads = self.read_threads
+        self.parallel_write_min_nbytes = PARALLEL_WRITE_MIN_NBYTES
 
     def path(self, key: str) -> str:
         """The file of ``key``; ValueError if the key is not a page hash or the path leaves the store."""
@@ -331,14 +338,42 @@ class FileStore(PageStore):
             self._error(f"read {self.path(key)}", OSError(-status, os.strerror(-status)))
 
     def _set_native(self, dirs: "_Subdirs", keys: list[str], views: list[memoryview]) -> list[bool]:
-        """The batch in one native call (each chunk hashed just before it is written, the checksum put
-        into the page's header template); a disk refusal stops the batch and backs off."""
+        """The batch in native calls (each chunk hashed just before it is written, the checksum put into
+        the page's header template), one per run of ``write_threads`` runs when the batch is large; a disk
+        refusal stops its run and backs off."""
         fds = self._subdir_fds(dirs, keys, "write")
-        suffix = f"{PAGE_SUFFIX}.{os.getpid()}.{threading.get_ident()}.tmp"
-        results = self._native.write_pages(
+        threads = self.write_threads if len(keys) * self.page_nbytes >= self.parallel_write_min_nbytes else 1
+        bounds = [len(keys) * k // threads for k in range(threads + 1)]
+        runs = [(bounds[k], bounds[k + 1]) for k in range(threads) if bounds[k] < bounds[k + 1]]
+        results: list = [None] * len(runs)
+
+        def write_run(k: int) -> None:
+            start, end = runs[k]
+            results[k] = self._write_run(fds[start:end], keys[start:end], views[start:end])
+        helpers = [threading.Thread(target=write_run, args=(k,), name="tierkv-file-write", daemon=True)
+                   for k in range(1, len(runs))]
+        for helper in helpers:
+            helper.start()
+        try:
+            write_run(0)
+        finally:
+            for helper in helpers:  # their pages' views are the caller's: never return before they end
+                helper.join()
+        # a helper that raised (threading printed why) leaves its run's pages unacknowledged
+        results = [run if run is not None else [(_WRITE_SKIPPED, 0)] * (end - start)
+                   for run, (start, end) in zip(results, runs)]
+        return self._settle_writes(keys, fds, [r for run in results for r in run])
+
+    def _write_run(self, fds: list[int], keys: list[str], views: list[memoryview]) -> list:
+        """One native call over ``keys`` (safe on any thread: no Python state is touched); its results."""
+        suffix = f"{PAGE_SUFFIX}.{os.getpid()}.{threading.get_ident()}.tmp"  # each thread its own temp files
+        return self._native.write_pages(
             fds, [(key + suffix).encode() for key in keys], [(key + PAGE_SUFFIX).encode() for key in keys], views,
             self.format.header_templates(keys), self.page_nbytes, CHUNK_NBYTES, CHECKSUM_OFFSET, self.fsync,
             sorted(_DISK_REFUSALS))
+
+    def _settle_writes(self, keys: list[str], fds: list[int], results: list) -> list[bool]:
+        """Count, index and explain the native results of a batch, on the calling thread."""
         done = [status == 0 for status, _ in results]
         if any(done):  # before the failures: a refusal (which ends the batch) must leave writes backing off
             self.write_backoff.succeeded()

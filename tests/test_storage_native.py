@@ -371,3 +371,15 @@ def test_a_write_thread_that_fails_costs_only_its_run(tmp_path, monkeypatch):
     assert store.batch_set(keys, pages) == [True] * 3 + [False] * 3
     assert store.stats.errors == 3
     assert store.batch_get(keys, empty_pages(6)) == [True] * 3 + [False] * 3
+
+
+@pytest.mark.parametrize("parallel_min_nbytes", [0, PAGE_NBYTES])
+def test_an_empty_batch_writes_and_reads_nothing(tmp_path, parallel_min_nbytes):
+    """An empty batch is an empty answer, on the threaded path too (it once indexed a run that did not
+    exist)."""
+    store = open_store(f"file:{tmp_path}", "ns", PAGE_NBYTES)
+    store.write_threads, store.parallel_write_min_nbytes = 3, parallel_min_nbytes
+    store.read_threads, store.parallel_read_min_nbytes = 3, parallel_min_nbytes
+    assert store.batch_set([], []) == []
+    assert store.batch_get([], []) == []
+    assert store.stats.errors == 0

@@ -8,9 +8,9 @@ in L1 its L2 slots are freed, and the next chunk's demotions take them. The firs
 to the staging slots L2 keeps free at rest (``CacheConfig.staging_tokens``, one chunk), which its
 freed L2 slots then give back: a swap through one chunk of staging, so a load back makes L2 evict
 nothing (an exclusive LRU pair then hits exactly as one LRU of the same size). A load of one chunk or
-less goes the same way when L2 is full. A node straddling chunks is handed its device slots when its last chunk lands
-(its L2 slots, already freed, are dropped then); if the load stops inside it (no room, a failed copy,
-an interrupt), the node is split there: the head is loaded, the tail keeps its L2 copy.
+less goes the same way when L2 is full. A node straddling chunks is handed its device slots when its
+last chunk lands (its L2 slots, already freed, are dropped then); if the load stops inside it (no room,
+a failed copy, an interrupt), the node is split there: the head is loaded, the tail keeps its L2 copy.
 """
 
 from __future__ import annotations

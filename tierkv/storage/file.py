@@ -345,6 +345,8 @@ class FileStore(PageStore):
         threads = self.write_threads if len(keys) * self.page_nbytes >= self.parallel_write_min_nbytes else 1
         bounds = [len(keys) * k // threads for k in range(threads + 1)]
         runs = [(bounds[k], bounds[k + 1]) for k in range(threads) if bounds[k] < bounds[k + 1]]
+        if not runs:  # an empty batch
+            return []
         results: list = [None] * len(runs)
 
         def write_run(k: int) -> None:

@@ -171,9 +171,9 @@ def test_metrics_parse_as_prometheus_text_and_openmetrics(server):
     assert ctype.startswith("text/plain")
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for family in parse_prometheus(text) for s in family.samples}
-    assert samples[("tierkv_requests_total", (("status", "finished"),))] >= 2
-    assert samples[("tierkv_cache_hit_tokens_total", (("cache_source", "device"),))] >= 18
-    assert ("tierkv_cache_hit_tokens_total", (("cache_source", "storage"),)) in samples
+    assert samples[("tierkv_requests_total", (("outcome", "finished"),))] >= 2
+    assert samples[("tierkv_cache_hit_tokens_total", (("tier", "device"),))] >= 18
+    assert ("tierkv_cache_hit_tokens_total", (("tier", "host"),)) in samples
     assert samples[("tierkv_cache_capacity_tokens", (("tier", "host"),))] == server.loop.engine.cache.host_pool.num_slots
     assert samples[("tierkv_time_to_first_token_seconds_count", ())] >= 2
     assert ("tierkv_evicted_tokens_total", (("tier", "device"),)) in samples

@@ -45,7 +45,7 @@ def metric_samples(srv) -> dict:
 
 def wait_idle(srv) -> None:
     deadline = time.monotonic() + 60
-    while (srv.loop.engine.scheduler.has_work or srv.loop.num_waiting) and time.monotonic() < deadline:
+    while srv.loop.engine.scheduler.has_work and time.monotonic() < deadline:
         time.sleep(0.05)
 
 
@@ -69,8 +69,8 @@ def test_dropped_streams_stop_generating_and_release_their_kv(model):
         for sock in socks:
             sock.close()
         wait_idle(srv)
-        assert counters.requests_cancelled == NUM_STREAMS and counters.requests_finished == 0
         assert counters.generated_tokens < NUM_STREAMS * MAX_TOKENS // 4, counters.generated_tokens
+        assert counters.requests_cancelled == NUM_STREAMS and counters.requests_finished == 0
         assert_nothing_held(srv)
         samples = metric_samples(srv)
         assert samples[("tierkv_requests_total", (("outcome", "cancelled"),))] == NUM_STREAMS
@@ -92,7 +92,8 @@ def test_a_dropped_plain_request_is_cancelled_too(model):
             time.sleep(0.01)
         sock.close()  # no response has been sent: only the socket's end says the client left
         wait_idle(srv)
-        assert counters.requests_cancelled == 1 and counters.generated_tokens < 1000
+        assert counters.generated_tokens < 1000, counters.generated_tokens
+        assert counters.requests_cancelled == 1
         assert_nothing_held(srv)
         assert metric_samples(srv)[("tierkv_requests_total", (("outcome", "cancelled"),))] == 1
     finally:

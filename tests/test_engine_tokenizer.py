@@ -4,10 +4,9 @@ keep the byte tokenizer."""
 import openai
 import pytest
 
-from engine_helpers import tiny_model
+from engine_helpers import save_word_tokenizer_checkpoint
 from engine_helpers import single_torch_thread  # noqa: F401  (autouse fixture)
 from tierkv.engine.engine import Engine, EngineConfig
-from tierkv.engine.loader import save_checkpoint
 from tierkv.engine.server import CompletionServer
 from tierkv.engine.tokenizer import ByteTokenizer, load_tokenizer
 
@@ -19,14 +18,7 @@ tokenizers = pytest.importorskip("tokenizers")
 def checkpoint(tmp_path_factory):
     """A tiny checkpoint with a word-level tokenizer whose vocabulary fills the model's 320 ids."""
     directory = tmp_path_factory.mktemp("ckpt")
-    lm = tiny_model("tiny-llama")
-    save_checkpoint(lm, directory)
-    words = ["[UNK]", "</s>", "hello", "world", "cache"] + [f"w{i}" for i in range(lm.config.vocab_size - 5)]
-    core = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
-    core.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    core.decoder = tokenizers.decoders.WordPiece(prefix="##")
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]", eos_token="</s>")
-    fast.save_pretrained(str(directory))
+    save_word_tokenizer_checkpoint(directory)
     return directory
 
 

@@ -135,7 +135,7 @@ def _build_server(args: argparse.Namespace):
     try:
         from tierkv.engine.server import CompletionServer, ServerLimits
     except ModuleNotFoundError as exc:
-        raise CliError(f"serving needs {exc.name}: pip install 'tierkv[serve]'") from None
+        raise CliError(f"serving needs {exc.name}: pip install 'tierkv-hicache[serve]'") from None
     from tierkv.engine.tokenizer import load_tokenizer
 
     config = _engine_config(args)

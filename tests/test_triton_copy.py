@@ -15,7 +15,7 @@ from pool_helpers import random_pools
 from tierkv.config import CacheConfig
 from tierkv.copy import triton_copy
 from tierkv.hicache import HiRadixCache
-from tierkv.pools import HOST_LAYOUTS, DeviceKVPool, KVSpec
+from tierkv.pools import HOST_LAYOUTS, DeviceKVPool, HostKVPool, KVSpec
 from tierkv.radix import RadixKey
 from tierkv.transfer import TransferController
 
@@ -255,3 +255,25 @@ except ValueError as exc:
                          cwd=Path(__file__).resolve().parents[1])
     assert out.returncode == 0, out.stderr
     assert "error: TIERKV_COPY_KERNEL=triton but triton is not installed" in out.stdout
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("layout", HOST_LAYOUTS)
+@pytest.mark.parametrize("attention", ["mha", "mla"])
+def test_compiled_kernel_on_cuda_reads_and_writes_pinned_host_memory(monkeypatch, attention, layout):
+    """On a GPU, compiled (no interpreter): the host pool is pinned and read/written in place."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    spec = make_spec(attention, torch.bfloat16)
+    device = DeviceKVPool(spec, 8 * 16, 16, "cuda")
+    host = HostKVPool(spec, 12 * 16, 16, layout, pin_memory=True)
+    device.buffer.view(torch.uint8).random_(0, 256)
+    host.buffer.view(torch.uint8).random_(0, 256)
+    device_pages, host_pages = torch.tensor([6, 1, 3]), torch.tensor([11, 0, 5])
+    triton_copy.copier_for(device, host)(device, device_pages, host, host_pages)
+    torch.cuda.synchronize()
+    assert same_bytes(host.gather_pages(host_pages), device.gather_pages(device_pages).cpu())
+    copy_layer = triton_copy.copier_for(host, device).layer_copier(host, host_pages, device, torch.tensor([0, 2, 7]))
+    for layer in range(spec.num_layers):
+        copy_layer(layer)
+    torch.cuda.synchronize()
+    assert same_bytes(device.gather_pages(torch.tensor([0, 2, 7])), device.gather_pages(device_pages))

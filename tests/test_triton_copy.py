@@ -277,3 +277,12 @@ def test_compiled_kernel_on_cuda_reads_and_writes_pinned_host_memory(monkeypatch
         copy_layer(layer)
     torch.cuda.synchronize()
     assert same_bytes(device.gather_pages(torch.tensor([0, 2, 7])), device.gather_pages(device_pages))
+
+
+def test_a_host_pool_beside_a_cuda_pool_must_be_pinned():
+    def pool(device, pinned):
+        return SimpleNamespace(device=torch.device(device), buffer=SimpleNamespace(is_pinned=lambda: pinned))
+
+    assert not triton_copy._reachable(pool("cuda", False), pool("cpu", False))  # pageable: not mapped
+    assert triton_copy._reachable(pool("cpu", True), pool("cuda", False))
+    assert triton_copy._reachable(pool("cpu", False), pool("cpu", False))  # the interpreter: plain pointers

@@ -84,12 +84,13 @@ def wanted(src: PagedKVBuffer, dst: PagedKVBuffer) -> bool:
         return False
     if not on_cuda and not _interpreting():
         raise ValueError(f"{ENV_VAR}=triton with CPU pools needs Triton's interpreter (TRITON_INTERPRET=1)")
-    host = src if isinstance(src, HostKVPool) else dst
-    if on_cuda and host.device.type == "cpu" and not host.buffer.is_pinned():
-        if choice == "triton":
-            raise ValueError(f"{ENV_VAR}=triton needs a pinned host pool (the kernel reads it in place)")
-        return False
     return True
+
+
+def _reachable(src: PagedKVBuffer, dst: PagedKVBuffer) -> bool:
+    """The kernel can address both pools: a host pool next to a CUDA one must be pinned (mapped)."""
+    on_cuda = src.device.type == "cuda" or dst.device.type == "cuda"
+    return not on_cuda or all(p.device.type == "cuda" or p.buffer.is_pinned() for p in (src, dst))
 
 
 def _interpreting() -> bool:
@@ -197,14 +198,18 @@ _copiers_lock = threading.Lock()
 
 
 def copier_for(src: PagedKVBuffer, dst: PagedKVBuffer) -> TritonPageCopy | None:
-    """The Triton copy between these two pools when :func:`wanted`, else None; made once per pair."""
+    """The Triton copy between these two pools when :func:`wanted` and the kernel can reach both (a host
+    pool beside a CUDA one is pinned), else None; made once per pair."""
     if not wanted(src, dst):
         return None
     with _copiers_lock:
         per_src = _copiers.setdefault(src, weakref.WeakKeyDictionary())
         if dst not in per_src:
-            per_src[dst] = TritonPageCopy(src, dst)
-        return per_src[dst]
+            per_src[dst] = TritonPageCopy(src, dst) if _reachable(src, dst) else None
+        copier = per_src[dst]
+    if copier is None and kernel_choice() == "triton":
+        raise ValueError(f"{ENV_VAR}=triton needs a pinned host pool (the kernel reads it in place)")
+    return copier
 
 
 def launches() -> int:

@@ -379,7 +379,7 @@ def __getattr__(name: str) -> Any:
     caller (``KVConnectorFactory.get_connector_class(kv_transfer_config)``). Checking it there turns a bad
     key into an error in seconds instead of after the model loaded (vLLM offers no hook with the config
     before then on CPU; on GPU, :meth:`requires_piecewise_for_cudagraph` is one). Without that caller,
-    (an import, a pickle) the class is returned unchecked; the connector checks again when built.
+    (a plain import, or deserialisation) the class is returned unchecked; the connector checks again when built.
     """
     if name != "TierKVConnector":
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -72,12 +72,24 @@ class StorageStats:
     backup_not_worth_tokens: int = 0  # the cost model judged writing them costlier than their reads save
 
 
-def resolve_namespace(namespace: HashNamespace | str, algorithm: str | None) -> HashNamespace:
-    """A string names the model; ``algorithm`` (when given) overrides the namespace's own."""
+def resolve_namespace(cache: "HiRadixCache", namespace: HashNamespace | str,
+                      algorithm: str | None) -> HashNamespace:
+    """The namespace of this cache's pages: a string names the model, the rest (KV layout, dtype, shape,
+    TP shard) comes from the cache; an explicit namespace must name the cache's own TP shard (MLA: none).
+    ``algorithm`` (when given) overrides the namespace's own."""
+    spec, tp = cache.device_pool.spec, cache.tp
     if isinstance(namespace, str):
-        return HashNamespace(model=namespace, algorithm=algorithm or "sha256")
+        return HashNamespace.for_spec(namespace, spec, cache.host_pool.layout, tp.rank, tp.world_size,
+                                      algorithm=algorithm or "sha256")
     if not isinstance(namespace, HashNamespace):
         raise ValueError(f"namespace must be a HashNamespace or a str, got {namespace!r}")
+    # a rank reading under another shard's name would take that shard's heads for its own
+    shard = (0, 1) if spec.attention == "mla" else (tp.rank, tp.world_size)
+    if (namespace.tp_rank, namespace.tp_size) != shard:
+        raise ValueError(f"namespace names TP shard {namespace.tp_rank}of{namespace.tp_size} but this cache "
+                         f"is TP rank {tp.rank} of {tp.world_size}, whose {spec.attention} pages are "
+                         f"{shard[0]}of{shard[1]}: build it with HashNamespace.for_spec(..., tp_rank, tp_size) "
+                         f"or pass the model name as a string")
     return namespace if algorithm is None else dataclasses.replace(namespace, algorithm=algorithm)
 
 
@@ -87,7 +99,7 @@ def open_storage(cache: "HiRadixCache", spec: str, extra_config: str | None,
     of the extra-config JSON, and attach it to ``cache`` with the rest of that JSON as its StorageConfig."""
     backend, _ = parse_spec(spec)
     config = StorageConfig.from_json(extra_config, backend_keys=BACKEND_OPTIONS[backend])
-    ns = resolve_namespace(namespace, config.hash_algorithm)
+    ns = resolve_namespace(cache, namespace, config.hash_algorithm)
     store = open_store(spec, ns.name(), cache.host_pool.page_nbytes, dict(config.backend_config))
     store.check_config()  # opening is lazy; a refused setting is an error now, not a silent miss later
     cache.attach_storage(store, config, ns)
@@ -106,7 +118,7 @@ class StorageController:
                              f"{cache.host_pool.page_nbytes}")
         self.cache, self.tree, self.host_pool = cache, cache.tree, cache.host_pool
         self.store, self.config = store, config
-        self.namespace = resolve_namespace(namespace, config.hash_algorithm)
+        self.namespace = resolve_namespace(cache, namespace, config.hash_algorithm)
         self.page_size = cache.config.page_size
         self.stats = StorageStats()
         self.prefetches: dict[str, Prefetch] = {}  # by request id, in start order: running or revoked

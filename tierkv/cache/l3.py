@@ -7,8 +7,9 @@ protects, and report through its counters and events.
 Ownership contract: a host slot handed to a worker stays owned until that worker returns, whatever
 ``release``, a stop-policy timeout or ``reset`` does. One mechanism: an in-flight object whose worker
 may still touch its slots when the cache lets it go moves to ``draining`` (a released or timed-out
-prefetch; every prefetch and backup still in flight at a reset) and owns its slots there; ``step``
-frees them once the worker is agreed finished.
+prefetch; every prefetch still in flight at a reset, and the backups then in flight as one group,
+:class:`DrainedBackups`, since sibling backups share slots) and owns its slots there, each slot once;
+``step`` frees them once the worker is agreed finished.
 
 TP contract: what asynchronous progress decides (retiring backups, revoking, stopping, freeing a
 drained prefetch's slots) is decided from counts agreed across ranks in the cache's one per-step
@@ -36,7 +37,7 @@ import torch
 from tierkv.hashing import HashNamespace, page_hashes
 from tierkv.radix import RadixKey, TreeNode
 from tierkv.retire import Retirements
-from tierkv.cache.l3_backup import Backup
+from tierkv.cache.l3_backup import Backup, DrainedBackups
 from tierkv.storage.base import PageStore
 from tierkv.storage.config import StorageConfig
 from tierkv.storage.factory import BACKEND_OPTIONS, open_store, parse_spec
@@ -122,7 +123,8 @@ class StorageController:
         self.page_size = cache.config.page_size
         self.stats = StorageStats()
         self.prefetches: dict[str, Prefetch] = {}  # by request id, in start order: running or revoked
-        self.draining: list[Prefetch | Backup] = []  # let go while their worker may still touch their slots
+        # let go while their worker may still touch their slots
+        self.draining: list[Prefetch | DrainedBackups] = []
         self.backups: deque[Backup] = deque()
         self.granted_in_last_step = 0  # prefetches handed host slots by the last apply_progress (agreed)
         self._seed = functools.lru_cache(maxsize=MAX_CACHED_SEEDS)(self.namespace.seed)  # one per tenant, bounded
@@ -305,7 +307,7 @@ class StorageController:
             return num_tokens - offset
         return 0
 
-    def _counted(self) -> list[Prefetch | Backup]:
+    def _counted(self) -> list[Prefetch | DrainedBackups]:
         return [p for p in self.prefetches.values() if p.state == "running"] + self.draining
 
     # ---- backup -------------------------------------------------------------------------------
@@ -395,7 +397,7 @@ class StorageController:
             retirements.run(self._retire_drained, item)
         retirements.raise_first()
 
-    def _retire_drained(self, item: Prefetch | Backup) -> None:
+    def _retire_drained(self, item: Prefetch | DrainedBackups) -> None:
         """Its worker has returned: the slots it owned go back to the pool."""
         item.state = "done"
         self.host_pool.free(item.host_slots)
@@ -458,16 +460,18 @@ class StorageController:
         """Cancel in-flight work; what is still in flight after a bounded wait drains, owning its host
         slots (see :meth:`owned_host_slots`) until its worker returns. Call before the cache resets its
         tree and pools. Empties the store if asked."""
-        for item in [*self._counted(), *self.backups]:
+        for item in [*self.prefetches.values(), *self.backups]:  # draining items are cancelled already
             item.cancel.set()
         self.wait_idle()
         running = [p for p in self.prefetches.values() if p.state == "running"]
         for prefetch in running:
             if not prefetch.granted.is_set():  # its lookup owns no slot: nothing to drain
                 prefetch.state = "done"
-        for item in [*[p for p in running if p.state == "running"], *self.backups]:
-            item.state = "draining"
-            self.draining.append(item)
+        for prefetch in [p for p in running if p.state == "running"]:
+            prefetch.state = "draining"
+            self.draining.append(prefetch)
+        if self.backups:  # one owner for their slots: sibling backups share their prefix's
+            self.draining.append(DrainedBackups.of(list(self.backups)))
         self.prefetches.clear()
         self.backups.clear()
         if clear_store:
@@ -476,7 +480,7 @@ class StorageController:
 
     def close(self) -> None:
         """Stop the worker threads (bounded wait) and close the store."""
-        for prefetch in self._counted():
+        for prefetch in self.prefetches.values():  # draining items are cancelled already
             prefetch.cancel.set()
         stopped = stop_workers([self._prefetch_worker, self._backup_worker], self.config.io_wait_timeout_s)
         if stopped:

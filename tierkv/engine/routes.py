@@ -19,6 +19,7 @@ from tierkv.engine import openai_api as api
 from tierkv.engine.openai_api import ApiError, TokenOut, Usage
 from tierkv.engine.request import Request
 from tierkv.engine.server import _DONE, CompletionJob, access_log
+from tierkv.hashing import request_extra_key
 
 if TYPE_CHECKING:
     from tierkv.engine.server import CompletionServer
@@ -135,17 +136,14 @@ async def read_body(request: HttpRequest, limit: int) -> bytes:
 
 def tenant_key(server: "CompletionServer", request: HttpRequest, salt: str | None) -> str | None:
     """The cache namespace (RadixKey extra_key) of this request: its tenant's and its cache_salt's."""
-    parts = []
+    tenant = None
     if server.api_keys is not None:
         given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
         tenant = next((t for key, t in server.api_keys.items() if hmac.compare_digest(key, given)), None)
         if tenant is None:
             raise ApiError(401, "missing or unknown API key (Authorization: Bearer KEY)", kind="authentication_error")
-        parts.append(f"tenant:{tenant}")
         request.state.log["tenant"] = tenant
-    if salt is not None:
-        parts.append(f"salt:{salt}")
-    return "|".join(parts) or None
+    return request_extra_key(tenant, salt)
 
 
 def check_fits(server: "CompletionServer", ids: list[int], max_new: int) -> None:

@@ -448,13 +448,17 @@ class StorageController:
 
     def clear_store(self) -> bool:
         """Empty the store after in-flight backups (bounded wait: they would re-add pages); False when
-        the backend cannot clear."""
+        the backend cannot clear or fails to (raises, or counts an error meanwhile), as HiCache's."""
         self.wait_idle()
+        errors_before = self.store.stats.errors
         try:
             self.store.clear()
         except NotImplementedError:
             return False
-        return True
+        except Exception as exc:  # a backend fault is a False answer, never a crash of the caller
+            log.error("clearing L3 failed: %s: %s", type(exc).__name__, exc)
+            return False
+        return self.store.stats.errors == errors_before
 
     def reset(self, clear_store: bool = False) -> None:
         """Cancel in-flight work; what is still in flight after a bounded wait drains, owning its host

@@ -173,7 +173,7 @@ def test_reset_during_sibling_backups_gives_their_shared_slots_one_owner(op):
     assert store.entered[0].wait(10)
     cache.reset()  # both backups are still in flight: one inside the store, one queued behind it
     cache.check_integrity()
-    key = _key(7)  # a prefetch after the reset counts the drained backups' tokens for its rate limit
+    key = _key(7)  # a prefetch after the reset (drained backups are no prefetch for the rate limit)
     assert cache.prefetch_from_storage("r", cache.match_prefix(key).last_host_node, key)
     store.releases[0].set()  # the first returns; the second enters the store and sticks there
     assert first.done.wait(10) and store.entered[1].wait(10)

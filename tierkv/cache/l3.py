@@ -174,7 +174,7 @@ class StorageController:
         anchor = path[anchor_index - 1] if anchor_index else self.tree.root
         anchor_len = sum(len(n) for n in path[:anchor_index])
         num_tokens = len(elems) - anchor_len
-        if self.tokens_in_flight + num_tokens > self.max_tokens_in_flight:
+        if self.tokens_in_flight >= self.max_tokens_in_flight:  # HiCache: full already, whatever this one's size
             self.stats.prefetch_rate_limited += 1
             return False
         if not self.costs.l3_may_pay(anchor_len, num_tokens // self.page_size, self.page_size):
@@ -199,9 +199,9 @@ class StorageController:
 
     @property
     def tokens_in_flight(self) -> int:
-        """Host tokens held by prefetches not yet ended (running or draining), or asked for by those whose
-        lookup still runs: the rate limit's measure."""
-        return sum(p.reserved_tokens for p in self._counted())
+        """Tokens asked for by the prefetches not yet ended, however many L3 turned out to hold: the rate
+        limit's measure (HiCache's ``prefetch_tokens_occupied``)."""
+        return sum(p.num_pages for p in self.prefetches.values() if p.state == "running") * self.page_size
 
     def check_prefetch(self, request_id: str) -> bool:
         """See HiRadixCache.check_prefetch_progress. Lock contract: on ending, releases the host_ref."""

@@ -79,15 +79,13 @@ class DrainedBackups:
 
     One owner for all of them: sibling backups cover their shared prefix's slots, so each backup owning
     its own slots would own those twice and free them twice (the second time under whichever node had
-    reused them). ``host_slots`` holds each slot once. It drains like a prefetch and holds no prefetch
-    tokens (``reserved_tokens``, the prefetch rate limit's measure, is 0).
+    reused them). ``host_slots`` holds each slot once. It drains like a prefetch.
     """
 
     backups: list[Backup]
     host_slots: torch.Tensor
     state: str = "draining"
     agreed_finished: bool = False  # scheduler thread only
-    reserved_tokens: int = 0
 
     @classmethod
     def of(cls, backups: list[Backup]) -> "DrainedBackups":

@@ -155,6 +155,17 @@ def test_tenants_from_api_keys_never_share_kv(model, tmp_path):
         srv.close()
 
 
+def test_a_tenant_with_a_salt_never_shares_kv_with_a_tenant_named_like_both(model):
+    srv = start_server(model, api_keys={"key-a": "a", "key-x": "a|salt:b"})
+    try:
+        alice, mallory = client_for(srv, "key-a"), client_for(srv, "key-x")
+        cached(alice, f"pw={SECRET} salted", extra_body={"cache_salt": "b"})
+        assert cached(alice, f"pw={SECRET} salted", extra_body={"cache_salt": "b"}) > 0
+        assert cached(mallory, f"pw={SECRET} salted") == 0
+    finally:
+        srv.close()
+
+
 # ---- metrics -------------------------------------------------------------------------------------
 def scrape(srv, accept: str | None = None) -> tuple[str, str]:
     conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)

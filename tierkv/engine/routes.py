@@ -19,6 +19,7 @@ from tierkv.engine import openai_api as api
 from tierkv.engine.app_state import AppState
 from tierkv.engine.generation import Generation
 from tierkv.engine.openai_api import ApiError, TokenOut
+from tierkv.hashing import request_extra_key
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("tierkv.access")
@@ -43,18 +44,15 @@ async def read_body(request: HttpRequest, limit: int) -> bytes:
 
 def tenant_key(state: AppState, request: HttpRequest, salt: str | None) -> str | None:
     """The cache namespace (RadixKey extra_key) of this request: its tenant's and its cache_salt's."""
-    parts = []
+    tenant = None
     if state.api_keys is not None:
         # compared as bytes: compare_digest refuses non-ASCII str, and a header may hold any byte
         given = request.headers.get("authorization", "").encode("latin-1").removeprefix(b"Bearer ").strip()
         tenant = next((t for key, t in state.api_keys.items() if hmac.compare_digest(key.encode(), given)), None)
         if tenant is None:
             raise ApiError(401, "missing or unknown API key (Authorization: Bearer KEY)", kind="authentication_error")
-        parts.append(f"tenant:{tenant}")
         request.state.log["tenant"] = tenant
-    if salt is not None:
-        parts.append(f"salt:{salt}")
-    return "|".join(parts) or None
+    return request_extra_key(tenant, salt)
 
 
 def check_fits(state: AppState, ids: list[int], max_new: int) -> None:

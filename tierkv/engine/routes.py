@@ -165,8 +165,7 @@ async def stream(state: AppState, http: HttpRequest, req, prompt_text: str,
         yield b"data: [DONE]\n\n"
         ended = True
     except Exception as exc:  # the response has started: end the stream with an error event, not a hang
-        log.exception("stream of %s failed", gen.request.rid)
-        yield event(ApiError(500, f"internal error: {type(exc).__name__}", kind="server_error").body())
+        yield event(_internal_error(exc).body())
     finally:
         if not ended and not gen.request.finished:
             gen.cancel()
@@ -194,24 +193,33 @@ async def serve(state: AppState, http: HttpRequest, kind: type[api._Common]) -> 
     except ApiError as exc:
         state.metrics.count("refused_4xx" if exc.status < 500 else "failed")
         raise
-    except Exception:
+    except Exception as exc:
         state.metrics.count("failed")
-        raise
+        raise _internal_error(exc) from None
     if req.stream:  # the stream counts its own outcome
         return StreamingResponse(stream(state, http, req, prompt_text, gen), media_type="text/event-stream",
                                  headers={"cache-control": "no-cache"})
     try:
         body = await complete(state, http, req, prompt_text, gen)
-    except BaseException:
+    except ApiError:
+        raise
+    except Exception as exc:
+        raise _internal_error(exc) from None
+    finally:
         if not gen.request.finished:
             gen.cancel()
-        raise
-    finally:
         state.metrics.count(gen.outcome() if gen.request.finished else "cancelled")
     if body is None:
         http.state.log["client"] = "gone"
         return Response(status_code=CLIENT_GONE_STATUS)
     return JSONResponse(body)
+
+
+def _internal_error(exc: Exception) -> ApiError:
+    """A bug, logged with its traceback here; the client gets a JSON 500 naming no internals, and its
+    connection stays usable (an exception left to the ASGI server would close it)."""
+    log.error("request failed", exc_info=exc)
+    return ApiError(500, f"internal error: {type(exc).__name__}", kind="server_error")
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -228,7 +236,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def unexpected(request: HttpRequest, exc: Exception) -> JSONResponse:
-        # the traceback goes to the server log (uvicorn logs it); the client gets no internals
+        # outside serve(): uvicorn logs the traceback and closes the connection; the body shows no internals
         return _error_response(request, ApiError(500, f"internal error: {type(exc).__name__}", kind="server_error"))
 
 

@@ -15,7 +15,7 @@ from engine_helpers import single_torch_thread  # noqa: F401  (autouse fixture)
 from tierkv.engine.engine import Engine, EngineConfig
 from tierkv.engine.server import CompletionServer, ServerLimits
 
-NUM_STREAMS, MAX_TOKENS = 16, 400
+NUM_STREAMS, MAX_TOKENS = 32, 400
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +60,8 @@ def assert_nothing_held(srv) -> None:
 
 def test_dropped_streams_stop_generating_and_release_their_kv(model):
     """Regression: 64 dropped streams still generated all 64 x 600 tokens."""
-    srv = CompletionServer(Engine(model, EngineConfig(mode="l1+l2", l1_tokens=8192, max_running_requests=16))).start()
+    # 8 run, 24 wait: both kinds are dropped
+    srv = CompletionServer(Engine(model, EngineConfig(mode="l1+l2", l1_tokens=8192, max_running_requests=8))).start()
     try:
         counters = srv.loop.engine.scheduler.counters
         socks = [post_raw(srv.port, body(f"stream {i} " * 8, MAX_TOKENS, True)) for i in range(NUM_STREAMS)]

@@ -5,7 +5,8 @@ Every parameter is either honoured or refused with HTTP 400 naming it and its va
 output is silently ignored. The engine decodes greedily, so ``temperature`` must be 0 (or absent). The
 sampling fields vLLM and SGLang accept are accepted at their neutral values (``top_p`` 1, ``top_k`` -1 or 0,
 ``min_p`` 0, ``repetition_penalty`` 1, ``presence_penalty`` / ``frequency_penalty`` 0, ``best_of`` 1,
-``min_tokens`` 0, ``logit_bias`` empty), and ``top_k`` 1 (greedy itself); with ``temperature`` 0 any
+``min_tokens`` 0, ``logit_bias`` and ``stop_token_ids`` empty, ``skip_special_tokens`` and
+``spaces_between_special_tokens`` true, ``include_stop_str_in_output`` false), and ``top_k`` 1 (greedy itself); with ``temperature`` 0 any
 ``top_p`` / ``top_k`` / ``min_p`` is accepted, as those only filter what greedy decoding never samples.
 ``seed`` is accepted because greedy output is the same for every seed; ``ignore_eos`` is honoured.
 """
@@ -62,6 +63,10 @@ class _Common(_Strict):
     min_tokens: int = 0
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     user: str | None = None
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
 
@@ -109,7 +114,8 @@ def parse_request(model: type[_Common], body: bytes) -> _Common:
 
 # field -> the values that leave greedy output unchanged (None: absent)
 _NEUTRAL = {"n": (1,), "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (None, 1),
-            "best_of": (None, 1), "min_tokens": (0,)}
+            "best_of": (None, 1), "min_tokens": (0,), "stop_token_ids": (None, []), "skip_special_tokens": (True,),
+            "spaces_between_special_tokens": (True,), "include_stop_str_in_output": (False,)}
 # filters of the sampled distribution: no-ops under greedy decoding, refused when temperature is absent
 _FILTERS = {"top_p": (None, 1), "top_k": (None, -1, 0, 1), "min_p": (None, 0)}
 

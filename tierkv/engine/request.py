@@ -12,7 +12,7 @@ import torch
 from tierkv.radix import TreeNode
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: membership tests (waiting, running) compare identity
 class Request:
     """Greedy generation of up to ``max_new_tokens`` after ``prompt``.
 

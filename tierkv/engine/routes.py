@@ -163,8 +163,7 @@ async def stream(state: AppState, http: HttpRequest, req, prompt_text: str,
         yield b"data: [DONE]\n\n"
         ended = True
     except Exception as exc:  # the response has started: end the stream with an error event, not a hang
-        log.exception("stream of %s failed", gen.request.rid)
-        yield event(ApiError(500, f"internal error: {type(exc).__name__}", kind="server_error").body())
+        yield event(_internal_error(exc).body())
     finally:
         if not ended and not gen.request.finished:
             gen.cancel()
@@ -185,9 +184,44 @@ def _error_response(http: HttpRequest, error: ApiError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=headers or None)
 
 
-# ---- the application -----------------------------------------------------------------------------
-def build_app(state: AppState) -> "AccessLog":
-    app = FastAPI(title="tierkv", docs_url=None, redoc_url=None, openapi_url=None)
+async def serve(state: AppState, http: HttpRequest, kind: type[api._Common]) -> Response:
+    """One completion request, counted once in ``tierkv_requests_total`` by its outcome."""
+    try:
+        req, prompt_text, gen = await start(state, http, kind)
+    except ApiError as exc:
+        state.metrics.count("refused_4xx" if exc.status < 500 else "failed")
+        raise
+    except Exception as exc:
+        state.metrics.count("failed")
+        raise _internal_error(exc) from None
+    if req.stream:  # the stream counts its own outcome
+        return StreamingResponse(stream(state, http, req, prompt_text, gen), media_type="text/event-stream",
+                                 headers={"cache-control": "no-cache"})
+    try:
+        body = await complete(state, http, req, prompt_text, gen)
+    except ApiError:
+        raise
+    except Exception as exc:
+        raise _internal_error(exc) from None
+    finally:
+        if not gen.request.finished:
+            gen.cancel()
+        state.metrics.count(gen.outcome() if gen.request.finished else "cancelled")
+    if body is None:
+        http.state.log["client"] = "gone"
+        return Response(status_code=CLIENT_GONE_STATUS)
+    return JSONResponse(body)
+
+
+def _internal_error(exc: Exception) -> ApiError:
+    """A bug, logged with its traceback here; the client gets a JSON 500 naming no internals, and its
+    connection stays usable (an exception left to the ASGI server would close it)."""
+    log.error("request failed", exc_info=exc)
+    return ApiError(500, f"internal error: {type(exc).__name__}", kind="server_error")
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    """Every error is an OpenAI-shaped JSON body, an unexpected one a 500 that shows no internals."""
 
     @app.exception_handler(ApiError)
     async def api_error(request: HttpRequest, exc: ApiError) -> JSONResponse:
@@ -200,8 +234,15 @@ def build_app(state: AppState) -> "AccessLog":
 
     @app.exception_handler(Exception)
     async def unexpected(request: HttpRequest, exc: Exception) -> JSONResponse:
-        # the traceback goes to the server log (uvicorn logs it); the client gets no internals
+        # outside serve(): uvicorn logs the traceback and closes the connection; the body shows no internals
         return _error_response(request, ApiError(500, f"internal error: {type(exc).__name__}", kind="server_error"))
+
+
+# ---- the application -----------------------------------------------------------------------------
+def build_app(state: AppState) -> "AccessLog":
+    app = FastAPI(title="tierkv", docs_url=None, redoc_url=None, openapi_url=None)
+
+    _install_error_handlers(app)
 
     @app.get("/health")
     async def health() -> PlainTextResponse:
@@ -220,38 +261,13 @@ def build_app(state: AppState) -> "AccessLog":
         encoder, content_type = choose_encoder(request.headers.get("accept"))
         return Response(encoder(state.metrics.registry), media_type=content_type)
 
-    async def serve(http: HttpRequest, kind: type[api._Common]) -> Response:
-        try:
-            req, prompt_text, gen = await start(state, http, kind)
-        except ApiError as exc:
-            state.metrics.count("refused_4xx" if exc.status < 500 else "failed")
-            raise
-        except Exception:
-            state.metrics.count("failed")
-            raise
-        if req.stream:  # the stream counts its own outcome
-            return StreamingResponse(stream(state, http, req, prompt_text, gen), media_type="text/event-stream",
-                                     headers={"cache-control": "no-cache"})
-        try:
-            body = await complete(state, http, req, prompt_text, gen)
-        except BaseException:
-            if not gen.request.finished:
-                gen.cancel()
-            raise
-        finally:
-            state.metrics.count(gen.outcome() if gen.request.finished else "cancelled")
-        if body is None:
-            http.state.log["client"] = "gone"
-            return Response(status_code=CLIENT_GONE_STATUS)
-        return JSONResponse(body)
-
     @app.post("/v1/completions")
     async def completions(http: HttpRequest) -> Response:
-        return await serve(http, api.CompletionRequest)
+        return await serve(state, http, api.CompletionRequest)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: HttpRequest) -> Response:
-        return await serve(http, api.ChatRequest)
+        return await serve(state, http, api.ChatRequest)
 
     return AccessLog(app)
 

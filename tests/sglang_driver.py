@@ -4,7 +4,8 @@ controller's storage calls (``_page_backup``, ``_storage_hit_query``, ``_page_tr
 functions that ``attach_storage_backend`` picks). The controller object is made without its ``__init__``
 (that needs CUDA streams and process groups); every storage call below is SGLang's code.
 
-Usage: python tests/sglang_driver.py '<json: {"dir": ..., "redis": url|null, "mooncake": url|null}>'
+Usage: python tests/sglang_driver.py '<json: {"dir": path, "redis" | "redis_cluster" | "mooncake": null or
+{"storage_backend": url, ...client keys}}>'
 Prints one line ``RESULT <json>``: facts per check (hits, pages read, pages bit-exact) for the test to judge.
 """
 
@@ -267,10 +268,37 @@ def check_config_errors(root: str) -> dict:
     return out
 
 
-def check_remote(url: str | None, seed: int) -> dict | None:
-    if not url:
+def check_secret_warning(root: str) -> dict:
+    """A page key typed on the command line gets a warning naming the key's name, never its value."""
+    from tierkv.integrations import sglang as backend_module
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    backend_module.log.addHandler(handler)
+    backend_module.log.setLevel(logging.WARNING)  # main() quiets the root logger to errors
+    out = {}
+    try:
+        for name, argv in (("inline", ["launch_server", json.dumps({"page_key": KEY_A})]),
+                           ("from_file", ["launch_server", "@/etc/tierkv/sglang-l3.json"])):
+            records.clear()
+            old_argv, sys.argv = sys.argv, argv
+            try:
+                controller(host_pool("mha", "page_first"), file_extra(os.path.join(root, name), page_key=KEY_A))
+            finally:
+                sys.argv = old_argv
+            out[name] = [record.getMessage() for record in records if record.levelno >= logging.WARNING]
+    finally:
+        backend_module.log.removeHandler(handler)
+        backend_module.log.setLevel(logging.NOTSET)
+    return out
+
+
+def check_remote(options: dict | None, seed: int) -> dict | None:
+    """Round trips through a remote store (``options``: its spec and client keys), MHA and MLA."""
+    if not options:
         return None
-    extra = {"interface_v1": 1, "storage_backend": url, "page_key": KEY_A}
+    extra = {"interface_v1": 1, "page_key": KEY_A, **options}
     return {kind: roundtrip(kind, "page_first", extra, seed=seed + i) for i, kind in enumerate(("mha", "mla"))}
 
 
@@ -281,10 +309,10 @@ def main() -> None:
     checks = {"layouts": check_layouts, "interfaces_agree": check_interfaces_agree, "prefix_runs": check_prefix_runs,
               "corrupt": check_corrupt, "forged": check_forged, "tp_naming": check_tp_naming,
               "layout_isolation": check_layout_isolation, "bounded": check_bounded,
-              "config_errors": check_config_errors}
+              "config_errors": check_config_errors, "secret_warning": check_secret_warning}
     result = {name: check(os.path.join(root, name)) for name, check in checks.items()}
-    result["redis"] = check_remote(args.get("redis"), 20)
-    result["mooncake"] = check_remote(args.get("mooncake"), 30)
+    for seed, name in enumerate(("redis", "redis_cluster", "mooncake")):
+        result[name] = check_remote(args.get(name), 20 + 10 * seed)
     print("RESULT " + json.dumps(result))
 
 

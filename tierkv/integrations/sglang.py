@@ -28,6 +28,7 @@ This is the only tierkv module that imports sglang.
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -47,7 +48,8 @@ OWN_KEYS = {"storage_backend": str, "model_tag": str}
 ZERO_COPY_LAYOUTS = ("page_first", "page_first_direct")
 # Layouts that scatter a page over the host pool move through staging buffers of at most this size.
 STAGING_NBYTES = 64 << 20
-_SECRET_HINT = f"put the page key in a file named by ${PAGE_KEY_FILE_ENV}"
+_SECRET_HINT = (f"pass the extra config as a file (--hicache-storage-backend-extra-config @/path/config.json) "
+                f"or put the page key in a file named by ${PAGE_KEY_FILE_ENV}")
 
 
 @dataclass(frozen=True)
@@ -82,14 +84,15 @@ class BackendConfig:
         return cls(spec=spec, model_tag=model_tag, store_options=extra)
 
 
-def _warn_inline_secrets(spec: str, options: dict) -> None:
-    """SGLang logs its server arguments, extra config included: say so (never the value) for a secret."""
-    inline = [key for key in SECRET_OPTIONS if key in options]
-    if redact_spec(spec) != spec:
+def _warn_inline_secrets(spec: str, options: dict, argv: Optional[list] = None) -> None:
+    """A secret on the command line is in ``ps`` and in SGLang's log of its server arguments: say which one
+    (never its value). Multiprocessing children inherit the launcher's ``sys.argv``, so every rank sees it."""
+    command_line = " ".join(sys.argv if argv is None else argv)
+    inline = [key for key in SECRET_OPTIONS if key in options and str(options[key]) in command_line]
+    if redact_spec(spec) != spec and spec in command_line:
         inline.append("the password in storage_backend")
     if inline:
-        log.warning("tierkv: %s given inline in --hicache-storage-backend-extra-config, which SGLang prints in its "
-                    "server arguments; %s and the Redis password in the store's config instead",
+        log.warning("tierkv: %s given on the command line, which SGLang logs with its server arguments: %s",
                     ", ".join(inline), _SECRET_HINT)
 
 

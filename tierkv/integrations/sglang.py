@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -56,9 +56,9 @@ _SECRET_HINT = (f"pass the extra config as a file (--hicache-storage-backend-ext
 class BackendConfig:
     """The backend's keys from SGLang's ``--hicache-storage-backend-extra-config``."""
 
-    spec: str
-    model_tag: Optional[str]
-    store_options: dict
+    spec: str = field(repr=False)  # a Redis URL may carry a password
+    model_tag: Optional[str] = None
+    store_options: dict = field(default_factory=dict, repr=False)  # may hold page_key / password
 
     @classmethod
     def from_extra(cls, extra: Optional[dict]) -> "BackendConfig":
@@ -212,6 +212,8 @@ class TierkvStorage(HiCacheStorage):
         geometry = self._ready()[1]
         views = []
         for page in flat_pages:
+            if not isinstance(page, torch.Tensor):
+                raise ValueError(f"a flat page must be a torch.Tensor, got {type(page).__name__}")
             data = page.reshape(-1).view(torch.uint8)
             if data.numel() != geometry.elements_per_page * geometry.element_nbytes:
                 raise ValueError(f"flat page of {data.numel()} bytes, expected "

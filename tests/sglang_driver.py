@@ -290,7 +290,8 @@ def check_config_errors(root: str) -> dict:
 
 
 def check_secret_warning(root: str) -> dict:
-    """A page key typed on the command line gets a warning naming the key's name, never its value."""
+    """A page key typed on the command line gets a warning naming the key's name, never its value; a config
+    without ``interface_v1`` gets a hint."""
     from tierkv.integrations import sglang as backend_module
 
     records: list[logging.LogRecord] = []
@@ -300,12 +301,14 @@ def check_secret_warning(root: str) -> dict:
     backend_module.log.setLevel(logging.WARNING)  # main() quiets the root logger to errors
     out = {}
     try:
-        for name, argv in (("inline", ["launch_server", json.dumps({"page_key": KEY_A})]),
-                           ("from_file", ["launch_server", "@/etc/tierkv/sglang-l3.json"])):
+        for name, argv, v1 in (("inline", ["launch_server", json.dumps({"page_key": KEY_A})], 1),
+                               ("from_file", ["launch_server", "@/etc/tierkv/sglang-l3.json"], 1),
+                               ("copying", ["launch_server", "@/etc/tierkv/sglang-l3.json"], 0)):
             records.clear()
             old_argv, sys.argv = sys.argv, argv
             try:
-                controller(host_pool("mha", "page_first"), file_extra(os.path.join(root, name), page_key=KEY_A))
+                controller(host_pool("mha", "page_first"),
+                           file_extra(os.path.join(root, name), page_key=KEY_A, interface_v1=v1))
             finally:
                 sys.argv = old_argv
             out[name] = [record.getMessage() for record in records if record.levelno >= logging.WARNING]

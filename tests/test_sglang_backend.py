@@ -158,6 +158,11 @@ def test_a_page_key_on_the_command_line_is_warned_of_without_its_value(facts):
     assert from_file == []
 
 
+def test_a_config_without_interface_v1_gets_a_hint(facts):
+    copying = facts["secret_warning"]["copying"]
+    assert len(copying) == 1 and '"interface_v1": 1' in copying[0]
+
+
 @pytest.mark.parametrize("store", ["redis", "redis_cluster", "mooncake"])
 def test_remote_stores_round_trip_with_a_page_key(facts, store):
     if facts[store] is None:

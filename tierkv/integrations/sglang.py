@@ -156,6 +156,9 @@ class TierkvStorage(HiCacheStorage):
         if not model:
             raise ValueError("SGLang passed no model name: set \"model_tag\" in the extra config")
         self.model = model
+        if not (storage_config.extra_config or {}).get("interface_v1"):
+            log.warning("tierkv: \"interface_v1\" is not set in --hicache-storage-backend-extra-config, so SGLang "
+                        "copies every page through a staging tensor; set \"interface_v1\": 1 for zero-copy")
         self.store: Optional[PageStore] = None
         self.geometry: Optional[PageGeometry] = None
 

@@ -215,8 +215,9 @@ class TierkvStorage(HiCacheStorage):
         geometry = self._ready()[1]
         views = []
         for page in flat_pages:
-            if not isinstance(page, torch.Tensor):
-                raise ValueError(f"a flat page must be a torch.Tensor, got {type(page).__name__}")
+            if not isinstance(page, torch.Tensor) or not page.is_contiguous():
+                # a reshape of a strided page would be a copy, and a read into it would be lost
+                raise ValueError(f"a flat page must be a contiguous torch.Tensor, got {type(page).__name__}")
             data = page.reshape(-1).view(torch.uint8)
             if data.numel() != geometry.elements_per_page * geometry.element_nbytes:
                 raise ValueError(f"flat page of {data.numel()} bytes, expected "

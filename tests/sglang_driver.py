@@ -4,7 +4,8 @@ controller's storage calls (``_page_backup``, ``_storage_hit_query``, ``_page_tr
 functions that ``attach_storage_backend`` picks). The controller object is made without its ``__init__``
 (that needs CUDA streams and process groups); every storage call below is SGLang's code.
 
-Usage: python tests/sglang_driver.py '<json: {"dir": ..., "redis": url|null, "mooncake": url|null}>'
+Usage: python tests/sglang_driver.py '<json: {"dir": path, "redis" | "redis_cluster" | "mooncake": null or
+{"storage_backend": url, ...client keys}}>'
 Prints one line ``RESULT <json>``: facts per check (hits, pages read, pages bit-exact) for the test to judge.
 """
 
@@ -33,75 +34,96 @@ LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 KEY_A, KEY_B = "the-real-page-key-0123456789", "an-attacker-key-9876543210"
 
 
-def host_pool(kind: str, layout: str):
-    """A real SGLang host pool on CPU (not pinned: pinning needs CUDA) behind a real device pool."""
-    common = dict(size=64, page_size=PAGE_SIZE, dtype=torch.bfloat16, layer_num=3, device="cpu",
+def host_pool(kind: str, layout: str, page_size: int = PAGE_SIZE, num_layers: int = 3, num_heads: int = 2,
+              head_dim: int = 8, num_tokens: int = 64):
+    """A real SGLang host pool on CPU (not pinned: pinning needs CUDA) behind a real device pool of
+    ``num_tokens`` (the host pool holds twice that). MLA rows are ``2 * head_dim + head_dim`` wide."""
+    common = dict(size=num_tokens, page_size=page_size, dtype=torch.bfloat16, layer_num=num_layers, device="cpu",
                   enable_memory_saver=False)
     if kind == "mha":
-        device = MHATokenToKVPool(head_num=2, head_dim=8, **common)
+        device = MHATokenToKVPool(head_num=num_heads, head_dim=head_dim, **common)
         cls, info, kwargs = _mha_host_inputs(device)
-        return cls(info, host_to_device_ratio=2.0, host_size=0, page_size=PAGE_SIZE, layout=layout,
+        return cls(info, host_to_device_ratio=2.0, host_size=0, page_size=page_size, layout=layout,
                    pin_memory=False, **kwargs)
-    device = MLATokenToKVPool(kv_lora_rank=16, qk_rope_head_dim=8, **common)
+    device = MLATokenToKVPool(kv_lora_rank=2 * head_dim, qk_rope_head_dim=head_dim, **common)
     return MLATokenToKVPoolHost(device.get_device_pool_infos()[0].buffer_info, host_to_device_ratio=2.0,
-                                host_size=0, page_size=PAGE_SIZE, layout=layout, pin_memory=False,
+                                host_size=0, page_size=page_size, layout=layout, pin_memory=False,
                                 device_capacity_tokens=device.size, start_layer=device.start_layer,
                                 end_layer=device.end_layer, target_layer_num=device.layer_num,
                                 override_kv_cache_dim=device.kv_cache_dim)
 
 
-def controller(pool, extra: dict, tp_rank: int = 0, tp_size: int = 1):
-    """SGLang's factory makes the backend; the controller gets it as ``attach_storage_backend`` wires it."""
+def controller(pool, extra: dict, tp_rank: int = 0, tp_size: int = 1, backend: str = "dynamic"):
+    """SGLang's factory makes the backend (``dynamic``: tierkv's; ``file``: SGLang's own); the controller gets
+    it as ``attach_storage_backend`` wires it: zero-copy get/set only for ``dynamic`` with ``interface_v1``."""
+    extra_config = {**BACKEND, **extra} if backend == "dynamic" else dict(extra)
     config = HiCacheStorageConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
                                   attn_cp_size=1, is_mla_model=isinstance(pool, MLATokenToKVPoolHost),
                                   enable_storage_metrics=False, is_page_first_layout=pool.layout != "layer_first",
-                                  model_name="org/tiny-model", extra_config={**BACKEND, **extra})
-    backend = StorageBackendFactory.create_backend("dynamic", config, pool)
-    backend.register_mem_pool_host(pool)
+                                  model_name="org/tiny-model", extra_config=extra_config)
+    storage = StorageBackendFactory.create_backend(backend, config, pool)
+    storage.register_mem_pool_host(pool)
     ctrl = HiCacheController.__new__(HiCacheController)
-    ctrl.storage_backend, ctrl.storage_host_pool, ctrl.mem_pool_host = backend, pool, pool
-    ctrl.page_size, ctrl.storage_config, ctrl.prefetch_sync_queue = PAGE_SIZE, config, queue.Queue()
+    ctrl.storage_backend, ctrl.storage_host_pool, ctrl.mem_pool_host = storage, pool, pool
+    ctrl.page_size, ctrl.storage_config, ctrl.prefetch_sync_queue = pool.page_size, config, queue.Queue()
     ctrl.page_get_func, ctrl.page_set_func = ctrl._generic_page_get, ctrl._generic_page_set
-    if config.extra_config.get("interface_v1", 0):
+    if backend == "dynamic" and extra_config.get("interface_v1", 0):
         ctrl.page_get_func, ctrl.page_set_func = ctrl._page_get_zero_copy, ctrl._page_set_zero_copy
     return ctrl
 
 
-def tokens(seed: int, num_pages: int = NUM_PAGES) -> list[int]:
+def tokens(seed: int, num_pages: int = NUM_PAGES, page_size: int = PAGE_SIZE) -> list[int]:
     gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 32000, (num_pages * PAGE_SIZE,), generator=gen).tolist()
+    return torch.randint(0, 32000, (num_pages * page_size,), generator=gen).tolist()
+
+
+def fill(pool, num_tokens: int, seed: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Host slots for ``num_tokens`` holding random KV: (their indices, each page's flat data)."""
+    indices = pool.alloc(num_tokens)
+    gen = torch.Generator().manual_seed(seed)
+    pages = []
+    for i in range(0, num_tokens, pool.page_size):
+        page = torch.randn(pool.get_dummy_flat_data_page().numel(), generator=gen).to(pool.dtype)
+        pool.set_from_flat_data_page(int(indices[i]), page)
+        pages.append(page)
+    return indices, pages
+
+
+def backup(ctrl, indices: torch.Tensor, token_ids: list[int]) -> int:
+    """SGLang's backup of the host slots ``indices`` holding ``token_ids``; the tokens it stored."""
+    hashes = get_storage_hash_str(token_ids, None, ctrl.page_size)
+    op = StorageOperation(indices, token_ids, hash_value=hashes, prefix_keys=[])
+    ctrl._page_backup(op)
+    return op.completed_tokens
 
 
 def write(ctrl, token_ids: list[int], seed: int) -> tuple[int, list[torch.Tensor]]:
     """Fill host pages with random KV, back them up through SGLang; (tokens backed up, the flat pages)."""
-    pool = ctrl.storage_host_pool
-    indices = pool.alloc(len(token_ids))
-    gen = torch.Generator().manual_seed(seed)
-    pages = []
-    for i in range(0, len(token_ids), PAGE_SIZE):
-        page = torch.randn(pool.get_dummy_flat_data_page().numel(), generator=gen).to(pool.dtype)
-        pool.set_from_flat_data_page(int(indices[i]), page)
-        pages.append(page)
-    op = StorageOperation(indices, token_ids, hash_value=get_storage_hash_str(token_ids, None, PAGE_SIZE),
-                          prefix_keys=[])
-    ctrl._page_backup(op)
-    pool.free(indices)
-    return op.completed_tokens, pages
+    indices, pages = fill(ctrl.storage_host_pool, len(token_ids), seed)
+    backed_up = backup(ctrl, indices, token_ids)
+    ctrl.storage_host_pool.free(indices)
+    return backed_up, pages
 
 
-def read(ctrl, token_ids: list[int]) -> tuple[int, list[torch.Tensor]]:
-    """SGLang's hit query then its prefetch transfer into fresh host slots; (hit tokens, pages read)."""
-    pool = ctrl.storage_host_pool
+def prefetch(ctrl, token_ids: list[int], indices: torch.Tensor) -> tuple[int, int]:
+    """SGLang's hit query, then its prefetch transfer of the hit into host slots ``indices`` (as many as the
+    tokens); (hit tokens, pages read)."""
     op = PrefetchOperation("req", token_ids, prefix_keys=[])
     hashes, hit_tokens = ctrl._storage_hit_query(op)
     if not hashes:
-        return hit_tokens, []
-    indices = pool.alloc(len(hashes) * PAGE_SIZE)
-    for i in range(0, len(indices), PAGE_SIZE):  # poison: a page the transfer skipped cannot pass as read
+        return hit_tokens, 0
+    op.hash_value, op.host_indices = hashes, indices[:len(hashes) * ctrl.page_size]
+    return hit_tokens, ctrl._page_transfer(op)
+
+
+def read(ctrl, token_ids: list[int]) -> tuple[int, list[torch.Tensor]]:
+    """:func:`prefetch` into fresh host slots; (hit tokens, the pages read)."""
+    pool, page_size = ctrl.storage_host_pool, ctrl.page_size
+    indices = pool.alloc(len(token_ids))
+    for i in range(0, len(indices), page_size):  # poison: a page the transfer skipped cannot pass as read
         pool.set_from_flat_data_page(int(indices[i]), torch.full_like(pool.get_dummy_flat_data_page(), -7.0))
-    op.hash_value, op.host_indices = hashes, indices
-    done = ctrl._page_transfer(op)
-    pages = [pool.get_data_page(int(indices[i * PAGE_SIZE]), flat=True).clone() for i in range(done)]
+    hit_tokens, done = prefetch(ctrl, token_ids, indices)
+    pages = [pool.get_data_page(int(indices[i * page_size]), flat=True).clone() for i in range(done)]
     pool.free(indices)
     return hit_tokens, pages
 
@@ -267,10 +289,40 @@ def check_config_errors(root: str) -> dict:
     return out
 
 
-def check_remote(url: str | None, seed: int) -> dict | None:
-    if not url:
+def check_secret_warning(root: str) -> dict:
+    """A page key typed on the command line gets a warning naming the key's name, never its value; a config
+    without ``interface_v1`` gets a hint."""
+    from tierkv.integrations import sglang as backend_module
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    backend_module.log.addHandler(handler)
+    backend_module.log.setLevel(logging.WARNING)  # main() quiets the root logger to errors
+    out = {}
+    try:
+        for name, argv, v1 in (("inline", ["launch_server", json.dumps({"page_key": KEY_A})], 1),
+                               ("from_file", ["launch_server", "@/etc/tierkv/sglang-l3.json"], 1),
+                               ("copying", ["launch_server", "@/etc/tierkv/sglang-l3.json"], 0)):
+            records.clear()
+            old_argv, sys.argv = sys.argv, argv
+            try:
+                controller(host_pool("mha", "page_first"),
+                           file_extra(os.path.join(root, name), page_key=KEY_A, interface_v1=v1))
+            finally:
+                sys.argv = old_argv
+            out[name] = [record.getMessage() for record in records if record.levelno >= logging.WARNING]
+    finally:
+        backend_module.log.removeHandler(handler)
+        backend_module.log.setLevel(logging.NOTSET)
+    return out
+
+
+def check_remote(options: dict | None, seed: int) -> dict | None:
+    """Round trips through a remote store (``options``: its spec and client keys), MHA and MLA."""
+    if not options:
         return None
-    extra = {"interface_v1": 1, "storage_backend": url, "page_key": KEY_A}
+    extra = {"interface_v1": 1, "page_key": KEY_A, **options}
     return {kind: roundtrip(kind, "page_first", extra, seed=seed + i) for i, kind in enumerate(("mha", "mla"))}
 
 
@@ -281,10 +333,10 @@ def main() -> None:
     checks = {"layouts": check_layouts, "interfaces_agree": check_interfaces_agree, "prefix_runs": check_prefix_runs,
               "corrupt": check_corrupt, "forged": check_forged, "tp_naming": check_tp_naming,
               "layout_isolation": check_layout_isolation, "bounded": check_bounded,
-              "config_errors": check_config_errors}
+              "config_errors": check_config_errors, "secret_warning": check_secret_warning}
     result = {name: check(os.path.join(root, name)) for name, check in checks.items()}
-    result["redis"] = check_remote(args.get("redis"), 20)
-    result["mooncake"] = check_remote(args.get("mooncake"), 30)
+    for seed, name in enumerate(("redis", "redis_cluster", "mooncake")):
+        result[name] = check_remote(args.get(name), 20 + 10 * seed)
     print("RESULT " + json.dumps(result))
 
 

@@ -28,7 +28,8 @@ This is the only tierkv module that imports sglang.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -47,16 +48,17 @@ OWN_KEYS = {"storage_backend": str, "model_tag": str}
 ZERO_COPY_LAYOUTS = ("page_first", "page_first_direct")
 # Layouts that scatter a page over the host pool move through staging buffers of at most this size.
 STAGING_NBYTES = 64 << 20
-_SECRET_HINT = f"put the page key in a file named by ${PAGE_KEY_FILE_ENV}"
+_SECRET_HINT = (f"pass the extra config as a file (--hicache-storage-backend-extra-config @/path/config.json) "
+                f"or put the page key in a file named by ${PAGE_KEY_FILE_ENV}")
 
 
 @dataclass(frozen=True)
 class BackendConfig:
     """The backend's keys from SGLang's ``--hicache-storage-backend-extra-config``."""
 
-    spec: str
-    model_tag: Optional[str]
-    store_options: dict
+    spec: str = field(repr=False)  # a Redis URL may carry a password
+    model_tag: Optional[str] = None
+    store_options: dict = field(default_factory=dict, repr=False)  # may hold page_key / password
 
     @classmethod
     def from_extra(cls, extra: Optional[dict]) -> "BackendConfig":
@@ -82,14 +84,15 @@ class BackendConfig:
         return cls(spec=spec, model_tag=model_tag, store_options=extra)
 
 
-def _warn_inline_secrets(spec: str, options: dict) -> None:
-    """SGLang logs its server arguments, extra config included: say so (never the value) for a secret."""
-    inline = [key for key in SECRET_OPTIONS if key in options]
-    if redact_spec(spec) != spec:
+def _warn_inline_secrets(spec: str, options: dict, argv: Optional[list] = None) -> None:
+    """A secret on the command line is in ``ps`` and in SGLang's log of its server arguments: say which one
+    (never its value). Multiprocessing children inherit the launcher's ``sys.argv``, so every rank sees it."""
+    command_line = " ".join(sys.argv if argv is None else argv)
+    inline = [key for key in SECRET_OPTIONS if key in options and str(options[key]) in command_line]
+    if redact_spec(spec) != spec and spec in command_line:
         inline.append("the password in storage_backend")
     if inline:
-        log.warning("tierkv: %s given inline in --hicache-storage-backend-extra-config, which SGLang prints in its "
-                    "server arguments; %s and the Redis password in the store's config instead",
+        log.warning("tierkv: %s given on the command line, which SGLang logs with its server arguments: %s",
                     ", ".join(inline), _SECRET_HINT)
 
 
@@ -153,6 +156,9 @@ class TierkvStorage(HiCacheStorage):
         if not model:
             raise ValueError("SGLang passed no model name: set \"model_tag\" in the extra config")
         self.model = model
+        if not (storage_config.extra_config or {}).get("interface_v1"):
+            log.warning("tierkv: \"interface_v1\" is not set in --hicache-storage-backend-extra-config, so SGLang "
+                        "copies every page through a staging tensor; set \"interface_v1\": 1 for zero-copy")
         self.store: Optional[PageStore] = None
         self.geometry: Optional[PageGeometry] = None
 
@@ -209,6 +215,9 @@ class TierkvStorage(HiCacheStorage):
         geometry = self._ready()[1]
         views = []
         for page in flat_pages:
+            if not isinstance(page, torch.Tensor) or not page.is_contiguous():
+                # a reshape of a strided page would be a copy, and a read into it would be lost
+                raise ValueError(f"a flat page must be a contiguous torch.Tensor, got {type(page).__name__}")
             data = page.reshape(-1).view(torch.uint8)
             if data.numel() != geometry.elements_per_page * geometry.element_nbytes:
                 raise ValueError(f"flat page of {data.numel()} bytes, expected "

@@ -19,6 +19,8 @@ def test_build_moves_every_index_and_keeps_the_per_sequence_meaning():
     assert decode.q_rows.tolist() == [2, 6]
     assert decode.slots.tolist() == [[5, 6, 5, 5], [11, 12, 13, 14]]  # padded with the row's first slot
     assert decode.padding.tolist() == [[False, False, True, True], [False] * 4]
+    buffer = torch.randn(16, 2, 3)
+    assert torch.equal(decode.gather(buffer), buffer[decode.slots])
 
 
 def test_a_batch_without_decodes_has_no_decode_group():

@@ -21,6 +21,7 @@ when it is installed, torch otherwise. Triton is imported on first use only: a C
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -168,10 +169,12 @@ class TritonPageCopy:
         num_chunks = bases.shape[1]
         total = table.num_pages * num_chunks
         grid = (-(-total // self.chunks_per_program), -(-self.chunk_words // self.block_words))
-        _kernel(_interpreting())[grid](
-            _words(src, self.word_dtype), _words(dst, self.word_dtype), table.pages, bases,
-            self.page_stride_words[0], self.page_stride_words[1], total, num_chunks, self.chunk_words,
-            CHUNKS=self.chunks_per_program, BLOCK=self.block_words, VEC=self.vec, num_warps=4)
+        # Triton launches on the current device: make it the pools' (on the caller's current stream there)
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+            _kernel(_interpreting())[grid](
+                _words(src, self.word_dtype), _words(dst, self.word_dtype), table.pages, bases,
+                self.page_stride_words[0], self.page_stride_words[1], total, num_chunks, self.chunk_words,
+                CHUNKS=self.chunks_per_program, BLOCK=self.block_words, VEC=self.vec, num_warps=4)
         _launches += 1
 
     def __call__(self, src: PagedKVBuffer, src_pages: torch.Tensor, dst: PagedKVBuffer, dst_pages: torch.Tensor,

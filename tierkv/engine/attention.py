@@ -45,6 +45,11 @@ class DecodeGroup:
     slots: torch.Tensor  # [B, max_len]
     padding: torch.Tensor  # [B, max_len] bool, True past each sequence's length
 
+    def gather(self, buffer: torch.Tensor) -> torch.Tensor:
+        """``buffer``'s rows at :attr:`slots`, ``[B, max_len, ...]`` (index_select moves whole rows; a 2-D
+        advanced index goes element by element on a CPU)."""
+        return buffer.index_select(0, self.slots.reshape(-1)).unflatten(0, self.slots.shape)
+
 
 @dataclass
 class ForwardBatch:
@@ -151,7 +156,7 @@ def gqa_paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tenso
         out[seq.q_start:seq.q_end] = causal_attention(q[seq.q_start:seq.q_end], k, v, seq.first_position, scale)
     if batch.decode is not None:
         d = batch.decode
-        out[d.q_rows] = decode_attention(q[d.q_rows], k_buffer[d.slots].to(q.dtype), v_buffer[d.slots].to(q.dtype),
+        out[d.q_rows] = decode_attention(q[d.q_rows], d.gather(k_buffer).to(q.dtype), d.gather(v_buffer).to(q.dtype),
                                          d.padding, scale)
     return out
 

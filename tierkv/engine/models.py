@@ -116,7 +116,7 @@ class MLAttention(nn.Module):
                                                           self.scale)
         if batch.decode is not None:
             d = batch.decode
-            k, v = self._expand(cache[d.slots, 0].to(x.dtype))
+            k, v = self._expand(d.gather(cache)[:, :, 0].to(x.dtype))
             out[d.q_rows] = decode_attention(q[d.q_rows], k, v, d.padding, self.scale)
         return self.o_proj(out.flatten(-2))
 

@@ -89,3 +89,20 @@ def attach_l3(engine, spec: str, extra_config: dict) -> Prefetcher:
     open_storage(cache, spec, json.dumps(extra_config), namespace)
     engine.scheduler.prefetcher = prefetcher = Prefetcher(cache)
     return prefetcher
+
+
+def l3_counters(cache) -> dict[str, int]:
+    """What L3 did and what the cost model decided, since the cache started: prefetches started,
+    revoked (by the stop policy or too small a hit, HiCache's threshold), judged not worth it (even a
+    full hit slower than recomputing) or cut after the exists call; lookups skipped for a poor hit rate;
+    backups started and skipped as not paying; tokens read. Empty without L3. For the banner, the
+    bench and /metrics: the answer to "why no L3 hits"."""
+    storage = cache.storage
+    if storage is None:
+        return {}
+    stats, model = storage.stats, cache.cost_model
+    return {"started": stats.prefetch_started, "revoked": stats.prefetch_revoked,
+            "not_worth": stats.prefetch_not_worth, "cut_after_exists": model.skipped_fetches,
+            "lookups_skipped": model.skipped_lookups, "rate_limited": stats.prefetch_rate_limited,
+            "backups": stats.backup_started, "backups_skipped": model.skipped_backups,
+            "prefetched_tokens": stats.prefetched_tokens}

@@ -4,12 +4,14 @@ refused at start (24.7), io_wait_timeout_s 0 is refused (24.8). In-process: the 
 config it makes, and the engine built from it."""
 
 import json
+import random
 
 import pytest
 
 from engine_helpers import single_torch_thread  # noqa: F401  (autouse fixture)
 from tierkv.engine.cli import serve_parser
 from tierkv.engine.engine import Engine
+from tierkv.engine.prefetch import l3_counters
 from tierkv.engine.serve_config import CliError, engine_config_from_args
 from tierkv.storage.config import StorageConfig
 
@@ -131,7 +133,8 @@ def test_storage_config_errors_never_show_backend_config():
 def test_storage_extra_from_a_file(tmp_path):
     path = tmp_path / "extra.json"
     path.write_text(json.dumps({"prefetch_threshold": 32}))
-    assert config("--l3", f"file:{tmp_path}", "--storage-extra", f"@{path}").storage_extra == {"prefetch_threshold": 32}
+    assert config("--l3", f"file:{tmp_path}", "--storage-extra", f"@{path}").storage_extra == \
+        {"prefetch_threshold": 32, "prefetch_stop_policy": "timeout"}
     assert "cannot read" in refused("--l3", f"file:{tmp_path}", "--storage-extra", f"@{tmp_path}/none.json")
 
 
@@ -148,3 +151,40 @@ def test_io_wait_timeout_zero_is_refused():
     with pytest.raises(ValueError, match="io_wait_timeout_s"):
         StorageConfig.from_json('{"io_wait_timeout_s": 0}')
     assert StorageConfig(io_wait_timeout_s=0.01).io_wait_timeout_s == 0.01
+
+
+# ---- 29.4: L3 hits in serve on a workload built for L3 -------------------------------------------------
+def _cycle_prompts(engine, rounds: int) -> list[int]:
+    rng = random.Random(0)
+    prompts = [[rng.randrange(256) for _ in range(600)] for _ in range(6)]
+    hits = [engine.generate([p], 2)[0].storage_hit_tokens for _ in range(rounds) for p in prompts]
+    engine.check_integrity()
+    return hits
+
+
+def test_serve_defaults_hit_l3_on_cycled_prompts_that_overflow_l1_and_l2(tmp_path):
+    """Six 600-token prompts cycled: L1 (1k) + L2 (2k) hold under a cycle, so every repeat must come from
+    L3 (recomputing costs 0.6 s at the fixed rate, far above a file read). With serve's old stop policy
+    (best_effort) a request ran in the step its prefetch started, before the exists call returned: 0 L3
+    hits, 0 gets, and backups then judged never read back."""
+    engine = Engine("tiny-llama", config("--l3", f"file:{tmp_path}", "--l1-tokens", "1k", "--l2-tokens", "2k",
+                                         "--prefill-tokens-per-s", "1000"))
+    try:
+        hits = _cycle_prompts(engine, 3)
+        assert sum(hits[6:]) >= 12 * 512, hits  # nearly every repeat, not a lucky page
+        assert l3_counters(engine.cache)["prefetched_tokens"] == sum(hits)
+    finally:
+        engine.close()
+
+
+def test_with_a_measured_prefill_rate_the_counters_say_why_l3_was_not_read(tmp_path):
+    """A tiny model recomputes about as fast as a file store reads: the cost model may skip L3, and then
+    its counters (in the banner and the exit line) must say so."""
+    engine = Engine("tiny-llama", config("--l3", f"file:{tmp_path}", "--l1-tokens", "1k", "--l2-tokens", "2k"))
+    try:
+        hits = _cycle_prompts(engine, 3)
+        counters = l3_counters(engine.cache)
+        skipped = counters["not_worth"] + counters["cut_after_exists"] + counters["lookups_skipped"]
+        assert sum(hits[6:]) > 0 or skipped > 0, (hits, counters)
+    finally:
+        engine.close()

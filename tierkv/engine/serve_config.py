@@ -24,6 +24,7 @@ from tierkv.transfer import IO_BACKENDS
 
 DEFAULT_L1_TOKENS = "8k"
 L2_MODES = ("l1+l2", "l1+l2+l3")
+DEFAULT_STOP_POLICY = "timeout"  # SGLang's --hicache-storage-prefetch-policy default
 # SGLang's values tierkv does not implement, with why (server_args.py's choices, 2026)
 SGLANG_ONLY = {
     "--hicache-io-backend": {"kernel_ascend": "Ascend NPUs"},
@@ -115,8 +116,9 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
                     metavar="JSON", help="L3 extra config: a JSON object, or @FILE holding one (prefetch "
                                          "thresholds and policy, backend keys)")
     l3.add_argument("--hicache-storage-prefetch-policy", choices=STOP_POLICIES, default=None,
-                    help="when an L3 prefetch stops (the extra config's prefetch_stop_policy; default: "
-                         "best_effort; HiCache's default is timeout)")
+                    help="when an L3 prefetch stops (the extra config's prefetch_stop_policy; default: timeout, "
+                         "as HiCache: best_effort lets a request run as soon as it can, which on an idle server "
+                         "is before its prefetch has read anything)")
     sched = parser.add_argument_group("scheduler")
     sched.add_argument("--max-running", "--max-running-requests", dest="max_running", type=int, default=16, metavar="N",
                        help="requests batched together")
@@ -163,12 +165,12 @@ def storage_extra(args: argparse.Namespace) -> dict | None:
         raise CliError(f"--storage-extra: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
     if extra is not None and not isinstance(extra, dict):
         raise CliError(f"--storage-extra: expected a JSON object, got a JSON {type(extra).__name__} (value not shown)")
-    if args.hicache_storage_prefetch_policy is not None:
-        extra = dict(extra or {})
-        if extra.get("prefetch_stop_policy", args.hicache_storage_prefetch_policy) != \
-                args.hicache_storage_prefetch_policy:
-            raise CliError("--hicache-storage-prefetch-policy and the extra config's prefetch_stop_policy differ")
-        extra["prefetch_stop_policy"] = args.hicache_storage_prefetch_policy
+    policy = args.hicache_storage_prefetch_policy
+    if policy is not None and (extra or {}).get("prefetch_stop_policy", policy) != policy:
+        raise CliError("--hicache-storage-prefetch-policy and the extra config's prefetch_stop_policy differ")
+    if args.l3 and "prefetch_stop_policy" not in (extra or {}):
+        # HiCache's default; best_effort (StorageConfig's) gave no L3 hit at all on an idle server (29.4)
+        extra = dict(extra or {}, prefetch_stop_policy=policy or DEFAULT_STOP_POLICY)
     return extra
 
 

@@ -86,6 +86,19 @@ def test_sglang_hicache_command_line_maps_onto_the_engine_config(tmp_path):
         engine.close()
 
 
+def test_sglang_file_backend_takes_its_directory_from_sglangs_variable(tmp_path, monkeypatch):
+    monkeypatch.setenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", str(tmp_path))
+    cfg = config("--enable-hierarchical-cache", "--hicache-storage-backend", "file", "--l1-tokens", "256")
+    assert cfg.mode == "l1+l2+l3" and cfg.storage_extra["dir"] == str(tmp_path)
+    engine = Engine("tiny-llama", cfg)
+    try:
+        engine.generate([list(range(300))], 2)
+        engine.cache.flush()
+        assert any(tmp_path.rglob("*")), "the file store wrote nothing under SGLang's directory"
+    finally:
+        engine.close()
+
+
 def test_hicache_size_is_gb_of_kv_and_chunked_prefill_minus_one_is_whole_prompts():
     cfg = config("--hicache-size", "0.001", "--l1-tokens", "256", "--chunked-prefill-size", "-1")
     assert cfg.hicache_size_gb == 0.001 and cfg.chunk_tokens == 256

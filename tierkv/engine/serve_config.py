@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 from tierkv.cli_args import token_count
@@ -25,6 +26,7 @@ from tierkv.transfer import IO_BACKENDS
 DEFAULT_L1_TOKENS = "8k"
 L2_MODES = ("l1+l2", "l1+l2+l3")
 DEFAULT_STOP_POLICY = "timeout"  # SGLang's --hicache-storage-prefetch-policy default
+SGLANG_FILE_DIR_ENV = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"  # `--hicache-storage-backend file`'s directory
 # SGLang's values tierkv does not implement, with why (server_args.py's choices, 2026)
 SGLANG_ONLY = {
     "--hicache-io-backend": {"kernel_ascend": "Ascend NPUs"},
@@ -171,6 +173,8 @@ def storage_extra(args: argparse.Namespace) -> dict | None:
     if args.l3 and "prefetch_stop_policy" not in (extra or {}):
         # HiCache's default; best_effort (StorageConfig's) gave no L3 hit at all on an idle server (29.4)
         extra = dict(extra or {}, prefetch_stop_policy=policy or DEFAULT_STOP_POLICY)
+    if args.l3 == "file" and "dir" not in extra and os.environ.get(SGLANG_FILE_DIR_ENV):
+        extra["dir"] = os.environ[SGLANG_FILE_DIR_ENV]  # where SGLang's own file backend looks
     return extra
 
 

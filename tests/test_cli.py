@@ -107,6 +107,13 @@ def test_serve_and_bench_are_nested_subcommands_with_help_for_every_flag(capsys)
         assert info.value.code == 0 and shown in capsys.readouterr().out
 
 
+def test_nested_serve_and_bench_engine_run_their_commands(capsys):
+    assert main(["serve", "--model", "tiny-llama", "--device", "meta"]) == 2
+    assert "tierkv serve: error: --device meta" in capsys.readouterr().err
+    assert main(["bench", "engine", "--conversations", "2", "--turns", "2", "--system-tokens", "32", "--quick"]) == 0
+    assert "outputs identical across modes: yes" in capsys.readouterr().out
+
+
 def test_missing_engine_is_a_clear_error_and_replay_still_parses(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "tierkv.engine.cli", None)
     assert main(["serve", "--model", "tiny-llama"]) == 2

@@ -17,6 +17,10 @@ from tierkv.radix import RadixKey
 
 log = logging.getLogger(__name__)
 
+# The engine's stop policy when the extra config names none: HiCache's default. StorageConfig's own,
+# best_effort (end a prefetch whenever its request can run), gave an idle engine no L3 hit at all: a
+# request runs in the step its prefetch starts, before the exists call returns (issue 29.4).
+DEFAULT_STOP_POLICY = "timeout"
 # An admission waits at most this long for a prefetch (less when L3 is timed faster): a prefetch that
 # finds nothing then costs its request an exists call, not a whole scheduler step.
 MAX_ADMISSION_WAIT_S = 0.05
@@ -81,11 +85,13 @@ class Prefetcher:
 
 
 def attach_l3(engine, spec: str, extra_config: dict) -> Prefetcher:
-    """Open the store named by ``spec`` and attach it with ``extra_config`` (prefetch policy, backend keys)."""
+    """Open the store named by ``spec`` and attach it with ``extra_config`` (prefetch policy, backend keys;
+    the stop policy is :data:`DEFAULT_STOP_POLICY` unless it names one)."""
     from tierkv.hashing import HashNamespace
     from tierkv.cache.l3 import open_storage
     cache = engine.cache
     namespace = HashNamespace.for_spec(engine.namespace, cache.host_pool.spec, cache.host_pool.layout)
+    extra_config = {"prefetch_stop_policy": DEFAULT_STOP_POLICY, **extra_config}
     open_storage(cache, spec, json.dumps(extra_config), namespace)
     engine.scheduler.prefetcher = prefetcher = Prefetcher(cache)
     return prefetcher

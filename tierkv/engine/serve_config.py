@@ -25,7 +25,6 @@ from tierkv.transfer import IO_BACKENDS
 
 DEFAULT_L1_TOKENS = "8k"
 L2_MODES = ("l1+l2", "l1+l2+l3")
-DEFAULT_STOP_POLICY = "timeout"  # SGLang's --hicache-storage-prefetch-policy default
 SGLANG_FILE_DIR_ENV = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"  # `--hicache-storage-backend file`'s directory
 # SGLang's values tierkv does not implement, with why (server_args.py's choices, 2026)
 SGLANG_ONLY = {
@@ -170,11 +169,10 @@ def storage_extra(args: argparse.Namespace) -> dict | None:
     policy = args.hicache_storage_prefetch_policy
     if policy is not None and (extra or {}).get("prefetch_stop_policy", policy) != policy:
         raise CliError("--hicache-storage-prefetch-policy and the extra config's prefetch_stop_policy differ")
-    if args.l3 and "prefetch_stop_policy" not in (extra or {}):
-        # HiCache's default; best_effort (StorageConfig's) gave no L3 hit at all on an idle server (29.4)
-        extra = dict(extra or {}, prefetch_stop_policy=policy or DEFAULT_STOP_POLICY)
-    if args.l3 == "file" and "dir" not in extra and os.environ.get(SGLANG_FILE_DIR_ENV):
-        extra["dir"] = os.environ[SGLANG_FILE_DIR_ENV]  # where SGLang's own file backend looks
+    if policy is not None:  # without one, the engine's default (HiCache's timeout: attach_l3)
+        extra = dict(extra or {}, prefetch_stop_policy=policy)
+    if args.l3 == "file" and "dir" not in (extra or {}) and os.environ.get(SGLANG_FILE_DIR_ENV):
+        extra = dict(extra or {}, dir=os.environ[SGLANG_FILE_DIR_ENV])  # where SGLang's own file backend looks
     return extra
 
 

@@ -99,7 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults, quick = ChatWorkload(), QUICK_WORKLOAD
     work.add_argument("--quick", action="store_true", help="a reduced workload (under 30 s on a CPU)")
     work.add_argument("--conversations", type=int, help=f"concurrent conversations (default: "
-                                                        f"{defaults.num_conversations}, quick {quick.num_conversations})")
+                      f"{defaults.num_conversations}, quick {quick.num_conversations})")
     work.add_argument("--turns", type=int, help=f"turns per conversation (default: {defaults.num_turns}, "
                                                 f"quick {quick.num_turns})")
     work.add_argument("--system-tokens", type=int, help=f"tokens of each shared system prompt (default: "

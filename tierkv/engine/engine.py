@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tierkv.config import TIER_MODES, WRITE_POLICIES, CacheConfig
+from tierkv.config import IO_BACKENDS, TIER_MODES, WRITE_POLICIES, CacheConfig
 from tierkv.engine.config import ModelConfig
 from tierkv.engine.loader import build_model, model_namespace
 from tierkv.engine.models import CausalLM
@@ -18,7 +18,6 @@ from tierkv.eviction import POLICIES
 from tierkv.hicache import HiRadixCache
 from tierkv.pools.kv import HOST_LAYOUTS, DeviceKVPool
 from tierkv.pools.spec import parse_dtype
-from tierkv.transfer import IO_BACKENDS
 from tierkv.validate import check_bool, check_choice, check_int, check_number, check_text
 
 CACHE_MODES = ("none", "l1", "l1+l2", "l1+l2+l3")

@@ -16,12 +16,11 @@ import os
 from pathlib import Path
 
 from tierkv.cli_args import token_count
-from tierkv.config import TIER_MODES, WRITE_POLICIES, CacheConfig
+from tierkv.config import IO_BACKENDS, TIER_MODES, WRITE_POLICIES, CacheConfig
 from tierkv.engine.engine import CACHE_MODES, EngineConfig
 from tierkv.eviction import POLICIES
 from tierkv.pools.kv import HOST_LAYOUTS
 from tierkv.storage.config import STOP_POLICIES
-from tierkv.transfer import IO_BACKENDS
 
 DEFAULT_L1_TOKENS = "8k"
 L2_MODES = ("l1+l2", "l1+l2+l3")
@@ -98,8 +97,9 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
                        metavar="{" + ",".join(IO_BACKENDS) + "}",
                        help=f"L1<->L2 copies: {' or '.join(IO_BACKENDS)} (default: kernel)")
     tiers.add_argument("--hicache-mem-layout", type=_supported("--hicache-mem-layout", HOST_LAYOUTS),
-                       default=None, metavar="{" + ",".join(HOST_LAYOUTS) + "}", help=f"L2 memory layout: {', '.join(HOST_LAYOUTS)} (default: layer_first; "
-                                          "HiCache's default is page_first)")
+                       default=None, metavar="{" + ",".join(HOST_LAYOUTS) + "}",
+                       help=f"L2 memory layout: {', '.join(HOST_LAYOUTS)} (default: layer_first; HiCache's "
+                            "default is page_first)")
     tiers.add_argument("--tier-mode", choices=TIER_MODES, default=None,
                        help="inclusive: L2 copies what L1 holds; exclusive: L2 holds what L1 dropped "
                             "(default: inclusive)")

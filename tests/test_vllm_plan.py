@@ -148,6 +148,25 @@ def test_l3_hit_in_a_fresh_pair_loads_asynchronously(tmp_path):
         pair.close()
 
 
+def test_wants_save_is_true_exactly_when_a_step_completes_an_unsaved_block():
+    """The connector skips copying a running request's tokens on steps where plan_save would do nothing."""
+    pair = Pair()
+    prompt = PROMPT + [7, 8]  # 16 tokens: 4 full blocks
+    assert pair.match("r", prompt) == (0, False)
+    pair.scheduler.after_alloc("r", prompt, [0, 1, 2, 3], 0)
+    assert not pair.scheduler.wants_save("r", BLOCK - 1) and pair.scheduler.wants_save("r", BLOCK)
+    pair.scheduler.plan_save("r", prompt, [0, 1, 2, 3], 2 * BLOCK)
+    for computed in range(2 * BLOCK, 4 * BLOCK + 1):
+        planned = len(pair.scheduler.plan.saves)
+        wants = pair.scheduler.wants_save("r", computed)
+        pair.scheduler.plan_save("r", prompt, [0, 1, 2, 3], computed)
+        assert wants == (len(pair.scheduler.plan.saves) > planned), computed
+    assert not pair.scheduler.wants_save("unknown", 4 * BLOCK)
+    pair.step()
+    pair.scheduler.request_finished("r")
+    pair.close()
+
+
 SALT_A, SALT_B = "salt='tenant-a'|lora=None", "salt='tenant-b'|lora=None"
 
 

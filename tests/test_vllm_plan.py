@@ -118,6 +118,29 @@ def test_l2_hit_copies_the_saved_blocks_into_new_ones():
     pair.close()
 
 
+def test_the_device_copy_path_moves_the_same_bytes(tmp_path):
+    """The torch copies used for device KV (vLLM on a GPU), run here on CPU tensors: saves, L2 loads and L3 loads."""
+    writer = Pair(tmp_path)
+    writer.worker._layer_arrays = None  # what register() sets for non-CPU KV tensors
+    writer.compute("r1", PROMPT, [0, 1, 2, 3])
+    assert writer.match("r2", PROMPT) == (HIT, False)
+    writer.scheduler.after_alloc("r2", PROMPT, [5, 6, 7, 8], HIT)
+    writer.step()
+    assert writer.blocks_equal([0, 1, 2], [5, 6, 7])
+    writer.scheduler.request_finished("r2")
+    writer.wait_backups()
+    reader = Pair(tmp_path)
+    reader.worker._layer_arrays = None
+    for layer, source in zip(reader.layers, writer.layers):
+        layer[:4] = source[:4]
+    assert reader.load_async("r3", PROMPT, [9, 10, 11, 12]) == "r3"
+    assert reader.worker.take_load_errors() == set()
+    assert reader.blocks_equal([0, 1, 2], [9, 10, 11])
+    reader.scheduler.request_finished("r3")
+    for pair in (writer, reader):
+        pair.close()
+
+
 def test_hit_beyond_vllms_own_prefix_loads_only_the_rest():
     pair = Pair()
     pair.compute("r1", PROMPT, [0, 1, 2, 3])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tierkv.config import CacheConfig
+from tierkv.cache.config import CacheConfig
 from tierkv.pools.kv import available_host_memory_bytes, host_pool_tokens
 from tierkv.radix import RadixKey
 

@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from tierkv.config import TIER_MODES
+from tierkv.cache.config import TIER_MODES
 from tierkv.engine.engine import CACHE_MODES, MODE_LABELS, Engine, EngineConfig, sync_device
 from tierkv.engine.loader import build_model
 from tierkv.engine.request import Request

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from tierkv.cli import token_count
-from tierkv.config import TIER_MODES, CacheConfig
+from tierkv.cache.config import TIER_MODES, CacheConfig
 from tierkv.engine.config import PRESETS
 from tierkv.engine.engine import CACHE_MODES, Engine, EngineConfig
 from tierkv.eviction import POLICIES

@@ -83,7 +83,7 @@ class Prefetcher:
 def attach_l3(engine, spec: str, extra_config: dict) -> Prefetcher:
     """Open the store named by ``spec`` and attach it with ``extra_config`` (prefetch policy, backend keys)."""
     from tierkv.hashing import HashNamespace
-    from tierkv.cache.l3 import open_storage
+    from tierkv.cache.l3.controller import open_storage
     cache = engine.cache
     namespace = HashNamespace.for_spec(engine.namespace, cache.host_pool.spec, cache.host_pool.layout)
     open_storage(cache, spec, json.dumps(extra_config), namespace)

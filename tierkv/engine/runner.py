@@ -41,7 +41,7 @@ class ModelRunner:
     def forward(self, items: list[WorkItem], layer_loads: Any = None) -> torch.Tensor:
         """One pass over all items; returns fp32 logits ``[num_sampling_items, vocab]`` in item order.
 
-        ``layer_loads`` (a :class:`tierkv.layer_load.LayerLoads`): each layer waits for its own layer
+        ``layer_loads`` (a :class:`tierkv.cache.layer_load.LayerLoads`): each layer waits for its own layer
         of those L2 -> L1 loads before reading KV, so the copy of later layers overlaps this compute."""
         ids = torch.tensor([t for it in items for t in it.new_token_ids], dtype=torch.int64, device=self.device)
         batch = ForwardBatch.build([(it.kv_slots, len(it.new_token_ids)) for it in items],

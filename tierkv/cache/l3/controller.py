@@ -1,4 +1,4 @@
-"""The L3 tier of a :class:`tierkv.hicache.HiRadixCache`: prefetch into L2 and backup from L2.
+"""The L3 tier of a :class:`tierkv.cache.hicache.HiRadixCache`: prefetch into L2 and backup from L2.
 
 Thread contract: every method runs on the scheduler thread and is the only code touching the tree;
 the two worker threads (prefetch, backup) only read/write host pages the in-flight object owns or
@@ -35,17 +35,17 @@ import torch
 
 from tierkv.hashing import HashNamespace, page_hashes
 from tierkv.radix import RadixKey, TreeNode
-from tierkv.retire import Retirements
-from tierkv.cache.l3_backup import Backup
+from tierkv.cache.retire import Retirements
+from tierkv.cache.l3.backup import Backup
 from tierkv.storage.base import PageStore
 from tierkv.storage.config import StorageConfig
 from tierkv.storage.factory import BACKEND_OPTIONS, open_store, parse_spec
-from tierkv.cache.l3_pacing import BackupPacer
-from tierkv.cache.l3_prefetch import NUM_MAX_COUNTS, NUM_MIN_COUNTS, Prefetch
+from tierkv.cache.l3.pacing import BackupPacer
+from tierkv.cache.l3.prefetch import NUM_MAX_COUNTS, NUM_MIN_COUNTS, Prefetch
 from tierkv.storage.worker import IOWorker, stop_workers
 
 if TYPE_CHECKING:
-    from tierkv.hicache import HiRadixCache
+    from tierkv.cache.hicache import HiRadixCache
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
-"""The L3-facing methods of :class:`tierkv.hicache.HiRadixCache`, which delegate to its StorageController.
+"""The L3-facing methods of :class:`tierkv.cache.hicache.HiRadixCache`, which delegate to its StorageController.
 
 Kept beside hicache.py so that module holds the L1/L2 policy only; the L3 policy itself lives in
-:mod:`tierkv.cache.l3`.
+:mod:`tierkv.cache.l3.controller`.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from tierkv.hashing import HashNamespace
 from tierkv.radix import RadixKey, TreeNode
 from tierkv.storage.base import PageStore
 from tierkv.storage.config import StorageConfig
-from tierkv.cache.l3 import StorageController
-from tierkv.transfer import TransferController
+from tierkv.cache.l3.controller import StorageController
+from tierkv.copy.transfer import TransferController
 
 
 class StorageTierMethods:

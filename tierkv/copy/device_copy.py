@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from tierkv.cpu_copy import page_segments
+from tierkv.copy.cpu_copy import page_segments
 from tierkv.pools.kv import PagedKVBuffer, paired_page_rows
 
 # Up to this many DMAs per (kv, layer) piece of a page: one run of host pages needs one DMA in

@@ -18,24 +18,24 @@ import logging
 import numpy as np
 import torch
 
-from tierkv.cache.cost_model import CostModel
-from tierkv.cache.l3 import StorageController
-from tierkv.cache.l3_methods import StorageTierMethods
-from tierkv.cache_eviction import EvictionMethods
-from tierkv.cache_records import CacheStats, LoadResult, MatchResult, PendingLoad, PendingWrite  # noqa: F401
-from tierkv.chunked_load import ChunkedLoad
-from tierkv.config import CacheConfig
+from tierkv.cache.l3.cost_model import CostModel
+from tierkv.cache.l3.controller import StorageController
+from tierkv.cache.l3.methods import StorageTierMethods
+from tierkv.cache.eviction import EvictionMethods
+from tierkv.cache.records import CacheStats, LoadResult, MatchResult, PendingLoad, PendingWrite  # noqa: F401
+from tierkv.cache.chunked_load import ChunkedLoad
+from tierkv.cache.config import CacheConfig
 from tierkv.eviction import get_policy
 from tierkv.eviction.heap import EvictionHeap
 from tierkv.eviction.tiers import promote_loaded, tier_orders
-from tierkv.failed_loads import FailedLoads
-from tierkv.layer_load import DeferredLoads, LayerLoads
+from tierkv.cache.failed_loads import FailedLoads
+from tierkv.cache.layer_load import DeferredLoads, LayerLoads
 from tierkv.pools.allocator import plain_slot_slices
 from tierkv.pools.kv import DeviceKVPool, HostKVPool, host_pool_tokens
 from tierkv.radix import MatchPath, RadixKey, RadixTree, TreeNode
-from tierkv.retire import Retirements
+from tierkv.cache.retire import Retirements
 from tierkv.tp import TPGroup
-from tierkv.transfer import CopyHandle, TransferController, resolve_host_layout
+from tierkv.copy.transfer import CopyHandle, TransferController, resolve_host_layout
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +45,8 @@ _EMPTY = torch.empty(0, dtype=torch.int64)
 class HiRadixCache(StorageTierMethods, EvictionMethods):
     """Prefix cache over L1 (device) and L2 (host) tiers; see the module docstring for contracts.
 
-    The L3 tier's methods (attach_storage, prefetch_from_storage, ...) come from :mod:`tierkv.cache.l3_methods`,
-    eviction (evict, evict_host) from :mod:`tierkv.cache_eviction`.
+    The L3 tier's methods (attach_storage, prefetch_from_storage, ...) come from :mod:`tierkv.cache.l3.methods`,
+    eviction (evict, evict_host) from :mod:`tierkv.cache.eviction`.
     """
 
     def __init__(self, device_pool: DeviceKVPool, config: CacheConfig | None = None,
@@ -66,7 +66,7 @@ class HiRadixCache(StorageTierMethods, EvictionMethods):
         self.stats = CacheStats()
         self.host_pool = host_pool
         # L2 slots kept free at rest: the staging of an exclusive chunked load (CacheConfig.staging_tokens);
-        # a chunk being loaded lowers it by its size while L1 demotes for it (tierkv.chunked_load)
+        # a chunk being loaded lowers it by its size while L1 demotes for it (tierkv.cache.chunked_load)
         self.host_reserve_tokens = self.config.staging_tokens
         self.transfer: TransferController | None = None
         if self.config.enable_host:
@@ -405,7 +405,7 @@ class HiRadixCache(StorageTierMethods, EvictionMethods):
         return LoadResult(self._path_indices(path), last_node, pending, num_tokens)
 
     def _loads_in_chunks(self, num_tokens: int) -> bool:
-        """Exclusive tiers load in chunks (:mod:`tierkv.chunked_load`, synchronously, one chunk or more)
+        """Exclusive tiers load in chunks (:mod:`tierkv.cache.chunked_load`, synchronously, one chunk or more)
         when L1's demotions for the load would not fit in L2's free room (the staging reserve apart)."""
         if self.config.tier_mode != "exclusive" or not self.config.load_chunk_tokens:
             return False

@@ -1,4 +1,4 @@
-"""The eviction half of :class:`tierkv.hicache.HiRadixCache`: L1 eviction (with write-back or exclusive
+"""The eviction half of :class:`tierkv.cache.hicache.HiRadixCache`: L1 eviction (with write-back or exclusive
 demotion to L2) and L2 eviction. A mixin, as the L3 methods are: it reads the cache's tree, pools,
 policy, heaps, transfer controller and stats, and is not used on its own.
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from tierkv.cache_records import _WriteBackBatch
+from tierkv.cache.records import _WriteBackBatch
 from tierkv.eviction.tiers import drop_host_subtree
 from tierkv.pools.allocator import plain_slot_slices
 from tierkv.radix import TreeNode

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tierkv.radix import TreeNode
-from tierkv.transfer import CopyHandle
+from tierkv.copy.transfer import CopyHandle
 
 
 @dataclass

@@ -24,7 +24,7 @@ from tierkv.eviction.tiers import chunk_segments
 from tierkv.radix import TreeNode
 
 if TYPE_CHECKING:
-    from tierkv.hicache import HiRadixCache
+    from tierkv.cache.hicache import HiRadixCache
 
 
 @dataclass

@@ -18,35 +18,39 @@ import logging
 import numpy as np
 import torch
 
-from tierkv.cache.l3.cost_model import CostModel
-from tierkv.cache.l3.controller import StorageController
-from tierkv.cache.l3.methods import StorageTierMethods
-from tierkv.cache.eviction import EvictionMethods
-from tierkv.cache.records import CacheStats, LoadResult, MatchResult, PendingLoad, PendingWrite  # noqa: F401
 from tierkv.cache.chunked_load import ChunkedLoad
 from tierkv.cache.config import CacheConfig
-from tierkv.eviction import get_policy
-from tierkv.eviction.heap import EvictionHeap
-from tierkv.eviction.tiers import promote_loaded, tier_orders
+from tierkv.cache.eviction import Eviction
 from tierkv.cache.failed_loads import FailedLoads
+from tierkv.cache.l3.controller import CacheParts, StorageController
+from tierkv.cache.l3.cost_model import CostModel
 from tierkv.cache.layer_load import DeferredLoads, LayerLoads
+from tierkv.cache.records import CacheStats, LoadResult, MatchResult, PendingLoad, PendingWrite  # noqa: F401
+from tierkv.cache.retire import Retirements
+from tierkv.copy.transfer import CopyHandle, TransferController, resolve_host_layout
+from tierkv.eviction import get_policy
+from tierkv.eviction.tiers import promote_loaded
+from tierkv.hashing import HashNamespace
 from tierkv.pools.allocator import plain_slot_slices
 from tierkv.pools.kv import DeviceKVPool, HostKVPool, host_pool_tokens
 from tierkv.radix import MatchPath, RadixKey, RadixTree, TreeNode
-from tierkv.cache.retire import Retirements
+from tierkv.storage.base import PageStore
+from tierkv.storage.config import StorageConfig
 from tierkv.tp import TPGroup
-from tierkv.copy.transfer import CopyHandle, TransferController, resolve_host_layout
 
 log = logging.getLogger(__name__)
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
 
-class HiRadixCache(StorageTierMethods, EvictionMethods):
-    """Prefix cache over L1 (device) and L2 (host) tiers; see the module docstring for contracts.
+class HiRadixCache:
+    """Prefix cache over L1 (device), L2 (host) and optionally L3 (storage) tiers; see the module docstring
+    for contracts.
 
-    The L3 tier's methods (attach_storage, prefetch_from_storage, ...) come from :mod:`tierkv.cache.l3.methods`,
-    eviction (evict, evict_host) from :mod:`tierkv.cache.eviction`.
+    A facade over its parts, each handed what it needs and none aware of the cache: the tree, the pools,
+    the transfer controller (:mod:`tierkv.copy.transfer`), eviction and room-making (:attr:`eviction`,
+    :mod:`tierkv.cache.eviction`), failed and layer-wise loads, and the L3 controller (:attr:`storage`,
+    :mod:`tierkv.cache.l3.controller`).
     """
 
     def __init__(self, device_pool: DeviceKVPool, config: CacheConfig | None = None,
@@ -59,15 +63,9 @@ class HiRadixCache(StorageTierMethods, EvictionMethods):
         self.tree = RadixTree(self.config.page_size, bigram=self.config.bigram)
         self.priority = get_policy(self.config.eviction_policy)
         self.tree.split_hook = self.priority.on_split  # a split node's halves keep its rank
-        device_order, host_order = tier_orders(self.priority, self.config.tier_mode)
-        self._device_heap = EvictionHeap(self.tree, "device", device_order)
-        self._host_heap = EvictionHeap(self.tree, "host", host_order)
         self.tp = tp or TPGroup.single()
         self.stats = CacheStats()
         self.host_pool = host_pool
-        # L2 slots kept free at rest: the staging of an exclusive chunked load (CacheConfig.staging_tokens);
-        # a chunk being loaded lowers it by its size while L1 demotes for it (tierkv.cache.chunked_load)
-        self.host_reserve_tokens = self.config.staging_tokens
         self.transfer: TransferController | None = None
         if self.config.enable_host:
             self.host_pool = host_pool or self._make_host_pool()
@@ -75,6 +73,8 @@ class HiRadixCache(StorageTierMethods, EvictionMethods):
                                                self.config.overlap_cpu_writes)
             self.deferred_loads = DeferredLoads(self.transfer)
         self.storage: StorageController | None = None  # the L3 tier: see attach_storage
+        self.eviction = Eviction(self.tree, self.config, self.priority, device_pool, self.host_pool, self.transfer,
+                                 self.stats, retire_loads=self.loading_check, backed_up=self._back_up_to_storage)
         self.failed_loads = FailedLoads(self.tree, device_pool)
         # fetch-or-recompute estimates: the engine reports its prefill passes, L3 and loads their timings.
         # Off under TP: decisions from each rank's own timings could differ, and the trees with them
@@ -195,7 +195,7 @@ class HiRadixCache(StorageTierMethods, EvictionMethods):
             self.priority.on_insert(result.new_node)
         if self.transfer is not None and threshold is not None:
             hot = [n for n in result.path if n.host_value is None and n.hit_count >= threshold]
-            if hot and self._admit(hot[-1]):
+            if hot and self.eviction.admit(hot[-1]):
                 self.write_backup(hot[-1])
         return owned
 
@@ -226,7 +226,7 @@ class HiRadixCache(StorageTierMethods, EvictionMethods):
             return True
         num_tokens = sum(len(n) for n in path)
         self.tree.inc_host_ref(node)  # making room in L2 must not drop the backup this path extends
-        host_slots = self._alloc_host(num_tokens)
+        host_slots = self.eviction.alloc_host(num_tokens)
         if host_slots is None:
             self.tree.dec_host_ref(node)
             self.stats.write_skipped_tokens += num_tokens
@@ -306,8 +306,12 @@ class HiRadixCache(StorageTierMethods, EvictionMethods):
             self._drop_host_slots(pending.node, pending.host_slots)
             return
         self.stats.written_tokens += pending.num_tokens
+        self._back_up_to_storage(pending.node)
+
+    def _back_up_to_storage(self, node: TreeNode) -> None:
+        """``node``'s path was just written to L2: back it up to L3, if attached (see StorageController.backup)."""
         if self.storage is not None:
-            self.storage.backup(pending.node)
+            self.storage.backup(node)
 
     def _drop_host_slots(self, node: TreeNode, host_slots: torch.Tensor) -> None:
         """Forget host values that point into ``host_slots`` (a failed write) on ``node``'s path."""
@@ -328,9 +332,6 @@ class HiRadixCache(StorageTierMethods, EvictionMethods):
             freed = promote_loaded(self.tree, pending.node, len(pending.device_slots))
             if freed:
                 self.host_pool.free(torch.cat(freed))
-
-    def _admit(self, node: TreeNode) -> bool:
-        return not self.config.l2_admission or self.priority.admit(node)
 
     def _note_failed_loads(self) -> None:
         """Mark the nodes of loads seen failed invalid at once, before their retirement."""
@@ -386,7 +387,7 @@ class HiRadixCache(StorageTierMethods, EvictionMethods):
             return LoadResult(self._path_indices(device_part), last_device)
         if self._loads_in_chunks(num_tokens):
             return self._load_in_chunks(host_only, last_node, device_part, last_device)
-        device_slots = self._alloc_device(num_tokens)
+        device_slots = self.eviction.alloc_device(num_tokens)
         if device_slots is None:
             self.tree.dec_lock_ref(last_node)
             return LoadResult(self._path_indices(device_part), last_device)
@@ -411,7 +412,7 @@ class HiRadixCache(StorageTierMethods, EvictionMethods):
             return False
         if self.transfer.loads:
             self.loading_check()  # finished loads promoted first: their L2 slots are free room too
-        return num_tokens - self.device_pool.num_free_slots > self._host_room
+        return num_tokens - self.device_pool.num_free_slots > self.eviction.host_room
 
     @property
     def _chunk_tokens(self) -> int:
@@ -423,7 +424,7 @@ class HiRadixCache(StorageTierMethods, EvictionMethods):
         """Load the host-only path synchronously, chunk by chunk; what loaded is served even if a chunk
         does not load. Lock contract: releases the caller's lock on ``last_node`` (the KV is in L1)."""
         try:
-            loaded = ChunkedLoad(self, host_only, self._chunk_tokens).run()
+            loaded = ChunkedLoad(self.eviction, self.transfer, host_only, self._chunk_tokens).run()
         finally:
             self.tree.dec_lock_ref(last_node)
         if not loaded:
@@ -442,45 +443,73 @@ class HiRadixCache(StorageTierMethods, EvictionMethods):
     def _path_indices(nodes: list[TreeNode]) -> torch.Tensor:
         return torch.cat([n.device_value for n in nodes]) if nodes else _EMPTY
 
-    def _alloc_device(self, num_tokens: int) -> torch.Tensor | None:
-        slots = self.device_pool.alloc(num_tokens)
-        if slots is None:
-            if self.config.tier_mode == "exclusive" and self.transfer is not None and self.transfer.loads:
-                self.loading_check()  # promote finished loads first: the demotions take their L2 slots
-            self.evict(num_tokens - self.device_pool.num_free_slots)
-            slots = self.device_pool.alloc(num_tokens)
-        return slots
-
-    @property
-    def _host_room(self) -> int:
-        """L2 slots free beyond the staging reserve."""
-        return self.host_pool.num_free_slots - self.host_reserve_tokens
-
-    def _alloc_host(self, num_tokens: int) -> torch.Tensor | None:
-        if num_tokens > self._host_room:
-            self.evict_host(num_tokens - self._host_room)
-            if num_tokens > self._host_room:
-                return None
-        return self.host_pool.alloc(num_tokens)
-
     def restore_host_reserve(self) -> None:
         """Staging closed: evict from L2 until the reserve is free again (what a chunk's demotions took
         beyond the L2 slots it freed). Lock contract: as :meth:`evict_host`."""
-        self.host_reserve_tokens = self.config.staging_tokens
-        if self._host_room < 0:
-            self.evict_host(-self._host_room)
+        self.eviction.restore_host_reserve()
 
     def alloc_device(self, num_tokens: int) -> torch.Tensor | None:
         """Slots for a request's new tokens, evicting from L1 if needed. Lock contract: takes no lock."""
         self.device_pool.allocator.check_num_tokens(num_tokens)  # before evicting anything
-        return self._alloc_device(num_tokens)
+        return self.eviction.alloc_device(num_tokens)
 
     def alloc_host(self, num_tokens: int) -> torch.Tensor | None:
         """L2 slots, evicting from L2 if needed (for the L3 tier). Lock contract: takes no lock."""
         if self.host_pool is None:
             raise ValueError("this cache has no host (L2) tier")
         self.host_pool.allocator.check_num_tokens(num_tokens)
-        return self._alloc_host(num_tokens)
+        return self.eviction.alloc_host(num_tokens)
+
+    def evict(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` L1 slots if that many are evictable; returns the number freed (see
+        :meth:`Eviction.evict`). Lock contract: skips locked nodes and nodes whose L2-only descendants
+        are protected (host_ref)."""
+        return self.eviction.evict(num_tokens)
+
+    def evict_host(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` L2 slots if possible; returns the number freed (see
+        :meth:`Eviction.evict_host`). Lock contract: skips nodes with host_ref and locked host-only nodes."""
+        return self.eviction.evict_host(num_tokens)
+
+    @property
+    def host_reserve_tokens(self) -> int:
+        """L2 slots kept free at rest for an exclusive chunked load's staging (CacheConfig.staging_tokens)."""
+        return self.eviction.host_reserve_tokens
+
+    # ---- the L3 tier -------------------------------------------------------------------------
+    def attach_storage(self, store: PageStore, config: StorageConfig, namespace: HashNamespace | str) -> None:
+        """Add the L3 tier: prefetch into L2 and backup from L2 against ``store``. Lock contract: none."""
+        if self.storage is not None:
+            raise ValueError("this cache already has a storage tier")
+        if self.transfer is None:
+            raise ValueError("an L3 tier needs the host (L2) tier: enable_host=True")
+        parts = CacheParts(self.tree, self.device_pool, self.host_pool, self.config.page_size, self.tp.rank,
+                           self.cost_model, self.stats, self.alloc_host)
+        self.storage = StorageController(parts, store, config, namespace)
+
+    def prefetch_from_storage(self, request_id: str, last_host_node: TreeNode, key: RadixKey) -> bool:
+        """Start fetching the part of ``key`` beyond ``last_host_node`` from L3 into L2; True if started.
+
+        Lock contract: protects the L2 path it extends (host_ref) until the prefetch ends or is revoked.
+        """
+        return self.storage is not None and self.storage.prefetch(request_id, last_host_node, key)
+
+    def check_prefetch_progress(self, request_id: str) -> bool:
+        """True when the request may be scheduled; then its prefetch has ended and its pages are in the tree.
+
+        Lock contract: on ending, releases the prefetch's host_ref; new nodes are host-only and unlocked.
+        """
+        return self.storage is None or self.storage.check_prefetch(request_id)
+
+    def release_prefetch(self, request_id: str) -> None:
+        """Abort the request's prefetch, inserting nothing. Lock contract: releases its host_ref."""
+        if self.storage is not None:
+            self.storage.release(request_id)
+
+    def clear_storage_backend(self) -> bool:
+        """Empty L3 (this namespace's pages), keeping L1 and L2; False when no L3 is attached or its
+        backend cannot clear. Lock contract: takes no lock."""
+        return self.storage is not None and self.storage.clear_store()
 
     # ---- maintenance -------------------------------------------------------------------------
     @property
@@ -504,7 +533,7 @@ class HiRadixCache(StorageTierMethods, EvictionMethods):
             owned = self.storage.owned_host_slots() if self.storage is not None else []
             self.host_pool.allocator.reset(keep=torch.cat(owned) if owned else None)
             self.step()  # frees at once what drained but is already finished on every rank
-        self.stats = CacheStats()
+        self.stats.clear()  # in place: the parts count into it
 
     def close(self) -> None:
         """Finish in-flight copies and stop background threads; L3 workers get one ``io_wait_timeout_s``
@@ -531,7 +560,7 @@ class HiRadixCache(StorageTierMethods, EvictionMethods):
             if caller_host_slots is not None:
                 host_owned.append(caller_host_slots)
             self.host_pool.allocator.check_ownership("host", host_owned)
-            if self.host_reserve_tokens != self.config.staging_tokens or self._host_room < 0:
+            if self.host_reserve_tokens != self.config.staging_tokens or self.eviction.host_room < 0:
                 raise AssertionError(f"staging reserve not free at rest: {self.host_pool.num_free_slots} L2 slots "
                                      f"free, {self.host_reserve_tokens} reserved of {self.config.staging_tokens}")
 

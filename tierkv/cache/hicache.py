@@ -18,18 +18,17 @@ import logging
 import numpy as np
 import torch
 
-from tierkv.cache.chunked_load import ChunkedLoad
 from tierkv.cache.config import CacheConfig
 from tierkv.cache.eviction import Eviction
 from tierkv.cache.failed_loads import FailedLoads
 from tierkv.cache.l3.controller import CacheParts, StorageController
 from tierkv.cache.l3.cost_model import CostModel
-from tierkv.cache.layer_load import DeferredLoads, LayerLoads
+from tierkv.cache.layer_load import LayerLoads
+from tierkv.cache.loads import LoadBack, path_indices
 from tierkv.cache.records import CacheStats, LoadResult, MatchResult, PendingLoad, PendingWrite  # noqa: F401
 from tierkv.cache.retire import Retirements
 from tierkv.copy.transfer import CopyHandle, TransferController, resolve_host_layout
 from tierkv.eviction import get_policy
-from tierkv.eviction.tiers import promote_loaded
 from tierkv.hashing import HashNamespace
 from tierkv.pools.allocator import plain_slot_slices
 from tierkv.pools.kv import DeviceKVPool, HostKVPool, host_pool_tokens
@@ -40,8 +39,6 @@ from tierkv.tp import TPGroup
 
 log = logging.getLogger(__name__)
 
-_EMPTY = torch.empty(0, dtype=torch.int64)
-
 
 class HiRadixCache:
     """Prefix cache over L1 (device), L2 (host) and optionally L3 (storage) tiers; see the module docstring
@@ -49,8 +46,8 @@ class HiRadixCache:
 
     A facade over its parts, each handed what it needs and none aware of the cache: the tree, the pools,
     the transfer controller (:mod:`tierkv.copy.transfer`), eviction and room-making (:attr:`eviction`,
-    :mod:`tierkv.cache.eviction`), failed and layer-wise loads, and the L3 controller (:attr:`storage`,
-    :mod:`tierkv.cache.l3.controller`).
+    :mod:`tierkv.cache.eviction`), L2 -> L1 loads (:attr:`loads`, :mod:`tierkv.cache.loads`), failed loads
+    (:mod:`tierkv.cache.failed_loads`) and the L3 controller (:attr:`storage`, :mod:`tierkv.cache.l3.controller`).
     """
 
     def __init__(self, device_pool: DeviceKVPool, config: CacheConfig | None = None,
@@ -71,11 +68,12 @@ class HiRadixCache:
             self.host_pool = host_pool or self._make_host_pool()
             self.transfer = TransferController(device_pool, self.host_pool, self.config.io_backend,
                                                self.config.overlap_cpu_writes)
-            self.deferred_loads = DeferredLoads(self.transfer)
         self.storage: StorageController | None = None  # the L3 tier: see attach_storage
         self.eviction = Eviction(self.tree, self.config, self.priority, device_pool, self.host_pool, self.transfer,
                                  self.stats, retire_loads=self.loading_check, backed_up=self._back_up_to_storage)
         self.failed_loads = FailedLoads(self.tree, device_pool)
+        self.loads = LoadBack(self.tree, self.config, self.eviction, self.transfer, self.failed_loads, self.stats,
+                              retire_loads=self.loading_check)
         # fetch-or-recompute estimates: the engine reports its prefill passes, L3 and loads their timings.
         # Off under TP: decisions from each rank's own timings could differ, and the trees with them
         self.cost_model = CostModel(self.config.prefill_tokens_per_s,
@@ -109,7 +107,7 @@ class HiRadixCache:
             if node.device_value is None:
                 break
             device_nodes.append(node)
-        usable = self._wait_for_loads(device_nodes)
+        usable = self.loads.wait_for(device_nodes)
         if usable < len(device_nodes):  # a failed load: its nodes are garbage until dropped
             device_nodes = device_nodes[:usable]
             _cut(path, usable)
@@ -118,29 +116,8 @@ class HiRadixCache:
         host_hit = path.num_tokens - device_hit
         self.stats.device_hit_tokens += device_hit
         self.stats.host_hit_tokens += host_hit
-        return MatchResult(self._path_indices(device_nodes), last_device, path.last_node or self.tree.root,
+        return MatchResult(path_indices(device_nodes), last_device, path.last_node or self.tree.root,
                            host_hit)
-
-    def _wait_for_loads(self, device_nodes: list[TreeNode]) -> int:
-        """Wait for in-flight loads into these nodes; how many leading nodes hold valid KV."""
-        if self.transfer is None or not device_nodes:
-            return len(device_nodes)
-        if self.deferred_loads.queued and self.deferred_loads.touches(self._path_indices(device_nodes)):
-            self.deferred_loads.start()  # a caller may read this KV now: start the queued copy and wait
-        if not self.transfer.loads:
-            return len(device_nodes)
-        usable = len(device_nodes)
-        for item in list(self.transfer.loads):
-            if item.handle.done() and item.handle.error is None:
-                continue
-            slots = item.payload.device_slots
-            hit = [i for i, n in enumerate(device_nodes) if torch.isin(n.device_value, slots).any()]
-            if hit:
-                item.handle.wait_on_current_stream()
-                if item.handle.error is not None:
-                    self.failed_loads.mark(item.payload)
-                    usable = min(usable, hit[0])
-        return usable
 
     def inc_lock_ref(self, node: TreeNode) -> None:
         """Lock contract: locks ``node``'s path in L1 (never evicted) until :meth:`dec_lock_ref`."""
@@ -277,7 +254,7 @@ class HiRadixCache:
         for handle, pending in self.transfer.pop_done(self.transfer.writes, min_counts[0]):
             retirements.run(self._finish_write, pending, handle)
         for handle, pending in self.transfer.pop_done(self.transfer.loads, min_counts[1]):
-            retirements.run(self._finish_load, pending, handle)
+            retirements.run(self.loads.finish, pending, handle)
         if self.storage is not None:
             retirements.run(self.storage.apply_progress, list(min_counts[2:]), list(max_counts))
         if self.failed_loads:
@@ -322,17 +299,6 @@ class HiRadixCache:
                     raise AssertionError(f"node {n.id} lost both tiers after a failed write")
         self.host_pool.free(host_slots)
 
-    def _finish_load(self, pending: PendingLoad, handle: CopyHandle) -> None:
-        self.tree.dec_lock_ref(pending.node)
-        self.tree.dec_host_ref(pending.node)
-        if handle.error is not None:
-            self.stats.failed_copies += 1
-            self.failed_loads.mark(pending)
-        elif self.config.tier_mode == "exclusive":  # promote: L1 has it now, so L2 need not
-            freed = promote_loaded(self.tree, pending.node, len(pending.device_slots))
-            if freed:
-                self.host_pool.free(torch.cat(freed))
-
     def _note_failed_loads(self) -> None:
         """Mark the nodes of loads seen failed invalid at once, before their retirement."""
         if self.transfer is not None and self.transfer.loads:
@@ -351,7 +317,7 @@ class HiRadixCache:
     def _finish_copies(self) -> None:
         """Start the deferred loads, wait for every L1<->L2 copy and retire what finished."""
         if self.transfer is not None:
-            self.deferred_loads.start()
+            self.loads.start()
             self.transfer.synchronize()
         self.step()
 
@@ -365,83 +331,12 @@ class HiRadixCache:
         acknowledged; the caller must :meth:`PendingLoad.wait` before reading the KV. ``defer`` queues
         the copy for :meth:`start_loading` (one layer-wise batch with the rest of the scheduler step's).
         """
-        path = self.tree.path_to_root(last_node)
-        if any(n.invalid for n in path):  # a failed load's nodes: not reloadable until dropped
-            path = path[:next(i for i, n in enumerate(path) if n.invalid)]
-            last_node = path[-1] if path else self.tree.root
-        host_only = [n for n in path if n.device_value is None]
-        device_part = path[: len(path) - len(host_only)]
-        last_device = device_part[-1] if device_part else self.tree.root
-        num_tokens = sum(len(n) for n in host_only)
-        if num_tokens == 0 or self.transfer is None:
-            return LoadResult(self._path_indices(device_part), last_device)
-        if num_tokens < self.config.load_back_threshold:
-            return LoadResult(self._path_indices(device_part), last_device)
-        # Locked from here to the ack: making room in L1 must not evict the prefix we extend, and the
-        # write-backs that eviction may cause must not evict from L2 the nodes we load.
-        evictable_before = self.tree.evictable_size
-        self.tree.inc_lock_ref(last_node)
-        newly_locked = evictable_before - self.tree.evictable_size
-        if mem_quota is not None and num_tokens > mem_quota - newly_locked:
-            self.tree.dec_lock_ref(last_node)
-            return LoadResult(self._path_indices(device_part), last_device)
-        if self._loads_in_chunks(num_tokens):
-            return self._load_in_chunks(host_only, last_node, device_part, last_device)
-        device_slots = self.eviction.alloc_device(num_tokens)
-        if device_slots is None:
-            self.tree.dec_lock_ref(last_node)
-            return LoadResult(self._path_indices(device_part), last_device)
-        host_slots = torch.cat([n.host_value for n in host_only])
-        offset = 0
-        for n in host_only:
-            self.tree.set_device_value(n, device_slots[offset:offset + len(n)])
-            offset += len(n)
-        self.tree.inc_host_ref(last_node)
-        pending = PendingLoad(last_node, device_slots, handle=None)
-        if defer:
-            self.deferred_loads.queue(pending, host_slots)
-        else:
-            pending.handle = self.transfer.load(host_slots, device_slots, pending)
-        self.stats.loaded_tokens += num_tokens
-        return LoadResult(self._path_indices(path), last_node, pending, num_tokens)
-
-    def _loads_in_chunks(self, num_tokens: int) -> bool:
-        """Exclusive tiers load in chunks (:mod:`tierkv.cache.chunked_load`, synchronously, one chunk or more)
-        when L1's demotions for the load would not fit in L2's free room (the staging reserve apart)."""
-        if self.config.tier_mode != "exclusive" or not self.config.load_chunk_tokens:
-            return False
-        if self.transfer.loads:
-            self.loading_check()  # finished loads promoted first: their L2 slots are free room too
-        return num_tokens - self.device_pool.num_free_slots > self.eviction.host_room
-
-    @property
-    def _chunk_tokens(self) -> int:
-        page = self.config.page_size
-        return max(page, self.config.load_chunk_tokens // page * page)
-
-    def _load_in_chunks(self, host_only: list[TreeNode], last_node: TreeNode, device_part: list[TreeNode],
-                        last_device: TreeNode) -> LoadResult:
-        """Load the host-only path synchronously, chunk by chunk; what loaded is served even if a chunk
-        does not load. Lock contract: releases the caller's lock on ``last_node`` (the KV is in L1)."""
-        try:
-            loaded = ChunkedLoad(self.eviction, self.transfer, host_only, self._chunk_tokens).run()
-        finally:
-            self.tree.dec_lock_ref(last_node)
-        if not loaded:
-            return LoadResult(self._path_indices(device_part), last_device)
-        return LoadResult(self._path_indices(self.tree.path_to_root(loaded[-1])), loaded[-1], None,
-                          sum(len(n) for n in loaded))
+        return self.loads.load(last_node, mem_quota, defer)
 
     def start_loading(self) -> LayerLoads:
         """Start the deferred loads as one layer-wise batch; the forward pass calls ``wait_layer(i)`` on
         the result before layer ``i`` reads KV. Lock contract: takes none (each load holds its own)."""
-        if self.transfer is None:
-            return LayerLoads()
-        return self.deferred_loads.start()
-
-    @staticmethod
-    def _path_indices(nodes: list[TreeNode]) -> torch.Tensor:
-        return torch.cat([n.device_value for n in nodes]) if nodes else _EMPTY
+        return self.loads.start()
 
     def restore_host_reserve(self) -> None:
         """Staging closed: evict from L2 until the reserve is free again (what a chunk's demotions took

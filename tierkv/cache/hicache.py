@@ -1,4 +1,5 @@
-"""The hierarchical cache: ties the radix tree, the L1/L2 pools and the transfer controller.
+"""The hierarchical cache's facade: ties the radix tree, the pools, the transfer controller and the parts
+beside it in :mod:`tierkv.cache` (eviction, loads, failed loads, the L3 controller).
 
 Thread contract: every public method runs on the scheduler thread. Background threads (copies, storage
 I/O) never touch the tree; their results arrive through ack queues drained by :meth:`step`.

@@ -72,7 +72,7 @@ def run(num_requests: int, page_size: int, pool_tokens: int, policy: str,
     cache = HiRadixCache(DeviceKVPool(spec, pool_tokens, page_size, "cpu"),
                          CacheConfig(page_size=page_size, eviction_policy=policy, enable_host=False))
     if per_call_heap:  # the baseline: rank the whole leaf frontier on every evict()
-        heap = cache.eviction.device_heap
+        heap = cache.eviction._device_heap
         heap.victims = lambda: eviction_order(cache.tree.device_leaves(), heap.order, heap._next_leaf)
     timer = Timer()
     cache.eviction.evict = timer.wrap("evict", cache.eviction.evict)  # alloc_device evicts through it too

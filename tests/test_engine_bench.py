@@ -1,8 +1,7 @@
 """The engine benchmark: every row runs, rows are named as the report expects, outputs agree across modes."""
 
 from engine_helpers import single_torch_thread  # noqa: F401  (autouse fixture)
-from tierkv.engine.bench import ChatWorkload, engine_config, format_table, run_all
-from tierkv.engine.bench_cli import main
+from tierkv.engine.bench import ChatWorkload, engine_config, format_table, main, run_all
 
 TINY = ChatWorkload(num_conversations=3, num_turns=2, system_tokens=48, user_tokens=24, output_tokens=3)
 

@@ -13,7 +13,6 @@ import sys
 from rich.console import Console
 
 from tierkv.cache.config import TIER_MODES, WRITE_POLICIES
-from tierkv.cli_types import token_count
 from tierkv.eviction import POLICIES
 
 DEFAULT_L1_TOKENS = "500k"  # ~61 GiB of Llama-3-8B KV: what one 80 GB GPU keeps for KV
@@ -66,6 +65,16 @@ def _replay_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-baselines", action="store_true", help="skip the L1-only replay")
     p.add_argument("--verify", action="store_true", help="check every reused prefix's KV (slower)")
     p.add_argument("--serial", action="store_true", help="run the baselines after, not beside, the replay")
+
+
+def token_count(text: str) -> int:
+    """argparse type: a token count such as 500000, 500k or 1.5M (argparse names the flag in its error)."""
+    from tierkv.replay.report import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -34,8 +34,8 @@ class Eviction:
         self.device_pool, self.host_pool, self.transfer, self.stats = device_pool, host_pool, transfer, stats
         self.retire_loads, self.backed_up = retire_loads, backed_up
         device_order, host_order = tier_orders(priority, config.tier_mode)
-        self.device_heap = EvictionHeap(tree, "device", device_order)
-        self.host_heap = EvictionHeap(tree, "host", host_order)
+        self._device_heap = EvictionHeap(tree, "device", device_order)
+        self._host_heap = EvictionHeap(tree, "host", host_order)
         # L2 slots kept free at rest: the staging of an exclusive chunked load (CacheConfig.staging_tokens);
         # a chunk being loaded lowers it by its size while L1 demotes for it (tierkv.cache.chunked_load)
         self.host_reserve_tokens = config.staging_tokens
@@ -88,7 +88,7 @@ class Eviction:
         """
         freed, batch, kept = 0, _WriteBackBatch(), []
         write_back = self.config.writes_on_evict and self.transfer is not None
-        for node in self.device_heap.victims() if num_tokens > 0 else ():
+        for node in self._device_heap.victims() if num_tokens > 0 else ():
             self._split_victim(node, num_tokens - freed)
             if write_back and node.host_value is None and self.admit(node):
                 self._reserve_write_back(node, batch)
@@ -198,7 +198,7 @@ class Eviction:
         nodes with host_ref (in-flight writes, loads, backups) and locked host-only nodes.
         """
         freed, evicted_slots = 0, []
-        for node in self.host_heap.victims() if num_tokens > 0 else ():
+        for node in self._host_heap.victims() if num_tokens > 0 else ():
             self._split_victim(node, num_tokens - freed)
             freed += len(node)
             evicted_slots.append(node.host_value)

@@ -9,8 +9,8 @@ import signal
 import sys
 from pathlib import Path
 
+from tierkv.cli import token_count
 from tierkv.cache.config import TIER_MODES, CacheConfig
-from tierkv.cli_types import token_count
 from tierkv.engine.config import PRESETS
 from tierkv.engine.engine import CACHE_MODES, Engine, EngineConfig
 from tierkv.eviction import POLICIES
@@ -208,7 +208,7 @@ def _raise_interrupt(signum: int, frame: object) -> None:
 
 
 def bench_main(argv: list[str] | None = None) -> int:
-    from tierkv.engine.bench_cli import main
+    from tierkv.engine.bench import main
     return main(argv)
 
 

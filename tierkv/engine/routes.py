@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tierkv.engine import openai_api as api
 from tierkv.engine.openai_api import ApiError, TokenOut, Usage
 from tierkv.engine.request import Request
-from tierkv.engine.jobs import _DONE, CompletionJob, access_log
+from tierkv.engine.server import _DONE, CompletionJob, access_log
 
 if TYPE_CHECKING:
     from tierkv.engine.server import CompletionServer

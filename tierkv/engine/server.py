@@ -15,22 +15,34 @@ import queue
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from tierkv.engine.engine import Engine
-from tierkv.engine.jobs import _DONE, CompletionJob
 from tierkv.engine.metrics import ServerMetrics
+from tierkv.engine.request import Request
 from tierkv.engine.tokenizer import ByteTokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
+access_log = logging.getLogger("tierkv.access")
 
 MAX_BODY_BYTES = 1 << 20
+_DONE = object()
 _BUSY_BODY = b'{"error": {"message": "too many open connections", "type": "server_busy", "param": null, "code": 503}}'
 _BUSY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
          b"content-length: %d\r\n\r\n" % len(_BUSY_BODY)) + _BUSY_BODY
+
+
+@dataclass
+class CompletionJob:
+    """One request in flight: the engine thread calls ``deliver`` with each TokenOut, then ``_DONE``."""
+
+    request: Request
+    deliver: Callable[[object], None]
+    extra: dict = field(default_factory=dict)
 
 
 class EngineLoop:

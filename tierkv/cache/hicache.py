@@ -379,8 +379,8 @@ class HiRadixCache:
             raise ValueError("this cache already has a storage tier")
         if self.transfer is None:
             raise ValueError("an L3 tier needs the host (L2) tier: enable_host=True")
-        parts = CacheParts(self.tree, self.device_pool, self.host_pool, self.config.page_size, self.tp.rank,
-                           self.cost_model, self.stats, self.alloc_host)
+        parts = CacheParts(self.tree, self.config, self.device_pool, self.host_pool, self.tp, self.cost_model,
+                           self.stats, self.alloc_host)
         self.storage = StorageController(parts, store, config, namespace)
 
     def prefetch_from_storage(self, request_id: str, last_host_node: TreeNode, key: RadixKey) -> bool:

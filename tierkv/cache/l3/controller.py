@@ -33,6 +33,7 @@ from typing import Callable, Protocol
 
 import torch
 
+from tierkv.cache.config import CacheConfig
 from tierkv.cache.l3.cost_model import CostModel
 from tierkv.cache.records import CacheStats
 from tierkv.hashing import HashNamespace, page_hashes
@@ -46,6 +47,7 @@ from tierkv.storage.factory import BACKEND_OPTIONS, open_store, parse_spec
 from tierkv.cache.l3.pacing import BackupPacer
 from tierkv.cache.l3.prefetch import NUM_MAX_COUNTS, NUM_MIN_COUNTS, Prefetch
 from tierkv.storage.worker import IOWorker, stop_workers
+from tierkv.tp import TPGroup
 
 log = logging.getLogger(__name__)
 
@@ -86,11 +88,11 @@ class CacheParts:
     """What the L3 tier works with, handed over by its cache (the controller never sees the cache itself)."""
 
     tree: RadixTree
+    config: CacheConfig
     device_pool: DeviceKVPool
     host_pool: HostKVPool
-    page_size: int
-    tp_rank: int
-    costs: CostModel
+    tp: TPGroup
+    cost_model: CostModel
     stats: CacheStats  # the cache's: L3 hits are counted in storage_hit_tokens
     alloc_host: Callable[[int], torch.Tensor | None]  # L2 slots, evicting from L2 for them
 
@@ -127,25 +129,25 @@ class StorageController:
         if store.page_nbytes != cache.host_pool.page_nbytes:
             raise ValueError(f"store page_nbytes {store.page_nbytes} != host pool page_nbytes "
                              f"{cache.host_pool.page_nbytes}")
-        self.tree, self.host_pool = cache.tree, cache.host_pool
-        self.cache_stats, self.alloc_host = cache.stats, cache.alloc_host
+        self.cache, self.tree, self.host_pool = cache, cache.tree, cache.host_pool
         self.store, self.config = store, config
         self.namespace = resolve_namespace(namespace, config.hash_algorithm)
-        self.page_size = cache.page_size
+        self.page_size = cache.config.page_size
         self.stats = StorageStats()
         self.prefetches: dict[str, Prefetch] = {}  # by request id, in start order: running or revoked
         self.draining: list[Prefetch | Backup] = []  # let go while their worker may still touch their slots
         self.backups: deque[Backup] = deque()
         self.granted_in_last_step = 0  # prefetches handed host slots by the last apply_progress (agreed)
         self._seed = functools.lru_cache(maxsize=MAX_CACHED_SEEDS)(self.namespace.seed)  # one per tenant, bounded
+        tp = cache.tp
         # HiCache's backup_skip: one copy of MLA KV, written by rank 0 (reads still agree across ranks)
-        self.skip_backup_writes = cache.device_pool.spec.attention == "mla" and cache.tp_rank != 0
+        self.skip_backup_writes = cache.device_pool.spec.attention == "mla" and tp.rank != 0
         self.pass_prefix_keys = config.hicache_storage_pass_prefix_keys and store.accepts_prefix_keys
         self.max_tokens_in_flight = config.prefetch_max_tokens_in_flight
         if self.max_tokens_in_flight is None:  # HiCache: room for prefetches is what L2 has beyond L1
             room = cache.host_pool.num_slots - cache.device_pool.num_slots
-            self.max_tokens_in_flight = max(int(0.8 * room), cache.page_size)
-        self.costs = cache.costs
+            self.max_tokens_in_flight = max(int(0.8 * room), cache.config.page_size)
+        self.costs = cache.cost_model
         self.costs.batch_pages = config.prefetch_batch_pages
         self._prefetch_worker = IOWorker("tierkv-prefetch")
         self._backup_worker = IOWorker("tierkv-backup")
@@ -258,7 +260,7 @@ class StorageController:
         try:
             if keep_tokens:
                 new_tokens = self._insert(prefetch, keep_tokens)  # pages the tree already had are no L3 hit
-                self.cache_stats.storage_hit_tokens += new_tokens
+                self.cache.stats.storage_hit_tokens += new_tokens
                 self.stats.prefetched_tokens += new_tokens
         except Exception:
             self._free_unadopted(prefetch.host_slots[:keep_tokens])
@@ -415,7 +417,7 @@ class StorageController:
         """The pages found are agreed: take host slots for those alone (evicting L2 only for them) and
         let the worker read; nothing found, or no room, revokes it having taken nothing."""
         num_tokens = min(prefetch.agreed_found, prefetch.num_pages) * self.page_size
-        host_slots = self.alloc_host(num_tokens) if num_tokens else None
+        host_slots = self.cache.alloc_host(num_tokens) if num_tokens else None
         if host_slots is None:
             self.stats.prefetch_no_room += int(num_tokens > 0)
             self._revoke(prefetch)

@@ -44,7 +44,7 @@ class ForwardBatch:
     out_slots: torch.Tensor
     seqs: list[SeqSlice]
     sample_rows: torch.Tensor
-    layer_loads: Any = None  # tierkv.cache.layer_load.LayerLoads: L2 -> L1 loads the layers must wait for
+    layer_loads: Any = None  # tierkv.layer_load.LayerLoads: L2 -> L1 loads the layers must wait for
 
     def wait_kv(self, layer: int) -> None:
         """Before layer ``layer`` reads the pool: wait for that layer of the loads in flight, no more."""

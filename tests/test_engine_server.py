@@ -126,7 +126,7 @@ def test_serve_command_prints_a_summary_and_logs_each_request(tmp_path):
     (["--l1-tokens", "1e12"], "--l1-tokens"), (["--device", "cuda"], "--device"),
     (["--tenant-keys", "/nonexistent/keys"], "--tenant-keys"), (["--l2-tokens", "100"], "--l2-tokens"),
     (["--prefill-tokens-per-s", "0"], "--prefill-tokens-per-s"), (["--tier-mode", "both"], "--tier-mode"),
-    (["--eviction-policy", "random"], "--eviction-policy"),
+    (["--eviction-policy", "random"], "--eviction-policy"), (["--max-waiting-requests", "0"], "--max-waiting-requests"),
 ])
 def test_serve_flag_errors_are_one_line_naming_the_flag(flags, named):
     if flags[0] == "--device":

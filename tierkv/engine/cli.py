@@ -68,6 +68,8 @@ def serve_parser() -> argparse.ArgumentParser:
                         help="file of `TENANT KEY` lines: each key's requests get their own cache namespace")
     parser.add_argument("--read-timeout-s", type=float, default=30.0, help="time a client has to send a request")
     parser.add_argument("--max-connections", type=int, default=1024, help="open connections beyond are refused")
+    parser.add_argument("--max-waiting-requests", type=int, default=1024,
+                        help="requests queued for admission beyond are answered 429 with Retry-After")
     _engine_args(parser)
     return parser
 
@@ -133,7 +135,7 @@ def _build_server(args: argparse.Namespace):
     try:
         from tierkv.engine.server import CompletionServer, ServerLimits
     except ModuleNotFoundError as exc:
-        raise CliError(f"serving needs {exc.name}: pip install 'tierkv[serve]'") from None
+        raise CliError(f"serving needs {exc.name}: pip install 'tierkv-hicache[serve]'") from None
     from tierkv.engine.tokenizer import load_tokenizer
 
     config = _engine_config(args)
@@ -141,9 +143,10 @@ def _build_server(args: argparse.Namespace):
     if args.api_key:
         keys = (keys or {}) | {args.api_key: "default"}
     try:
-        limits = ServerLimits(read_timeout_s=args.read_timeout_s, max_connections=args.max_connections)
+        limits = ServerLimits(read_timeout_s=args.read_timeout_s, max_connections=args.max_connections,
+                              max_waiting_requests=args.max_waiting_requests)
     except ValueError as exc:
-        raise CliError(f"--read-timeout-s / --max-connections: {exc}") from None
+        raise CliError(f"--read-timeout-s / --max-connections / --max-waiting-requests: {exc}") from None
     tokenizer = load_tokenizer(args.model)
     try:
         engine = Engine(args.model, config)
@@ -177,7 +180,8 @@ def startup_summary(server, args: argparse.Namespace) -> list[str]:
     tenants = "off (one shared cache; clients may pass cache_salt)" if server.api_keys is None else \
         f"{len(set(server.api_keys.values()))} tenant(s), API key required"
     lines.append(f"tenants {tenants}; body limit {server.limits.max_body_bytes:,} B, read timeout "
-                 f"{server.limits.read_timeout_s:g} s, max {server.limits.max_connections} connections")
+                 f"{server.limits.read_timeout_s:g} s, max {server.limits.max_connections} connections, "
+                 f"{server.limits.max_waiting_requests} waiting")
     lines.append(f"listening on http://{args.host}:{server.port}")
     return lines
 

@@ -271,6 +271,34 @@ static int mark_parent(EvictCtx *c, PyObject *parent) {
     return rc;
 }
 
+/* 1 when ``node`` (a candidate) is the caller's to evict (hand_back): it has no L2 copy and either
+ * L2-only descendants (deleting it deletes them: the cache frees their host slots) or a host_ref (kept),
+ * or (hand_back 2) it holds more whole pages than the ``left`` tokens still needed (the cache splits
+ * it); 0 otherwise, -1 on error */
+static int needs_caller(EvictCtx *c, PyObject *node, Py_ssize_t left) {
+    if (c->hand_back == 0) {
+        return 0;
+    }
+    if (SLOT(node, host_value) == Py_None) {
+        if (PyDict_GET_SIZE(SLOT(node, children)) != 0) {
+            return 1;
+        }
+        int held = is_true(SLOT(node, host_ref));
+        if (held != 0) {
+            return held;
+        }
+    }
+    if (c->hand_back < 2) {
+        return 0;
+    }
+    Py_ssize_t num_tokens = PyObject_Size(SLOT(node, key));
+    if (num_tokens < 0) {
+        return -1;
+    }
+    Py_ssize_t need = (left + c->page_size - 1) / c->page_size * c->page_size;
+    return num_tokens > need;
+}
+
 static int evict_loop(EvictCtx *c, Py_ssize_t num_tokens, int recheck) {
     Py_ssize_t freed = 0;
     PyObject *next = NULL;
@@ -282,6 +310,15 @@ static int evict_loop(EvictCtx *c, Py_ssize_t num_tokens, int recheck) {
         next = NULL;
         if (node == NULL) {
             return PyErr_Occurred() ? -1 : 0;
+        }
+        int caller = needs_caller(c, node, num_tokens - freed);
+        if (caller != 0) {  /* popped, not evicted: the caller evicts it (or keeps it) and calls again */
+            if (caller < 0) {
+                Py_DECREF(node);
+                return -1;
+            }
+            c->held = node;
+            return 0;
         }
         PyObject *parent = SLOT(node, parent);  /* alive: its parent's children hold it */
         prefetch_node(parent);
@@ -335,9 +372,9 @@ static int account(PyObject *tree, Py_ssize_t num_tokens) {
 
 PyObject *tierkv_evict_device(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 10) {
+    if (nargs != 11) {
         PyErr_Format(PyExc_TypeError, "evict_device takes (tree, heap, live, changed, seqs, key_of, recheck, "
-                     "num_tokens, on_evict, keep_nodes), got %zd arguments", nargs);
+                     "num_tokens, on_evict, keep_nodes, hand_back), got %zd arguments", nargs);
         return NULL;
     }
     PyObject *tree = args[0];
@@ -345,9 +382,16 @@ PyObject *tierkv_evict_device(PyObject *self, PyObject *const *args, Py_ssize_t 
     c.heap = args[1], c.live = args[2], c.changed = args[3], c.seqs = args[4], c.key_of = args[5], c.on_evict = args[8];
     int recheck = PyObject_IsTrue(args[6]), keep_nodes = PyObject_IsTrue(args[9]);
     Py_ssize_t num_tokens = PyLong_AsSsize_t(args[7]);
-    if (recheck < 0 || keep_nodes < 0 || (num_tokens == -1 && PyErr_Occurred())) {
+    long hand_back = PyLong_AsLong(args[10]);
+    if (recheck < 0 || keep_nodes < 0 || (num_tokens == -1 && PyErr_Occurred())
+        || (hand_back == -1 && PyErr_Occurred())) {
         return NULL;
     }
+    if (hand_back < 0 || hand_back > 2) {
+        PyErr_Format(PyExc_ValueError, "hand_back must be 0, 1 or 2, got %ld", hand_back);
+        return NULL;
+    }
+    c.hand_back = (int)hand_back;
     if (!PyList_CheckExact(c.heap) || !PyDict_CheckExact(c.live) || !PySet_CheckExact(c.changed)) {
         PyErr_SetString(PyExc_TypeError, "evict_device needs the heap's list, live dict and changed set");
         return NULL;
@@ -383,11 +427,13 @@ PyObject *tierkv_evict_device(PyObject *self, PyObject *const *args, Py_ssize_t 
     if (rc == 0) {
         PyObject *freed = PyLong_FromSsize_t(c.evicted_tokens);
         PyObject *nodes = stash_list(&c.nodes), *values = stash_list(&c.values);
-        result = freed && nodes && values ? PyTuple_Pack(3, freed, nodes, values) : NULL;
+        result = freed && nodes && values ? PyTuple_Pack(4, freed, nodes, values, c.held ? c.held : Py_None)
+                                          : NULL;
         Py_XDECREF(freed), Py_XDECREF(nodes), Py_XDECREF(values);
     }
 done:
     stash_drop(&c.nodes), stash_drop(&c.values);  /* after an error: what was evicted is dropped */
+    Py_XDECREF(c.held);
     Py_XDECREF(frontiers), Py_XDECREF(page), Py_XDECREF(c.root);
     Py_XDECREF(c.device), Py_XDECREF(c.host), Py_XDECREF(c.host_changed);
     return result;

@@ -47,6 +47,9 @@ typedef struct {
     Py_ssize_t page_size, evicted_tokens;
     Stash nodes, values;  /* nodes only when the caller keeps them (keep_nodes) */
     int keep_nodes;
+    int hand_back;  /* 0: evict every victim; 1: stop at one the caller must handle (see needs_caller);
+                     * 2: also at one holding more whole pages than the eviction still needs */
+    PyObject *held;  /* the victim handed back (popped, not evicted), or NULL */
 } EvictCtx;
 
 /* Memory an eviction will read: a node's own lines (with the collector's header in front), then, once

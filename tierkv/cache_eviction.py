@@ -26,8 +26,10 @@ class EvictionMethods:
         for). Lock contract: skips locked nodes, and nodes without an L2 copy whose host-only
         descendants are protected (host_ref: an L3 backup or prefetch reads them).
         """
-        freed, batch, kept = 0, _WriteBackBatch(), []
         write_back = self.config.writes_on_evict and self.transfer is not None
+        if not write_back:
+            return self._evict_dropping(num_tokens)
+        freed, batch, kept = 0, _WriteBackBatch(), []
         for node in self._device_heap.victims() if num_tokens > 0 else ():
             self._split_victim(node, num_tokens - freed)
             if write_back and node.host_value is None and self._admit(node):
@@ -52,6 +54,34 @@ class EvictionMethods:
         self.stats.evicted_device_tokens += freed
         if batch.raised is not None:  # let it through now that no slot is left loose
             raise batch.raised
+        return freed
+
+    def _evict_dropping(self, num_tokens: int) -> int:
+        """:meth:`evict` when nothing is copied on eviction: the heap's compiled loop evicts every victim
+        it can alone, and hands back one at a time those this loop must (split, deleted with L2-only
+        descendants, or kept). Same victims, same order as the loop over ``victims()``."""
+        freed, slots, kept = 0, [], []
+        heap, on_evict, split = self._device_heap, self.priority.on_evict, self.config.split_victims
+        while freed < num_tokens:
+            num_freed, values, node = heap.evict_device_until_held(num_tokens - freed, on_evict, split)
+            freed += num_freed
+            slots += values
+            if node is None:
+                break
+            self._split_victim(node, num_tokens - freed)
+            if node.host_value is None and node.host_ref:
+                kept.append(node)  # deleting it would delete L2 pages in use
+                continue
+            freed += len(node)
+            slots.append(self.tree.clear_device_value(node))
+            removed = node.host_value is None
+            if removed:
+                self._remove_with_host_subtree(node)
+            on_evict(node, removed=removed)
+        if slots:
+            self.device_pool.free(torch.cat(slots) if len(slots) > 1 else slots[0])
+        self.tree.mark_changed("device", kept)  # candidates again at the next call
+        self.stats.evicted_device_tokens += freed
         return freed
 
     def _split_victim(self, node: TreeNode, num_tokens: int) -> None:

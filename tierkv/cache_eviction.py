@@ -78,8 +78,7 @@ class EvictionMethods:
             if removed:
                 self._remove_with_host_subtree(node)
             on_evict(node, removed=removed)
-        if slots:
-            self.device_pool.free(torch.cat(slots) if len(slots) > 1 else slots[0])
+        self.device_pool.allocator.free_each(slots)
         self.tree.mark_changed("device", kept)  # candidates again at the next call
         self.stats.evicted_device_tokens += freed
         return freed

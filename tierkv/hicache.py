@@ -30,7 +30,7 @@ from tierkv.eviction.heap import EvictionHeap
 from tierkv.eviction.tiers import promote_loaded, tier_orders
 from tierkv.failed_loads import FailedLoads
 from tierkv.layer_load import DeferredLoads, LayerLoads
-from tierkv.pools.allocator import plain_slot_slices
+from tierkv.pools.allocator import owned_slot_slice, plain_slot_slices
 from tierkv.pools.kv import DeviceKVPool, HostKVPool, host_pool_tokens
 from tierkv.radix import MatchPath, RadixKey, RadixTree, TreeNode
 from tierkv.retire import Retirements
@@ -56,7 +56,7 @@ class HiRadixCache(StorageTierMethods, EvictionMethods):
             raise ValueError(f"device pool page_size {device_pool.page_size} != config page_size "
                              f"{self.config.page_size}")
         self.device_pool = device_pool
-        self.tree = RadixTree(self.config.page_size, bigram=self.config.bigram)
+        self.tree = RadixTree(self.config.page_size, bigram=self.config.bigram, slice_value=owned_slot_slice)
         self.priority = get_policy(self.config.eviction_policy)
         self.tree.split_hook = self.priority.on_split  # a split node's halves keep its rank
         device_order, host_order = tier_orders(self.priority, self.config.tier_mode)

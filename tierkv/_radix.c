@@ -6,6 +6,7 @@
  * one memcmp for a whole match, memcmp over fixed chunks and then single elements to place a mismatch.
  */
 #include "_radix.h"
+#include "_radix_evict.h"
 #include <stdint.h>
 #include <string.h>
 

@@ -1,4 +1,6 @@
 #include "_radix_evict.h"
+#include "_radix_heap.h"
+#include "_radix_node.h"
 #include <string.h>
 
 /* The compiled eviction loop of tierkv._radix (module and key functions: _radix.c).
@@ -10,6 +12,106 @@
  * as much as SGLang's whole per-node work. The same entries, the same order: (key, node id, seq, node)
  * tuples ranked by the policy's key function, one valid entry per node id in ``live``.
  * TreeNode fields are read at their __slots__ offsets (looked up once per node type: _radix_node.c). */
+
+/* References the loop collects (evicted nodes, their device values), turned into a list at the end.
+ * Why not a list from the start: a value's reference moves here from its node's slot, so the loop
+ * never touches the value (its reference count is a cache miss per node, and freeing it comes later),
+ * and the buffer grows by doubling where a list grows by an eighth (~60 reallocations in a whole-tree
+ * eviction of 8k nodes). A small gain (a few %: the values' release, after the call, costs the most). */
+typedef struct {
+    PyObject **items;
+    Py_ssize_t len, cap;
+} Stash;
+
+typedef struct {
+    NodeCtx node;  /* the root, the ranking, the page size */
+    PyObject *heap, *live, *changed, *seqs, *on_evict;
+    PyObject *device, *host, *host_changed;  /* the tree's frontier sets, None when untracked (changed is
+                                                * device_changed, tracked: the heap reads it) */
+    Py_ssize_t evicted_tokens;
+    Stash nodes, values;  /* nodes only when the caller keeps them (keep_nodes) */
+    int keep_nodes;
+    int hand_back;  /* 0: evict every victim; 1: stop at one the caller must handle (see needs_caller);
+                     * 2: also at one holding more whole pages than the eviction still needs */
+    PyObject *held;  /* the victim handed back (popped, not evicted), or NULL */
+} EvictCtx;
+
+/* Memory an eviction will read: a node's own lines (with the collector's header in front), then, once
+ * those are in, what its slots point to. Why: evicting walks up chains of nodes built long before
+ * (a conversation's turns), each a handful of cache misses; asking for a parent's lines one step
+ * early overlaps them with the work on its child. Hints only: nothing is read here. */
+static inline void prefetch_lines(const void *p, int num_lines) {
+    for (int i = 0; i < num_lines; i++) {
+        __builtin_prefetch((const char *)p + 64 * i);
+    }
+}
+
+/* The cyclic collector's links in front of a tracked object (CPython's PyGC_Head, 3.8 to 3.13): freeing
+ * a node unlinks it, writing to both neighbours; read only to prefetch them. */
+typedef struct {
+    uintptr_t next, prev;
+} GCLinks;
+
+static inline void prefetch_node(PyObject *n) {
+    if (n != Py_None) {
+        prefetch_lines((const char *)n - sizeof(GCLinks), 4);
+    }
+}
+
+static inline void prefetch_gc_neighbours(PyObject *n) {
+#if PY_VERSION_HEX < 0x030E0000
+    if (PyObject_GC_IsTracked(n)) {
+        const GCLinks *links = (const GCLinks *)n - 1;
+        __builtin_prefetch((const void *)(links->next & ~(uintptr_t)3));
+        __builtin_prefetch((const void *)(links->prev & ~(uintptr_t)3));
+    }
+#else
+    (void)n;
+#endif
+}
+
+/* an object's lines with the collector's header in front (a key, a children dict) */
+static inline void prefetch_object(PyObject *o) {
+    prefetch_lines((const char *)o - sizeof(GCLinks), 2);
+}
+
+static inline void prefetch_slots(PyObject *n) {
+    if (n != Py_None && Py_IS_TYPE(n, tierkv_node_layout.type)) {
+        prefetch_object(SLOT(n, key));
+        prefetch_object(SLOT(n, children));
+        prefetch_lines(SLOT(n, id), 1);
+        prefetch_gc_neighbours(n);
+        prefetch_node(SLOT(n, parent));
+    }
+}
+
+/* What releasing ``n`` will touch, asked for as its eviction starts, ~0.2 us before its release: its
+ * key's and children dict's lines are in by then (prefetch_slots asked a step earlier), so what they
+ * point to is read here. Why: a node's release frees its dict, its key and the key's buffer (or a view's
+ * managed buffer), each a cache miss on memory written when the node was inserted, long before (glibc's
+ * free of key buffers alone was ~19 % of a whole-tree eviction's samples, ~7 % with this). Hints only:
+ * what is read here is the node's own objects, nothing they point to. */
+static inline void prefetch_teardown(PyObject *n) {
+    PyObject *children = SLOT(n, children), *key = SLOT(n, key);
+    prefetch_gc_neighbours(children);
+    if (PyMemoryView_Check(key)) {  /* a view of the request's tokens: its managed buffer goes with it, and
+                                      * unlinking it from a parent of many children reads its first page */
+        prefetch_gc_neighbours(key);
+        prefetch_object((PyObject *)((PyMemoryViewObject *)key)->mbuf);
+        __builtin_prefetch(PyMemoryView_GET_BUFFER(key)->buf);
+        return;
+    }
+    PyBufferProcs *procs = Py_TYPE(key)->tp_as_buffer;
+    Py_buffer view;
+    if (procs == NULL || procs->bf_getbuffer == NULL || PyObject_GetBuffer(key, &view, PyBUF_SIMPLE) < 0) {
+        PyErr_Clear();
+        return;
+    }
+    const char *buf = (const char *)view.buf;  /* an array's items, a block of their own: the allocator */
+    __builtin_prefetch(buf - 16);              /* reads the headers on both sides of it when freeing it */
+    __builtin_prefetch(buf + view.len + 8);
+    PyBuffer_Release(&view);
+}
 
 /* set.add / set.discard on a frontier set of the tree, nothing when it is None (nobody reads it yet:
  * tierkv/radix_frontiers.py) */
@@ -23,7 +125,7 @@ static int frontier_discard(PyObject *set, PyObject *node) {
 
 /* one valid entry for ``node`` ranked by ``key`` (new reference consumed), or by key_of(node) when NULL */
 static int push_node(EvictCtx *c, PyObject *node, PyObject *key) {
-    if (key == NULL && (key = tierkv_rank(c, node)) == NULL) {
+    if (key == NULL && (key = tierkv_rank(&c->node, node)) == NULL) {
         return -1;
     }
     PyObject *seq = PyIter_Next(c->seqs), *entry = NULL;
@@ -59,8 +161,8 @@ static int drain(EvictCtx *c) {
         if (Py_IS_TYPE(node, tierkv_node_layout.type) && SLOT(node, children) != NULL) {
             prefetch_node(node);
             prefetch_lines(SLOT(node, children), 1);
-            for (Py_ssize_t k = 0; k < c->num_key_slots; k++) {
-                PyObject *v = *(PyObject **)((char *)node + c->key_slots[k]);
+            for (Py_ssize_t k = 0; k < c->node.num_key_slots; k++) {
+                PyObject *v = *(PyObject **)((char *)node + c->node.key_slots[k]);
                 if (v != NULL) {
                     prefetch_lines(v, 1);
                 }
@@ -70,7 +172,7 @@ static int drain(EvictCtx *c) {
     int rc = 0;
     for (Py_ssize_t i = 0; i < n && rc == 0; i++) {
         PyObject *node = PyList_GET_ITEM(nodes, i);
-        int cand = tierkv_is_device_leaf(c, node);
+        int cand = tierkv_is_device_leaf(&c->node, node);
         rc = cand < 0 || (cand && push_node(c, node, NULL) < 0) ? -1 : 0;
     }
     Py_DECREF(nodes);
@@ -156,7 +258,7 @@ static int evict_one(EvictCtx *c, PyObject *node, Py_ssize_t *freed) {
         }
         return -1;
     }
-    if (tierkv_check_node(parent) < 0 || tierkv_unlink_child(c, parent, node) < 0
+    if (tierkv_check_node(parent) < 0 || tierkv_unlink_child(&c->node, parent, node) < 0
         || frontier_discard(c->device, node) < 0 || frontier_discard(c->host, node) < 0
         || (PySet_GET_SIZE(c->changed) > 0 && PySet_Discard(c->changed, node) < 0)
         || frontier_discard(c->host_changed, node) < 0) {
@@ -184,14 +286,14 @@ static PyObject *pop_victim(EvictCtx *c, int recheck) {
         int valid = cur == NULL ? 0 : (cur == seq ? 1 : PyObject_RichCompareBool(cur, seq, Py_EQ));
         int cand = 0;
         if (valid > 0 && PyDict_DelItem(c->live, id) == 0) {
-            cand = tierkv_is_device_leaf(c, node);
+            cand = tierkv_is_device_leaf(&c->node, node);
         }
         if (PyErr_Occurred()) {
             Py_DECREF(entry);
             return NULL;
         }
         if (cand && recheck) {  /* the key rose since the push: take its place again */
-            PyObject *now = tierkv_rank(c, node);
+            PyObject *now = tierkv_rank(&c->node, node);
             int cmp = now == NULL ? -2 : tierkv_key_cmp(now, key);
             int same = cmp == -2 ? -1 : cmp == 0;
             if (same < 0) {
@@ -227,14 +329,14 @@ static PyObject *pop_victim(EvictCtx *c, int recheck) {
  * parent's children. */
 static PyObject *parent_next(EvictCtx *c, PyObject *parent) {
     prefetch_slots(parent);  /* evicted next, most likely: a chain's nodes leave bottom-up */
-    int cand = parent == Py_None ? 0 : tierkv_is_device_leaf(c, parent);
+    int cand = parent == Py_None ? 0 : tierkv_is_device_leaf(&c->node, parent);
     if (cand <= 0) {
         return NULL;
     }
     int first = 1;
     if (PyList_GET_SIZE(c->heap) > 0) {
         PyObject *top = Py_NewRef(PyList_GET_ITEM(c->heap, 0));  /* (key, id) first when equal to it */
-        int cmp = PyTuple_CheckExact(top) && PyTuple_GET_SIZE(top) == 4 ? tierkv_rank_cmp(c, parent, PyTuple_GET_ITEM(top, 0))
+        int cmp = PyTuple_CheckExact(top) && PyTuple_GET_SIZE(top) == 4 ? tierkv_rank_cmp(&c->node, parent, PyTuple_GET_ITEM(top, 0))
                                                                         : -2;
         if (cmp == -2 && !PyErr_Occurred()) {
             PyErr_SetString(PyExc_TypeError, "eviction heap entry is not a (key, id, seq, node) tuple");
@@ -295,7 +397,7 @@ static int needs_caller(EvictCtx *c, PyObject *node, Py_ssize_t left) {
     if (num_tokens < 0) {
         return -1;
     }
-    Py_ssize_t need = (left + c->page_size - 1) / c->page_size * c->page_size;
+    Py_ssize_t need = (left + c->node.page_size - 1) / c->node.page_size * c->node.page_size;
     return num_tokens > need;
 }
 
@@ -379,7 +481,8 @@ PyObject *tierkv_evict_device(PyObject *self, PyObject *const *args, Py_ssize_t 
     }
     PyObject *tree = args[0];
     EvictCtx c = {0};
-    c.heap = args[1], c.live = args[2], c.changed = args[3], c.seqs = args[4], c.key_of = args[5], c.on_evict = args[8];
+    c.heap = args[1], c.live = args[2], c.changed = args[3], c.seqs = args[4], c.on_evict = args[8];
+    c.node.key_of = args[5];
     int recheck = PyObject_IsTrue(args[6]), keep_nodes = PyObject_IsTrue(args[9]);
     Py_ssize_t num_tokens = PyLong_AsSsize_t(args[7]);
     long hand_back = PyLong_AsLong(args[10]);
@@ -397,15 +500,15 @@ PyObject *tierkv_evict_device(PyObject *self, PyObject *const *args, Py_ssize_t 
         return NULL;
     }
     PyObject *frontiers = NULL, *page = NULL, *result = NULL;
-    c.root = PyObject_GetAttrString(tree, "root");
+    c.node.root = PyObject_GetAttrString(tree, "root");
     c.keep_nodes = keep_nodes;
-    if (c.root == NULL || tierkv_bind_layout(Py_TYPE(c.root)) < 0 || tierkv_bind_key_slots(&c) < 0
-        || (frontiers = PyObject_GetAttrString(c.root, "_frontiers")) == NULL
+    if (c.node.root == NULL || tierkv_bind_layout(Py_TYPE(c.node.root)) < 0 || tierkv_bind_key_slots(&c.node) < 0
+        || (frontiers = PyObject_GetAttrString(c.node.root, "_frontiers")) == NULL
         || (c.device = PyObject_GetAttrString(frontiers, "device")) == NULL
         || (c.host = PyObject_GetAttrString(frontiers, "host")) == NULL
         || (c.host_changed = PyObject_GetAttrString(frontiers, "host_changed")) == NULL
         || (page = PyObject_GetAttrString(tree, "page_size")) == NULL
-        || ((c.page_size = PyLong_AsSsize_t(page)) == -1 && PyErr_Occurred())) {
+        || ((c.node.page_size = PyLong_AsSsize_t(page)) == -1 && PyErr_Occurred())) {
         goto done;
     }
     if ((c.device != Py_None && !PySet_CheckExact(c.device)) || (c.host != Py_None && !PySet_CheckExact(c.host))
@@ -434,7 +537,7 @@ PyObject *tierkv_evict_device(PyObject *self, PyObject *const *args, Py_ssize_t 
 done:
     stash_drop(&c.nodes), stash_drop(&c.values);  /* after an error: what was evicted is dropped */
     Py_XDECREF(c.held);
-    Py_XDECREF(frontiers), Py_XDECREF(page), Py_XDECREF(c.root);
+    Py_XDECREF(frontiers), Py_XDECREF(page), Py_XDECREF(c.node.root);
     Py_XDECREF(c.device), Py_XDECREF(c.host), Py_XDECREF(c.host_changed);
     return result;
 }

@@ -178,7 +178,6 @@ class EvictionMethods:
             self.priority.on_evict(node, removed=node.device_value is None)
             if freed >= num_tokens:
                 break
-        if evicted_slots:  # one free: each call validates its slots, which dominates for small nodes
-            self.host_pool.free(torch.cat(evicted_slots))
+        self.host_pool.allocator.free_each(evicted_slots)  # no concatenation: see SlotAllocator.free_each
         self.stats.evicted_host_tokens += freed
         return freed

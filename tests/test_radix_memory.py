@@ -1,4 +1,5 @@
-"""A node keeps alive only its own slots and key (plus at most a partial page), whatever the caller passed.
+"""A node keeps alive only its own slots and key (plus at most a partial page or an eighth), whatever the
+caller passed.
 
 Before: a leaf's device value was a view of the caller's slot tensor, and its key a view of the caller's
 prompt array when the leaf was over half of it, so 100 short branches under a 3,000-token prompt each
@@ -13,8 +14,8 @@ import torch
 from tierkv.config import CacheConfig
 from tierkv.hicache import HiRadixCache
 from tierkv.pools import DeviceKVPool, KVSpec
-from tierkv.pools.allocator import SLICE_SLACK_BYTES
-from tierkv.radix import KEY_SLACK, RadixKey, RadixTree
+from tierkv.pools.allocator import slack_bytes
+from tierkv.radix import RadixKey, RadixTree, key_slack
 
 
 def kept_bytes(node) -> tuple[int, int]:
@@ -27,8 +28,8 @@ def kept_bytes(node) -> tuple[int, int]:
 def assert_own(tree: RadixTree) -> None:
     for node in tree.nodes():
         (value_bytes, key_bytes), (own_value, own_key) = kept_bytes(node)
-        assert value_bytes <= own_value + SLICE_SLACK_BYTES, node
-        assert key_bytes <= own_key + KEY_SLACK * 8, node
+        assert value_bytes <= own_value + slack_bytes(own_value), node
+        assert key_bytes <= own_key + key_slack(own_key // 8) * 8, node
 
 
 @pytest.mark.parametrize("page_size", [1, 16])

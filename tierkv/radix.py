@@ -310,10 +310,10 @@ class RadixTree:
 
     def _leaf_key(self, elems: Any, start: int, end: int) -> Any:
         """A new leaf's key ``elems[start:end]``: a view of the caller's token array when it is all of it
-        but at most :data:`KEY_SLACK` elements (a partial last page), else a copy. The array is the
+        but at most :func:`key_slack` elements (a partial last page, an eighth), else a copy. The array is the
         caller's to hand over (see RadixKey): a view of a whole prompt saves copying it, and a view of a
         part would keep the rest alive (a short branch pinned a long shared prompt)."""
-        if type(elems) is array and len(elems) - (end - start) <= KEY_SLACK:
+        if type(elems) is array and len(elems) - (end - start) <= key_slack(end - start):
             return memoryview(elems)[start:end]
         return elems[start:end]
 
@@ -579,8 +579,13 @@ class RadixTree:
 
 
 # elements beyond its own that a node's key may keep alive: a view of a caller's array that leaves out at
-# most this many (a partial last page) is kept as a view, anything else copied
+# most KEY_SLACK (a partial last page) or an eighth of its own elements is kept as a view, else copied
+# (copying a 100k-token prompt's new part to save the few hundred tokens before it cost more than its insert)
 KEY_SLACK = 64
+
+
+def key_slack(num_elements: int) -> int:
+    return max(KEY_SLACK, num_elements // 8)
 
 
 def _plain_slice(value: Any, start: int, end: int) -> Any:
@@ -590,7 +595,7 @@ def _plain_slice(value: Any, start: int, end: int) -> Any:
 def _own_key(key: Any) -> Any:
     """``key`` (one half of a split node's key) as what the node may keep: a view of an array it leaves
     mostly unused becomes a copy, so the other half's tokens are not kept alive by it."""
-    if type(key) is memoryview and len(key.obj) - len(key) > KEY_SLACK:
+    if type(key) is memoryview and len(key.obj) - len(key) > key_slack(len(key)):
         own = array("q")
         own.frombytes(key.cast("B"))
         return own

@@ -31,19 +31,28 @@ def plain_slot_slices() -> contextlib.AbstractContextManager:
     return _BELOW_VIEW_TRACKING() if _BELOW_VIEW_TRACKING is not None else contextlib.nullcontext()
 
 
-# bytes beyond its own that a node's slot slice may keep alive (a partial last page of up to 64 slots)
+# bytes beyond its own that a node's slot slice may keep alive: a partial last page of up to 64 slots, or
+# an eighth of its own (a long prompt's new part is most of its slot tensor: copying 100k slots to save the
+# few hundred of its prefix cost 4 ms)
 SLICE_SLACK_BYTES = 64 * 8
+SLICE_SLACK_FRACTION = 1 / 8
 
 
 def owned_slot_slice(slots: torch.Tensor, start: int, end: int) -> torch.Tensor:
     """``slots[start:end]`` as a tree node keeps it: a view when the buffer under it holds at most
-    :data:`SLICE_SLACK_BYTES` more, else a copy. Why: a view keeps its whole buffer alive, and a short
-    branch's slice of a request's slots pinned the slots of the whole shared prompt (100 branches of 50
-    tokens under a 3,000-token prompt held 61x the bytes they needed). SGLang's tree copies every value."""
+    :func:`slack_bytes` more, else a copy. Why: a view keeps its whole buffer alive, and a short branch's
+    slice of a request's slots pinned the slots of the whole shared prompt (100 branches of 50 tokens under
+    a 3,000-token prompt held 61x the bytes they needed). SGLang's tree copies every value."""
     part = slots[start:end]
-    if part.untyped_storage().nbytes() - part.nbytes > SLICE_SLACK_BYTES:
+    own = part.nbytes
+    if part.untyped_storage().nbytes() - own > slack_bytes(own):
         return part.clone()
     return part
+
+
+def slack_bytes(own_nbytes: int) -> int:
+    """Bytes beyond ``own_nbytes`` that a kept slice may keep alive (see :data:`SLICE_SLACK_BYTES`)."""
+    return max(SLICE_SLACK_BYTES, int(own_nbytes * SLICE_SLACK_FRACTION))
 
 
 class SlotAllocator:

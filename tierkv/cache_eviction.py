@@ -78,7 +78,7 @@ class EvictionMethods:
             if removed:
                 self._remove_with_host_subtree(node)
             on_evict(node, removed=removed)
-        self.device_pool.allocator.free_each(slots)
+        self.device_pool.allocator.free_each(slots, whole_pages=True)  # the tree's own, checked at insert
         self.tree.mark_changed("device", kept)  # candidates again at the next call
         self.stats.evicted_device_tokens += freed
         return freed
@@ -178,6 +178,6 @@ class EvictionMethods:
             self.priority.on_evict(node, removed=node.device_value is None)
             if freed >= num_tokens:
                 break
-        self.host_pool.allocator.free_each(evicted_slots)  # no concatenation: see SlotAllocator.free_each
+        self.host_pool.allocator.free_each(evicted_slots, whole_pages=True)  # no concatenation: see free_each
         self.stats.evicted_host_tokens += freed
         return freed

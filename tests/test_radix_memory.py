@@ -15,7 +15,8 @@ from tierkv.config import CacheConfig
 from tierkv.hicache import HiRadixCache
 from tierkv.pools import DeviceKVPool, KVSpec
 from tierkv.pools.allocator import slack_bytes
-from tierkv.radix import RadixKey, RadixTree, key_slack
+from tierkv.radix import RadixKey, RadixTree
+from tierkv.radix_key import key_slack
 
 
 def kept_bytes(node) -> tuple[int, int]:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterable, Iterator
 
 from tierkv.radix_frontiers import Frontiers
-from tierkv.radix_key import RadixKey, load_native
+from tierkv.radix_key import RadixKey, key_slack, load_native, own_key
 
 _node_ids = itertools.count(1)
 
@@ -310,9 +310,9 @@ class RadixTree:
 
     def _leaf_key(self, elems: Any, start: int, end: int) -> Any:
         """A new leaf's key ``elems[start:end]``: a view of the caller's token array when it is all of it
-        but at most :func:`key_slack` elements (a partial last page, an eighth), else a copy. The array is the
-        caller's to hand over (see RadixKey): a view of a whole prompt saves copying it, and a view of a
-        part would keep the rest alive (a short branch pinned a long shared prompt)."""
+        but at most :func:`~tierkv.radix_key.key_slack` elements (a partial page, or an eighth), else a
+        copy. The array is the caller's to hand over (see RadixKey): a view of a whole prompt saves copying
+        it, and a view of a part would keep the rest alive (a short branch pinned a long shared prompt)."""
         if type(elems) is array and len(elems) - (end - start) <= key_slack(end - start):
             return memoryview(elems)[start:end]
         return elems[start:end]
@@ -367,7 +367,7 @@ class RadixTree:
             pages = n // self.page_size
             top.hash_values, child.hash_values = child.hash_values[:pages], child.hash_values[pages:]
         child.parent.children[self.child_key(child.key, child.extra_key)] = top
-        top.key, child.key = _own_key(child.key[:n]), _own_key(child.key[n:])
+        top.key, child.key = own_key(child.key[:n]), own_key(child.key[n:])
         child.parent = top
         top.children[self.child_key(child.key, child.extra_key)] = child
         if self.split_hook is not None:
@@ -578,28 +578,8 @@ class RadixTree:
                f"protected_size {self.protected_size} != {protected}")
 
 
-# elements beyond its own that a node's key may keep alive: a view of a caller's array that leaves out at
-# most KEY_SLACK (a partial last page) or an eighth of its own elements is kept as a view, else copied
-# (copying a 100k-token prompt's new part to save the few hundred tokens before it cost more than its insert)
-KEY_SLACK = 64
-
-
-def key_slack(num_elements: int) -> int:
-    return max(KEY_SLACK, num_elements // 8)
-
-
 def _plain_slice(value: Any, start: int, end: int) -> Any:
     return value[start:end]
-
-
-def _own_key(key: Any) -> Any:
-    """``key`` (one half of a split node's key) as what the node may keep: a view of an array it leaves
-    mostly unused becomes a copy, so the other half's tokens are not kept alive by it."""
-    if type(key) is memoryview and len(key.obj) - len(key) > key_slack(len(key)):
-        own = array("q")
-        own.frombytes(key.cast("B"))
-        return own
-    return key
 
 
 def _is_leaf(node: TreeNode, attr: str) -> bool:

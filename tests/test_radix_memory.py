@@ -46,12 +46,12 @@ def test_branches_under_a_long_prompt_keep_only_their_own_slots_and_key(page_siz
         key = RadixKey(ids)
         prefix = cache.match_prefix(key).device_indices
         num_new = -(-(len(ids) - len(prefix)) // page_size) * page_size
-        slots = torch.cat([prefix, pool.alloc(num_new + (64 if caller_view else 0))])
+        slots = torch.cat([prefix, pool.alloc(num_new + (1024 if caller_view else 0))])
         value = slots[:len(prefix) + num_new] if caller_view else slots
         owned = cache.insert(key, value)
         pool.free(slots[owned:])
         del ids, key, prefix, slots, value  # the caller's arrays: dropped
-    assert_own(cache.tree)
+        assert_own(cache.tree)
     cache.check_integrity()
 
 

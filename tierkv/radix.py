@@ -302,7 +302,8 @@ class RadixTree:
             leaf = TreeNode(self._leaf_key(elems, pos, num_elems), extra_key, node, tick)
             leaf.priority = priority
             node.children[self.child_key(leaf.key, extra_key)] = leaf
-            self._attach(leaf, self._slice_value(value, pos, num_elems) if pos or num_values > num_elems else value)
+            whole = not pos and num_values == num_elems and self._slice_value is _plain_slice  # no slice needed
+            self._attach(leaf, value if whole else self._slice_value(value, pos, num_elems))
             result.new_node = leaf
             path.append(leaf)
         self.root._frontiers.touched_path(path)  # re-ranked by eviction heaps

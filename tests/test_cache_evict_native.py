@@ -1,6 +1,7 @@
-"""HiRadixCache.evict runs the heap's compiled loop (EvictionHeap.evict_device_until_held) and hands the
-victims that need the cache (split, deleted with L2-only descendants, kept for a host_ref) to Python: the
-same victims, tree and pools as the pure-Python loop, request by request."""
+"""HiRadixCache.evict and evict_host run the heap's compiled loop (EvictionHeap.evict_device_until_held,
+evict_host_until_held) and hand the victims that need the cache (split, deleted with L2-only descendants,
+kept for a host_ref) to Python: the same victims, tree and pools as the pure-Python loop, request by
+request."""
 
 import random
 
@@ -29,14 +30,18 @@ def serve(cache, rng, page_size):
     key = RadixKey(ids)
     match = cache.match_prefix(key)
     load = cache.init_load_back(match.last_host_node)
-    prefix = load.device_indices if load.loaded_tokens else match.device_indices
+    prefix, last = match.device_indices, match.last_device_node
+    if load.loaded_tokens:
+        prefix, last = load.device_indices, load.last_node
     if load.pending is not None:
         load.pending.wait()
     num_new = -(-(len(ids) - len(prefix)) // page_size) * page_size
+    cache.inc_lock_ref(last)  # as the replay: the prefix stays while allocating evicts
     slots = cache.alloc_device(num_new) if num_new else prefix[:0]
     if slots is not None:
         owned = cache.insert(key, torch.cat([prefix, slots]))
         cache.device_pool.free(torch.cat([prefix, slots])[owned:])
+    cache.dec_lock_ref(last)
     cache.flush()
     if rng.random() < 0.3:
         return cache.evict(rng.randrange(1, 60))
@@ -45,12 +50,14 @@ def serve(cache, rng, page_size):
 
 @pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("split_victims", [True, False])
-@pytest.mark.parametrize("write_policy", ["write_through", "write_through_selective"])
-def test_compiled_cache_eviction_matches_the_python_loop(monkeypatch, page_size, split_victims, write_policy):
+@pytest.mark.parametrize("write_policy,policy", [("write_through", "lru"), ("write_through_selective", "lru"),
+                                                 ("write_through", "gdsf")])
+def test_compiled_cache_eviction_matches_the_python_loop(monkeypatch, page_size, split_victims, write_policy,
+                                                         policy):
     if heap_module.native_evict_device is None:
         pytest.skip("the compiled eviction loop is not built")
     config = CacheConfig(page_size=page_size, split_victims=split_victims, write_policy=write_policy,
-                         eviction_policy="lru", hicache_ratio=1.5, overlap_cpu_writes=False)
+                         eviction_policy=policy, hicache_ratio=1.5, overlap_cpu_writes=False)
     caches = [HiRadixCache(DeviceKVPool(SPEC, 160, page_size, "cpu"), config) for _ in range(2)]
     native = heap_module.native_evict_device
     rngs = [random.Random(7), random.Random(7)]
@@ -63,6 +70,8 @@ def test_compiled_cache_eviction_matches_the_python_loop(monkeypatch, page_size,
         assert freed[0] == freed[1]
         assert state(caches[0]) == state(caches[1])
     assert caches[0].stats.evicted_device_tokens > 0
+    if write_policy == "write_through":  # backs up enough to fill L2
+        assert caches[0].stats.evicted_host_tokens > 0
     for cache in caches:
         cache.close()
 

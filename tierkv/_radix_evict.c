@@ -31,6 +31,8 @@ typedef struct {
     Py_ssize_t evicted_tokens;
     Stash nodes, values;  /* nodes only when the caller keeps them (keep_nodes) */
     int keep_nodes;
+    int host_tier;  /* 1: the loop evicts the host tier (``changed`` is host_changed) */
+    PyObject *device_changed;  /* the device tier's change set, None when untracked (host tier only) */
     int hand_back;  /* 0: evict every victim; 1: stop at one the caller must handle (see needs_caller);
                      * 2: also at one holding more whole pages than the eviction still needs */
     PyObject *held;  /* the victim handed back (popped, not evicted), or NULL */
@@ -123,6 +125,11 @@ static int frontier_discard(PyObject *set, PyObject *node) {
     return set == Py_None ? 0 : PySet_Discard(set, node);
 }
 
+/* whether ``node`` is a candidate of the tier the loop evicts: 1, 0, or -1 on error */
+static int is_candidate(EvictCtx *c, PyObject *node) {
+    return c->host_tier ? tierkv_is_host_leaf(&c->node, node) : tierkv_is_device_leaf(&c->node, node);
+}
+
 /* one valid entry for ``node`` ranked by ``key`` (new reference consumed), or by key_of(node) when NULL */
 static int push_node(EvictCtx *c, PyObject *node, PyObject *key) {
     if (key == NULL && (key = tierkv_rank(&c->node, node)) == NULL) {
@@ -172,7 +179,7 @@ static int drain(EvictCtx *c) {
     int rc = 0;
     for (Py_ssize_t i = 0; i < n && rc == 0; i++) {
         PyObject *node = PyList_GET_ITEM(nodes, i);
-        int cand = tierkv_is_device_leaf(&c->node, node);
+        int cand = is_candidate(c, node);
         rc = cand < 0 || (cand && push_node(c, node, NULL) < 0) ? -1 : 0;
     }
     Py_DECREF(nodes);
@@ -229,8 +236,42 @@ static int report(EvictCtx *c, PyObject *node, PyObject *removed) {
     return r == NULL ? -1 : 0;
 }
 
+/* ``node.host_value = None`` (as its property setter marks the frontiers), then remove_leaf(node) when no
+ * tier holds it; ``node`` is a host candidate */
+static int evict_one_host(EvictCtx *c, PyObject *node, Py_ssize_t *freed) {
+    prefetch_teardown(node);
+    Py_ssize_t num_tokens = PyObject_Size(SLOT(node, key));
+    if (num_tokens < 0 || (c->keep_nodes && stash_take(&c->nodes, Py_NewRef(node)) < 0)) {
+        return -1;
+    }
+    PyObject *value = SLOT(node, host_value);  /* its reference moves to the stash */
+    SLOT(node, host_value) = Py_NewRef(Py_None);
+    if (stash_take(&c->values, value) < 0) {
+        return -1;
+    }
+    c->evicted_tokens += num_tokens;
+    *freed += num_tokens;
+    PyObject *parent = SLOT(node, parent);  /* the caller marks it changed (see evict_loop) */
+    if ((parent != Py_None && frontier_add(c->host, parent) < 0) || frontier_add(c->device_changed, node) < 0) {
+        return -1;
+    }
+    if (SLOT(node, device_value) != Py_None || PyDict_GET_SIZE(SLOT(node, children)) != 0) {
+        return report(c, node, Py_False);  /* kept, in L1 */
+    }
+    if (tierkv_check_node(parent) < 0 || tierkv_unlink_child(&c->node, parent, node) < 0
+        || frontier_discard(c->device, node) < 0 || frontier_discard(c->host, node) < 0
+        || (PySet_GET_SIZE(c->changed) > 0 && PySet_Discard(c->changed, node) < 0)
+        || frontier_discard(c->device_changed, node) < 0) {
+        return -1;
+    }
+    return report(c, node, Py_True);
+}
+
 /* clear_device_value(node), then remove_leaf(node) when no tier holds it; ``node`` is a candidate */
 static int evict_one(EvictCtx *c, PyObject *node, Py_ssize_t *freed) {
+    if (c->host_tier) {
+        return evict_one_host(c, node, freed);
+    }
     prefetch_teardown(node);
     Py_ssize_t num_tokens = PyObject_Size(SLOT(node, key));
     if (num_tokens < 0 || (c->keep_nodes && stash_take(&c->nodes, Py_NewRef(node)) < 0)) {
@@ -286,7 +327,7 @@ static PyObject *pop_victim(EvictCtx *c, int recheck) {
         int valid = cur == NULL ? 0 : (cur == seq ? 1 : PyObject_RichCompareBool(cur, seq, Py_EQ));
         int cand = 0;
         if (valid > 0 && PyDict_DelItem(c->live, id) == 0) {
-            cand = tierkv_is_device_leaf(&c->node, node);
+            cand = is_candidate(c, node);
         }
         if (PyErr_Occurred()) {
             Py_DECREF(entry);
@@ -329,7 +370,7 @@ static PyObject *pop_victim(EvictCtx *c, int recheck) {
  * parent's children. */
 static PyObject *parent_next(EvictCtx *c, PyObject *parent) {
     prefetch_slots(parent);  /* evicted next, most likely: a chain's nodes leave bottom-up */
-    int cand = parent == Py_None ? 0 : tierkv_is_device_leaf(&c->node, parent);
+    int cand = parent == Py_None ? 0 : is_candidate(c, parent);
     if (cand <= 0) {
         return NULL;
     }
@@ -381,7 +422,7 @@ static int needs_caller(EvictCtx *c, PyObject *node, Py_ssize_t left) {
     if (c->hand_back == 0) {
         return 0;
     }
-    if (SLOT(node, host_value) == Py_None) {
+    if (!c->host_tier && SLOT(node, host_value) == Py_None) {
         if (PyDict_GET_SIZE(SLOT(node, children)) != 0) {
             return 1;
         }
@@ -474,9 +515,9 @@ static int account(PyObject *tree, Py_ssize_t num_tokens) {
 
 PyObject *tierkv_evict_device(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 11) {
+    if (nargs != 12) {
         PyErr_Format(PyExc_TypeError, "evict_device takes (tree, heap, live, changed, seqs, key_of, recheck, "
-                     "num_tokens, on_evict, keep_nodes, hand_back), got %zd arguments", nargs);
+                     "num_tokens, on_evict, keep_nodes, hand_back, host_tier), got %zd arguments", nargs);
         return NULL;
     }
     PyObject *tree = args[0];
@@ -484,6 +525,10 @@ PyObject *tierkv_evict_device(PyObject *self, PyObject *const *args, Py_ssize_t 
     c.heap = args[1], c.live = args[2], c.changed = args[3], c.seqs = args[4], c.on_evict = args[8];
     c.node.key_of = args[5];
     int recheck = PyObject_IsTrue(args[6]), keep_nodes = PyObject_IsTrue(args[9]);
+    c.host_tier = PyObject_IsTrue(args[11]);
+    if (c.host_tier < 0) {
+        return NULL;
+    }
     Py_ssize_t num_tokens = PyLong_AsSsize_t(args[7]);
     long hand_back = PyLong_AsLong(args[10]);
     if (recheck < 0 || keep_nodes < 0 || (num_tokens == -1 && PyErr_Occurred())
@@ -507,12 +552,14 @@ PyObject *tierkv_evict_device(PyObject *self, PyObject *const *args, Py_ssize_t 
         || (c.device = PyObject_GetAttrString(frontiers, "device")) == NULL
         || (c.host = PyObject_GetAttrString(frontiers, "host")) == NULL
         || (c.host_changed = PyObject_GetAttrString(frontiers, "host_changed")) == NULL
+        || (c.device_changed = PyObject_GetAttrString(frontiers, "device_changed")) == NULL
         || (page = PyObject_GetAttrString(tree, "page_size")) == NULL
         || ((c.node.page_size = PyLong_AsSsize_t(page)) == -1 && PyErr_Occurred())) {
         goto done;
     }
     if ((c.device != Py_None && !PySet_CheckExact(c.device)) || (c.host != Py_None && !PySet_CheckExact(c.host))
-        || (c.host_changed != Py_None && !PySet_CheckExact(c.host_changed))) {
+        || (c.host_changed != Py_None && !PySet_CheckExact(c.host_changed))
+        || (c.device_changed != Py_None && !PySet_CheckExact(c.device_changed))) {
         PyErr_SetString(PyExc_TypeError, "tree frontiers are not sets or None");
         goto done;
     }
@@ -526,7 +573,7 @@ PyObject *tierkv_evict_device(PyObject *self, PyObject *const *args, Py_ssize_t 
     if (gc_was_enabled) {
         PyGC_Enable();
     }
-    rc = account(tree, c.evicted_tokens) < 0 ? -1 : rc;
+    rc = !c.host_tier && account(tree, c.evicted_tokens) < 0 ? -1 : rc;  /* L2 slots are not accounted */
     if (rc == 0) {
         PyObject *freed = PyLong_FromSsize_t(c.evicted_tokens);
         PyObject *nodes = stash_list(&c.nodes), *values = stash_list(&c.values);
@@ -538,7 +585,7 @@ done:
     stash_drop(&c.nodes), stash_drop(&c.values);  /* after an error: what was evicted is dropped */
     Py_XDECREF(c.held);
     Py_XDECREF(frontiers), Py_XDECREF(page), Py_XDECREF(c.node.root);
-    Py_XDECREF(c.device), Py_XDECREF(c.host), Py_XDECREF(c.host_changed);
+    Py_XDECREF(c.device), Py_XDECREF(c.host), Py_XDECREF(c.host_changed), Py_XDECREF(c.device_changed);
     return result;
 }
 

@@ -105,6 +105,40 @@ int tierkv_is_device_leaf(NodeCtx *c, PyObject *n) {
     return rc < 0 ? -1 : !rc;
 }
 
+/* a child of ``children`` holding host slots: 1, 0, or -1 on error */
+static int has_host_child(PyObject *children) {
+    Py_ssize_t pos = 0;
+    PyObject *k, *child;
+    while (PyDict_Next(children, &pos, &k, &child)) {
+        if (!Py_IS_TYPE(child, tierkv_node_layout.type) || SLOT(child, host_value) == NULL) {
+            return tierkv_check_node(child) < 0 ? -1 : 0;
+        }
+        if (SLOT(child, host_value) != Py_None) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* RadixTree.is_host_leaf: 1, 0, or -1 on error */
+int tierkv_is_host_leaf(NodeCtx *c, PyObject *n) {
+    if (tierkv_check_node(n) < 0) {
+        return -1;
+    }
+    if (n == c->root || SLOT(n, host_value) == Py_None) {
+        return 0;
+    }
+    int held = is_true(SLOT(n, host_ref));
+    if (held == 0 && SLOT(n, device_value) == Py_None) {
+        held = is_true(SLOT(n, lock_ref));  /* a locked host-only node is kept */
+    }
+    if (held) {
+        return held < 0 ? -1 : 0;
+    }
+    int rc = has_host_child(SLOT(n, children));
+    return rc < 0 ? -1 : !rc;
+}
+
 /* the heap key of ``node`` (new reference): a call, or its slots read here, one bare or a tuple of them
  * (LRU's heap key is last_access_time: a Python call per ranked node cost more than the rest) */
 PyObject *tierkv_rank(NodeCtx *c, PyObject *node) {

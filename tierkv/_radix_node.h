@@ -51,6 +51,7 @@ static inline int is_true(PyObject *v) {
 int tierkv_bind_layout(PyTypeObject *type);
 int tierkv_check_node(PyObject *node);  /* 0, or -1 with a TypeError */
 int tierkv_is_device_leaf(NodeCtx *c, PyObject *n);  /* RadixTree.is_device_leaf: 1, 0, or -1 on error */
+int tierkv_is_host_leaf(NodeCtx *c, PyObject *n);  /* RadixTree.is_host_leaf: 1, 0, or -1 on error */
 int tierkv_bind_key_slots(NodeCtx *c);
 PyObject *tierkv_rank(NodeCtx *c, PyObject *node);  /* the heap key of node (new reference) */
 int tierkv_rank_cmp(NodeCtx *c, PyObject *node, PyObject *key);  /* -1, 0, 1; -2 on error */

@@ -168,16 +168,20 @@ class EvictionMethods:
         nodes with host_ref (in-flight writes, loads, backups) and locked host-only nodes.
         """
         freed, evicted_slots = 0, []
-        for node in self._host_heap.victims() if num_tokens > 0 else ():
+        heap, on_evict, split = self._host_heap, self.priority.on_evict, self.config.split_victims
+        while freed < num_tokens:  # the heap's compiled loop; a victim to split is handed back
+            num_freed, values, node = heap.evict_host_until_held(num_tokens - freed, on_evict, split)
+            freed += num_freed
+            evicted_slots += values
+            if node is None:
+                break
             self._split_victim(node, num_tokens - freed)
             freed += len(node)
             evicted_slots.append(node.host_value)
             node.host_value = None
             if node.device_value is None:
                 self.tree.remove_leaf(node)
-            self.priority.on_evict(node, removed=node.device_value is None)
-            if freed >= num_tokens:
-                break
+            on_evict(node, removed=node.device_value is None)
         self.host_pool.allocator.free_each(evicted_slots, whole_pages=True)  # no concatenation: see free_each
         self.stats.evicted_host_tokens += freed
         return freed

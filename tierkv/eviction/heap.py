@@ -97,22 +97,35 @@ class EvictionHeap:
         freed, _, values, held = self._evict(num_tokens, on_evict, False, 2 if split else 1)
         return freed, values, held
 
+    def evict_host_until_held(self, num_tokens: int, on_evict: Callable[[Any, bool], Any] | None,
+                              split: bool) -> tuple[int, list, Any]:
+        """:meth:`evict_device_until_held` for the host tier: each victim loses its host slots (returned,
+        for the caller to free) and leaves the tree when L1 does not hold it either; with ``split``, a
+        victim holding more whole pages than still needed is handed back for the caller to split.
+
+        Lock contract: nodes with a host_ref, and locked host-only nodes, are never candidates.
+        """
+        if self.tier != "host":
+            raise ValueError(f"evict_host_until_held evicts the host tier, this heap ranks {self.tier!r}")
+        freed, _, values, held = self._evict(num_tokens, on_evict, False, 2 if split else 0, host=True)
+        return freed, values, held
+
     def _evict(self, num_tokens: int, on_evict: Callable[[Any, bool], Any] | None, keep_nodes: bool,
-               hand_back: int) -> tuple[int, list, list, Any]:
-        if self.tier != "device":
+               hand_back: int, host: bool = False) -> tuple[int, list, list, Any]:
+        if self.tier != ("host" if host else "device"):
             raise ValueError(f"evict_device evicts the device tier, this heap ranks {self.tier!r}")
         if num_tokens <= 0:
             return 0, [], [], None
         tree, native = self.tree, native_evict_device
         if native is None or tree.bigram or not getattr(self.order, "static", True):
             return self._evict_device_python(num_tokens, on_evict, keep_nodes, hand_back)
-        changed = tree.changed_nodes("device")
+        changed = tree.changed_nodes(self.tier)
         if changed is not self._changed:  # as in victims(): first call, or the tree was reset
             self._changed, self._heap, self._live = changed, [], {}
         recheck = getattr(self.order, "keys_rise_untouched", True)
         slot = _SLOT_KEYS.get(type(self.order).key) if isinstance(self.order, Policy) else None
         result = native(tree, self._heap, self._live, changed, self._seq, slot or self._key, recheck, num_tokens,
-                        on_evict, keep_nodes, hand_back)
+                        on_evict, keep_nodes, hand_back, host)
         self._compact()
         return result
 
@@ -120,17 +133,21 @@ class EvictionHeap:
                              keep_nodes: bool = True, hand_back: int = 0) -> tuple[int, list, list, Any]:
         """:meth:`_evict` in Python: the reference the compiled loop is tested against."""
         tree, freed, nodes, values = self.tree, 0, [], []
-        page = tree.page_size
+        page, host = tree.page_size, self.tier == "host"
         for node in self.victims():
-            if hand_back and node._host_value is None and (node.children or node.host_ref):
+            if hand_back and not host and node._host_value is None and (node.children or node.host_ref):
                 return freed, nodes, values, node
             if hand_back == 2 and len(node.key) > -(-(num_tokens - freed) // page) * page:
                 return freed, nodes, values, node
             freed += len(node.key)
             if keep_nodes:
                 nodes.append(node)
-            values.append(tree.clear_device_value(node))
-            removed = node._host_value is None and not node.children
+            if host:
+                values.append(node.host_value)
+                node.host_value = None
+            else:
+                values.append(tree.clear_device_value(node))
+            removed = node._host_value is None and node._device_value is None and not node.children
             if removed:
                 tree.remove_leaf(node)
             if on_evict is not None:

@@ -236,21 +236,42 @@ static int report(EvictCtx *c, PyObject *node, PyObject *removed) {
     return r == NULL ? -1 : 0;
 }
 
-/* ``node.host_value = None`` (as its property setter marks the frontiers), then remove_leaf(node) when no
- * tier holds it; ``node`` is a host candidate */
-static int evict_one_host(EvictCtx *c, PyObject *node, Py_ssize_t *freed) {
+/* Move the value at ``offset`` (the node's device or host value slot) to the stash, None in its place, and
+ * count the node's tokens; ``node`` is a candidate */
+static int take_value(EvictCtx *c, PyObject *node, Py_ssize_t offset, Py_ssize_t *freed) {
     prefetch_teardown(node);
     Py_ssize_t num_tokens = PyObject_Size(SLOT(node, key));
     if (num_tokens < 0 || (c->keep_nodes && stash_take(&c->nodes, Py_NewRef(node)) < 0)) {
         return -1;
     }
-    PyObject *value = SLOT(node, host_value);  /* its reference moves to the stash */
-    SLOT(node, host_value) = Py_NewRef(Py_None);
+    PyObject **slot = (PyObject **)((char *)node + offset);
+    PyObject *value = *slot;  /* its reference moves to the stash */
+    *slot = Py_NewRef(Py_None);
     if (stash_take(&c->values, value) < 0) {
         return -1;
     }
     c->evicted_tokens += num_tokens;
     *freed += num_tokens;
+    return 0;
+}
+
+/* remove_leaf(node) for a node no tier holds any more: unlinked, out of every frontier set */
+static int unlink_node(EvictCtx *c, PyObject *parent, PyObject *node) {
+    if (tierkv_check_node(parent) < 0 || tierkv_unlink_child(&c->node, parent, node) < 0
+        || frontier_discard(c->device, node) < 0 || frontier_discard(c->host, node) < 0
+        || (PySet_GET_SIZE(c->changed) > 0 && PySet_Discard(c->changed, node) < 0)
+        || frontier_discard(c->host_tier ? c->device_changed : c->host_changed, node) < 0) {
+        return -1;
+    }
+    return report(c, node, Py_True);
+}
+
+/* ``node.host_value = None`` (as its property setter marks the frontiers), then remove_leaf(node) when no
+ * tier holds it; ``node`` is a host candidate */
+static int evict_one_host(EvictCtx *c, PyObject *node, Py_ssize_t *freed) {
+    if (take_value(c, node, tierkv_node_layout.host_value, freed) < 0) {
+        return -1;
+    }
     PyObject *parent = SLOT(node, parent);  /* the caller marks it changed (see evict_loop) */
     if ((parent != Py_None && frontier_add(c->host, parent) < 0) || frontier_add(c->device_changed, node) < 0) {
         return -1;
@@ -258,13 +279,7 @@ static int evict_one_host(EvictCtx *c, PyObject *node, Py_ssize_t *freed) {
     if (SLOT(node, device_value) != Py_None || PyDict_GET_SIZE(SLOT(node, children)) != 0) {
         return report(c, node, Py_False);  /* kept, in L1 */
     }
-    if (tierkv_check_node(parent) < 0 || tierkv_unlink_child(&c->node, parent, node) < 0
-        || frontier_discard(c->device, node) < 0 || frontier_discard(c->host, node) < 0
-        || (PySet_GET_SIZE(c->changed) > 0 && PySet_Discard(c->changed, node) < 0)
-        || frontier_discard(c->device_changed, node) < 0) {
-        return -1;
-    }
-    return report(c, node, Py_True);
+    return unlink_node(c, parent, node);
 }
 
 /* clear_device_value(node), then remove_leaf(node) when no tier holds it; ``node`` is a candidate */
@@ -272,18 +287,9 @@ static int evict_one(EvictCtx *c, PyObject *node, Py_ssize_t *freed) {
     if (c->host_tier) {
         return evict_one_host(c, node, freed);
     }
-    prefetch_teardown(node);
-    Py_ssize_t num_tokens = PyObject_Size(SLOT(node, key));
-    if (num_tokens < 0 || (c->keep_nodes && stash_take(&c->nodes, Py_NewRef(node)) < 0)) {
+    if (take_value(c, node, tierkv_node_layout.device_value, freed) < 0) {
         return -1;
     }
-    PyObject *value = SLOT(node, device_value);  /* its reference moves to the stash */
-    SLOT(node, device_value) = Py_NewRef(Py_None);
-    if (stash_take(&c->values, value) < 0) {
-        return -1;
-    }
-    c->evicted_tokens += num_tokens;
-    *freed += num_tokens;
     PyObject *parent = SLOT(node, parent);  /* the caller marks it changed (see evict_loop) */
     if (parent != Py_None && frontier_add(c->device, parent) < 0) {
         return -1;
@@ -299,13 +305,7 @@ static int evict_one(EvictCtx *c, PyObject *node, Py_ssize_t *freed) {
         }
         return -1;
     }
-    if (tierkv_check_node(parent) < 0 || tierkv_unlink_child(&c->node, parent, node) < 0
-        || frontier_discard(c->device, node) < 0 || frontier_discard(c->host, node) < 0
-        || (PySet_GET_SIZE(c->changed) > 0 && PySet_Discard(c->changed, node) < 0)
-        || frontier_discard(c->host_changed, node) < 0) {
-        return -1;
-    }
-    return report(c, node, Py_True);
+    return unlink_node(c, parent, node);
 }
 
 /* The next victim popped from the heap (new reference), NULL with no error when the heap is empty. */

@@ -20,7 +20,9 @@ SPEC = KVSpec(num_layers=1, kv_heads=1, head_dim=1, dtype=torch.float32)
 def state(cache):
     nodes = sorted((tuple(cache.tree.path_to_root(n)[0].key[:4]), len(n), n.device_value is not None,
                     n.host_value is not None, n.last_access_time) for n in cache.tree.nodes())
-    return nodes, cache.device_pool.num_free_slots, cache.host_pool.num_free_slots, cache.stats.evicted_device_tokens
+    remembered = sorted(cache.priority._uses.values())  # the policy forgot the removed nodes' uses
+    return (nodes, cache.device_pool.num_free_slots, cache.host_pool.num_free_slots,
+            cache.stats.evicted_device_tokens, remembered)
 
 
 def serve(cache, rng, page_size):

@@ -231,6 +231,15 @@ static int report(EvictCtx *c, PyObject *node, PyObject *removed) {
     if (c->on_evict == Py_None) {
         return 0;
     }
+    if (PyDict_CheckExact(c->on_evict)) {  /* the base Policy's hook: forget a removed node's uses */
+        if (removed == Py_True && PyDict_DelItem(c->on_evict, SLOT(node, id)) < 0) {
+            if (!PyErr_ExceptionMatches(PyExc_KeyError)) {
+                return -1;
+            }
+            PyErr_Clear();
+        }
+        return 0;
+    }
     PyObject *r = PyObject_CallFunctionObjArgs(c->on_evict, node, removed, NULL);
     Py_XDECREF(r);
     return r == NULL ? -1 : 0;

@@ -125,7 +125,7 @@ class EvictionHeap:
         recheck = getattr(self.order, "keys_rise_untouched", True)
         slot = _SLOT_KEYS.get(type(self.order).key) if isinstance(self.order, Policy) else None
         result = native(tree, self._heap, self._live, changed, self._seq, slot or self._key, recheck, num_tokens,
-                        on_evict, keep_nodes, hand_back, host)
+                        _native_hook(on_evict), keep_nodes, hand_back, host)
         self._compact()
         return result
 
@@ -203,6 +203,15 @@ class EvictionHeap:
         seq = next(self._seq)
         self._live[node.id] = seq
         heapq.heappush(self._heap, (key, node.id, seq, node))
+
+
+def _native_hook(on_evict: Callable[[Any, bool], Any] | None) -> Any:
+    """What the compiled loop calls per evicted node: ``on_evict``, or for the base Policy's own hook
+    (LRU's: it only forgets a removed node's uses) that dict, which the loop updates itself (a Python
+    call per node was a third of a chat eviction)."""
+    if getattr(on_evict, "__func__", None) is Policy.on_evict and type(on_evict.__self__._uses) is dict:
+        return on_evict.__self__._uses
+    return on_evict
 
 
 def _heap_key(order: Callable[[Any], tuple]) -> Callable[[Any], Any]:

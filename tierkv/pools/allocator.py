@@ -35,8 +35,8 @@ def plain_slot_slices() -> contextlib.AbstractContextManager:
 # an eighth of its own (a long prompt's new part is most of its slot tensor: copying 100k slots to save the
 # few hundred of its prefix cost 4 ms)
 SLICE_SLACK_BYTES = 64 * 8
-# free_each(whole_pages=True) reads first slots only from this many slots on: below, numpy's per-call cost
-# is more than the native check of every slot
+# free_each(whole_pages=True) reads first slots only from this many slots (or 8 tensors) on: below, numpy's
+# per-call cost is more than the native check of every slot
 _READ_FIRSTS_MIN_SLOTS = 4096
 SLICE_SLACK_FRACTION = 1 / 8
 
@@ -189,7 +189,8 @@ class SlotAllocator:
         slots, checked when they were inserted and never changed since), so only each page's first slot
         is read, not every slot; freeing a page twice is still an error. Why: on page 16, reading every
         evicted slot was most of an eviction's time."""
-        if whole_pages and self.page_size > 1 and sum(map(len, slot_tensors)) >= _READ_FIRSTS_MIN_SLOTS:
+        if whole_pages and len(slot_tensors) > 1 and (
+                len(slot_tensors) >= 8 or sum(map(len, slot_tensors)) >= _READ_FIRSTS_MIN_SLOTS):
             self._free_pages_of(slot_tensors)
             return
         if native is None or len(slot_tensors) < 2:
@@ -216,7 +217,8 @@ class SlotAllocator:
     def _free_pages_of(self, slot_tensors: list[torch.Tensor]) -> None:
         """:meth:`free_each` of whole-page tensors, reading each page's first slot only."""
         ps = self.page_size
-        pages = np.concatenate([t.numpy()[::ps] for t in slot_tensors]) // ps
+        firsts = np.concatenate([t.numpy()[::ps] for t in slot_tensors])
+        pages = firsts // ps if ps > 1 else firsts
         if len(pages) and (pages.min() < 0 or pages.max() >= self.num_pages):
             raise ValueError(f"slot out of range [0, {self.num_slots})")
         was_free = self._is_free[pages]

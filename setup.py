@@ -13,7 +13,7 @@ SOURCES = {"copy._rowcopy": ["tierkv/copy/_rowcopy.c"],
            "_radix": ["tierkv/_radix.c", "tierkv/_radix_evict.c", "tierkv/_radix_node.c", "tierkv/_radix_heap.c"],
            "_pageio": ["tierkv/_pageio.c"]}
 
-HEADERS = {"_radix": ["tierkv/_radix.h", "tierkv/_radix_evict.h"]}
+HEADERS = {"_radix": ["tierkv/_radix.h", "tierkv/_radix_evict.h", "tierkv/_radix_heap.h", "tierkv/_radix_node.h"]}
 
 setup(ext_modules=[Extension(f"tierkv.{name}", sources, depends=HEADERS.get(name, []), extra_compile_args=["-O3"],
                              optional=True)

@@ -71,9 +71,10 @@ def run(num_requests: int, page_size: int, pool_tokens: int, policy: str,
     spec = KVSpec(num_layers=1, kv_heads=1, head_dim=1, dtype=torch.float16)  # tree cost, not KV bytes
     cache = HiRadixCache(DeviceKVPool(spec, pool_tokens, page_size, "cpu"),
                          CacheConfig(page_size=page_size, eviction_policy=policy, enable_host=False))
-    if per_call_heap:  # the baseline: rank the whole leaf frontier on every evict()
+    if per_call_heap:  # the baseline: rank the whole leaf frontier on every evict(), in the Python loop
         heap = cache.eviction._device_heap
         heap.victims = lambda: eviction_order(cache.tree.device_leaves(), heap.order, heap._next_leaf)
+        heap._evict = lambda num, hook, keep, hand_back: heap._evict_device_python(num, hook, keep, hand_back)
     timer = Timer()
     cache.eviction.evict = timer.wrap("evict", cache.eviction.evict)  # alloc_device evicts through it too
     match, insert = timer.wrap("match_prefix", cache.match_prefix), timer.wrap("insert", cache.insert)
@@ -121,6 +122,9 @@ def main() -> None:
             for name in ("match_prefix", "insert", "alloc_device (incl. evict)", "evict")]
     rows.append(("whole request", args.requests, wall_s, base_wall_s))
     for name, calls, total, base in rows:
+        if not calls:
+            print(f"{name:<28}{0:>7}")
+            continue
         per, base_per = total / calls * 1e6, base / calls * 1e6
         print(f"{name:<28}{calls:>7}{per:>10.1f}{calls / total:>10,.0f}{total / wall_s:>7.0%}"
               f"{base_per:>13.1f}{base_per / per:>8.2f}x")

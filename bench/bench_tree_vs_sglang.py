@@ -1,50 +1,63 @@
-"""Radix tree microbenchmark: tierkv's RadixTree against SGLang's own Python RadixCache, side by side.
+"""The cache's own match / insert / evict against SGLang's RadixCache, side by side, as the product calls them.
 
-Both trees get the same sequence, token ids as ``array('q')`` as SGLang's scheduler holds them (its
-tokenizer manager builds one per request). Per request: build the key, match it, evict what the
-uncached suffix needs beyond the capacity, insert it with a value tensor of slot ids. Phases:
-- ``cold``: no capacity limit (the tree grows), then one ``evict all`` of the whole tree;
-- ``steady``: capacity = ``--capacity-fraction`` of the tokens the cold build held (LRU eviction).
-Evict does the same work on both sides: SGLang's ``evict`` pops its leaves, hands each node's slot
-tensor to the allocator's ``free_segment`` (a no-op here) and drops the node; tierkv's
-``EvictionHeap.evict_device`` (the compiled loop when built) returns the evicted nodes' slot tensors and
-the side hands each to the same no-op ``free_segment``; both release the nodes and tensors in the timed
-op (tierkv's loop releases each node as it unlinks it, ``keep_nodes=False``: the side keeps none). Each op (match, insert, evict) is timed on its own in CPU time (``time.thread_time``); after one
-untimed pass each, a repeat runs both trees back to back, repeats alternate which goes first, and each
-ratio (SGLang time / tierkv time, above 1: tierkv faster) is reported as min and median over the
-repeats. A full collection of Python's cyclic GC (both trees are cyclic) lands in whichever op runs
-then and drags one repeat's ratio: the objects that exist before the timed repeats (SGLang's and torch's
-imports, the workload) are frozen out of it (``gc.freeze``), and ``--no-gc`` turns the collector off. Workloads:
-- ``trace``: the first N prompts of conversation_trace.jsonl (12k tokens on average), page size 16;
-- ``chat``: short multi-turn keys (64-1024 tokens, shared system prompts), page size 1.
+tierkv side: ``HiRadixCache`` (L1 only, LRU, whole-node victims so both sides evict the same nodes), called as
+the trace replay and the engine's scheduler call it: ``match_prefix(RadixKey(array('q')))`` (returns the
+device indices), ``evict(n)`` before allocating, ``insert(key, torch.cat([prefix, new_slots]))`` with slots
+the cache's own device pool allocated (the partial last page's leftover freed by the caller, untimed).
+``--host`` adds the L2 tier: every inserted node is backed up (write_through, waited for), then the
+device tier is evicted and ``evict_host`` times the L2 eviction of the host-only tree.
+SGLang side (0.5.23): ``RadixCache.create_simulated`` fed the same ``array('q')`` keys; its match also reads
+the prefix's indices (``path_device_indices``, what its scheduler's ``prefix_device_indices`` does), its
+insert gets a value tensor per request as its scheduler's ``req_to_token`` copy gives it, its evict frees
+each leaf's slots to a no-op allocator.
 
-SGLang needs its own environment; `bash scripts/setup_sglang_venv.sh` builds it (.venv-sglang, sharing
-tierkv's torch; a torchvision stand-in is written to a temp dir when ``torchvision`` is missing). Run:
-    PYTHONPATH=. .venv-sglang/bin/python bench/bench_tree_vs_sglang.py [--repeats 5]
+Equal work is checked every repeat (see ``check_work``): without eviction the hit of every match and the
+tree's size after every insert agree on both sides; with eviction the tokens matched, evicted and inserted
+agree within 5%, or the run stops. Phases: ``cold`` (no capacity limit,
+then one ``evict all``) and ``steady`` (capacity = ``--capacity-fraction`` of the cold tree; evict what
+each request needs beyond it). CPU time of this thread per op (``time.thread_time``); after an untimed
+pass each, repeats alternate which side goes first; ratio = SGLang time / tierkv time (above 1: tierkv
+faster), min and median over the repeats. Objects that exist before the timed repeats are frozen out of
+the cyclic collector (``gc.freeze``). Shapes:
+- ``trace``: the first N prompts of the shipped conversation trace, page 16;
+- ``chat``: short multi-turn keys (64-1024 tokens) under 8 system prompts, page 1;
+- ``agent``: tool prompts of 3-6k tokens, sessions of tool-call steps and deep forks from earlier steps, page 16;
+- ``fanout``: 3 long system prompts (2-4k tokens), thousands of short branches and follow-ups, page 1.
+
+``--memory`` measures, per shape and side in a fresh process, RSS growth per cached token after a cold
+build (each request's arrays and slot tensors dropped once inserted, as a scheduler drops them).
+
+SGLang needs its own environment: `bash scripts/setup_sglang_venv.sh` (``TIERKV_SGLANG_VENV`` sets where).
+    PYTHONPATH=. .venv-sglang/bin/python bench/bench_tree_vs_sglang.py [--repeats 5] [--memory] [--host]
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import os
 import random
 import statistics
-from array import array
+import subprocess
 import sys
 import tempfile
 import time
+from array import array
 from pathlib import Path
 
 import torch
 
-from tierkv.eviction import get_policy
-from tierkv.pools.allocator import plain_slot_slices
-from tierkv.eviction.heap import EvictionHeap
-from tierkv.radix import RadixKey, RadixTree
-from tierkv.replay.trace import load_trace
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from tierkv.config import CacheConfig  # noqa: E402
+from tierkv.hicache import HiRadixCache  # noqa: E402
+from tierkv.pools import DeviceKVPool, HostKVPool, KVSpec  # noqa: E402
+from tierkv.radix import RadixKey  # noqa: E402
+from tierkv.replay.trace import load_trace  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT / "data" / "traces" / "conversation_trace.jsonl.gz"  # shipped with the repository
+SPEC = KVSpec(num_layers=1, kv_heads=1, head_dim=1, dtype=torch.uint8)  # the pool's bytes are not the subject
 
 _TORCHVISION_STUB = '''
 import importlib.abc, importlib.machinery, sys, types
@@ -89,64 +102,136 @@ def import_sglang():
     return radix_cache, InsertParams, MatchPrefixParams, EvictParams
 
 
-def trace_workload(path: str, n: int) -> list[list[int]]:
+def trace_workload(n: int, path: str = str(TRACE)) -> list[list[int]]:
     return [r.prompt_tokens() for r in load_trace(path, limit=n).requests]
+
+
+def _tokens(rng: random.Random, lo: int, hi: int) -> list[int]:
+    return [rng.randrange(32000) for _ in range(rng.randrange(lo, hi))]
 
 
 def chat_workload(n: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
-    systems = [[rng.randrange(32000) for _ in range(rng.randrange(64, 256))] for _ in range(8)]
+    systems = [_tokens(rng, 64, 256) for _ in range(8)]
     convs: list[list[int]] = []
     out = []
     for _ in range(n):
         if convs and rng.random() < 0.7:
             conv = rng.choice(convs)
-            conv.extend(rng.randrange(32000) for _ in range(rng.randrange(16, 128)))
+            conv.extend(_tokens(rng, 16, 128))
             if len(conv) > 1024:
                 convs.remove(conv)
         else:
-            conv = list(rng.choice(systems)) + [rng.randrange(32000) for _ in range(rng.randrange(16, 128))]
+            conv = list(rng.choice(systems)) + _tokens(rng, 16, 128)
             convs.append(conv)
         out.append(list(conv))
     return out
 
 
-OPS = ("match", "insert", "evict")
+def agent_workload(n: int, seed: int = 1) -> list[list[int]]:
+    """Agent sessions: a tool prompt (3-6k tokens) and a task, then tool-call steps (50-400 tokens each);
+    a quarter of the requests fork a session at an earlier step (a retry, a sub-agent) and go on from there."""
+    rng = random.Random(seed)
+    tools = [_tokens(rng, 3000, 6000) for _ in range(6)]
+    sessions: list[list[int]] = []
+    out = []
+    for _ in range(n):
+        r = rng.random()
+        if sessions and r < 0.6:
+            s = rng.choice(sessions)
+            s.extend(_tokens(rng, 50, 400))
+            if len(s) > 16000:
+                sessions.remove(s)
+        elif sessions and r < 0.85:
+            base = rng.choice(sessions)
+            s = base[:rng.randrange(len(base) // 2, len(base))] + _tokens(rng, 50, 400)
+            sessions.append(s)
+        else:
+            s = list(rng.choice(tools)) + _tokens(rng, 100, 300)
+            sessions.append(s)
+        out.append(list(s))
+    return out
 
 
-class _Timer:
-    """Seconds of thread CPU time per op."""
+def fanout_workload(n: int, seed: int = 2) -> list[list[int]]:
+    """3 long system prompts (2-4k tokens) under thousands of short branches (10-60 tokens); a fifth of
+    the requests follow a branch up (10-60 tokens more)."""
+    rng = random.Random(seed)
+    systems = [_tokens(rng, 2000, 4000) for _ in range(3)]
+    branches: list[list[int]] = []
+    out = []
+    for _ in range(n):
+        if branches and rng.random() < 0.2:
+            b = rng.choice(branches)
+            b.extend(_tokens(rng, 10, 60))
+        else:
+            b = list(rng.choice(systems)) + _tokens(rng, 10, 60)
+            branches.append(b)
+        out.append(list(b))
+    return out
 
-    def __init__(self) -> None:
-        self.seconds = dict.fromkeys(OPS + ("evict all",), 0.0)
+
+SHAPES = {"trace": (trace_workload, 16, 400), "chat": (chat_workload, 1, 8000),
+          "agent": (agent_workload, 16, 600), "fanout": (fanout_workload, 1, 6000)}
+OPS = ("match", "insert", "evict", "evict all", "evict_host")
 
 
 class TierkvSide:
+    """HiRadixCache as the replay and the scheduler call it; L1 holds ``num_slots``."""
+
     name = "tierkv"
 
-    def __init__(self, page_size: int) -> None:
-        self.tree = RadixTree(page_size)
-        self.heap = EvictionHeap(self.tree, "device", get_policy("lru"))
-        self.allocator = _NoAllocator()
+    def __init__(self, page_size: int, num_slots: int, host: bool = False) -> None:
+        self.page_size = page_size
+        self.pool = DeviceKVPool(SPEC, num_slots, page_size, "cpu")
+        config = CacheConfig(page_size=page_size, eviction_policy="lru", split_victims=False,
+                             enable_host=host, overlap_cpu_writes=False, cost_aware=False)
+        host_pool = HostKVPool(SPEC, num_slots, page_size, "page_first") if host else None
+        self.cache = HiRadixCache(self.pool, config, host_pool=host_pool)
 
     def key(self, ids: array):
         return RadixKey(ids)
 
-    def match(self, key) -> int:
-        return self.tree.match(key).num_tokens
+    def match(self, key):
+        match = self.cache.match_prefix(key)
+        return len(match.device_indices), match.device_indices
 
-    def insert(self, key, value) -> None:
-        with plain_slot_slices():  # as HiRadixCache.insert: the nodes' slices are no autograd views
-            self.tree.insert(key, value)
+    def slots(self, num_tokens: int, prefix: torch.Tensor) -> torch.Tensor:
+        """What the caller inserts: the matched prefix's slots, then new ones for the rest (untimed)."""
+        num_new = num_tokens - len(prefix)
+        num_alloc = -(-num_new // self.page_size) * self.page_size
+        new = self.pool.alloc(num_alloc) if num_alloc else prefix[:0]
+        if new is None:
+            raise RuntimeError("the benchmark's L1 pool is too small")
+        return torch.cat([prefix, new])
+
+    def insert(self, key, slots: torch.Tensor) -> int:
+        return self.cache.insert(key, slots)
+
+    def release(self, slots: torch.Tensor, owned: int) -> None:
+        """The caller frees what the tree did not take (a partial last page)."""
+        if owned < len(slots):
+            self.pool.free(slots[owned:])
 
     def size(self) -> int:
-        return self.tree.evictable_size + self.tree.protected_size
+        return self.cache.evictable_size + self.cache.protected_size
 
-    def evict(self, num_tokens: int) -> None:
-        _, _, values = self.heap.evict_device(num_tokens, keep_nodes=False)
-        free = self.allocator.free_segment
-        for value in values:  # as SGLang's evict does: each node's slots back to the allocator
-            free(value)
+    def evict(self, num_tokens: int) -> int:
+        return self.cache.evict(num_tokens)
+
+    def backup_all(self) -> None:
+        """Every node to L2 (untimed), then L1 emptied: the tree is host-only for ``evict_host``."""
+        for node in list(self.cache.tree.nodes()):
+            if node.host_value is None and node.device_value is not None:
+                self.cache.write_backup(node)
+        self.cache.flush()
+        self.cache.evict(self.size())
+
+    def evict_host(self, num_tokens: int) -> int:
+        return self.cache.evict_host(num_tokens)
+
+    def host_size(self) -> int:
+        return sum(len(n.host_value) for n in self.cache.tree.nodes() if n.host_value is not None)
 
 
 class _NoAllocator:
@@ -165,112 +250,220 @@ class SglangSide:
         self.radix_cache, self.InsertParams, self.MatchPrefixParams, self.EvictParams = sgl
         self.cache = self.radix_cache.RadixCache.create_simulated(page_size=page_size,
                                                                   mock_allocator=_NoAllocator())
+        self.next_slot = 0
 
     def key(self, ids: array):
         return self.radix_cache.RadixKey(ids)
 
-    def match(self, key) -> int:
-        return self.cache.match_prefix(self.MatchPrefixParams(key=key)).device_prefix_len
+    def match(self, key):
+        result = self.cache.match_prefix(self.MatchPrefixParams(key=key))
+        hit = result.device_prefix_len
+        return hit, self.cache.path_device_indices(result.last_device_node)[:hit]
 
-    def insert(self, key, value) -> None:
-        self.cache.insert(self.InsertParams(key=key, value=value))
+    def slots(self, num_tokens: int, prefix: torch.Tensor) -> torch.Tensor:
+        new = torch.arange(self.next_slot, self.next_slot + num_tokens - len(prefix))
+        self.next_slot += len(new)
+        return torch.cat([prefix, new])
+
+    def insert(self, key, slots: torch.Tensor) -> int:
+        self.cache.insert(self.InsertParams(key=key, value=slots))
+        return len(slots)
+
+    def release(self, slots: torch.Tensor, owned: int) -> None:
+        pass
 
     def size(self) -> int:
         return self.cache.evictable_size() + self.cache.protected_size()
 
-    def evict(self, num_tokens: int) -> None:
-        self.cache.evict(self.EvictParams(num_tokens=num_tokens))
+    def evict(self, num_tokens: int) -> int:
+        return self.cache.evict(self.EvictParams(num_tokens=num_tokens)).num_tokens_evicted
+
+    def backup_all(self) -> None:
+        pass
+
+    def evict_host(self, num_tokens: int) -> int:
+        """SGLang's RadixCache has no L2: its L1 eviction of the same tree is the baseline."""
+        return self.evict(num_tokens)
+
+    def host_size(self) -> int:
+        return self.size()
 
 
-def run(side, seqs: list[array], values: list[torch.Tensor], page_size: int, capacity: int | None) -> dict:
-    """One pass of the sequence through ``side``; seconds per op."""
-    clock, timer = time.thread_time, _Timer()
-    spent = timer.seconds
-    for ids, value in zip(seqs, values):
+def run(side, seqs: list[list[int]], page_size: int, capacity: int | None, host: bool) -> tuple[dict, list]:
+    """One pass of the sequence through ``side``: seconds per op, and the work done (checked equal)."""
+    clock = time.thread_time
+    spent, work = dict.fromkeys(OPS, 0.0), []
+    for tokens in seqs:
+        ids = array("q", tokens)
         t0 = clock()
         key = side.key(ids)
-        hit = side.match(key)
-        t1 = clock()
-        spent["match"] += t1 - t0
+        hit, prefix = side.match(key)
+        spent["match"] += clock() - t0
+        work.append(hit)
         if capacity is not None:
             need = side.size() + len(ids) // page_size * page_size - hit - capacity
             if need > 0:
-                side.evict(need)
-            t2 = clock()
-            spent["evict"] += t2 - t1
-            t1 = t2
-        side.insert(key, value)
-        spent["insert"] += clock() - t1
-    if capacity is None:
+                t0 = clock()
+                freed = side.evict(need)
+                spent["evict"] += clock() - t0
+                work.append(-freed)
+        slots = side.slots(len(ids), prefix)
         t0 = clock()
-        side.evict(side.size())
+        owned = side.insert(key, slots)
+        spent["insert"] += clock() - t0
+        side.release(slots, owned)
+        work.append(side.size())
+    if capacity is None and host:
+        side.backup_all()
+        size = side.host_size()
+        t0 = clock()
+        work.append(side.evict_host(size))
+        spent["evict_host"] += clock() - t0
+    elif capacity is None:
+        size = side.size()
+        t0 = clock()
+        work.append(side.evict(size))
         spent["evict all"] += clock() - t0
-    return spent
+    return spent, work
 
 
-def compare(sides, seqs: list[list[int]], page_size: int, capacity: int | None, repeats: int) -> dict:
-    """Per op: the SGLang / tierkv time ratio of each repeat (the two run back to back, order alternating)."""
-    arrays = [array("q", s) for s in seqs]
-    values = [torch.arange(len(s), dtype=torch.int64) for s in seqs]
-    ratios: dict[str, list[float]] = {}
-    for make in sides:  # one untimed pass each: the first pays for fresh memory (page faults), not the tree
-        run(make(), arrays, values, page_size, capacity)
+def compare(makers, seqs: list[list[int]], page_size: int, capacity: int | None, repeats: int,
+            host: bool) -> dict:
+    """Per op: (ratio, sglang s, tierkv s) of each repeat, the two run back to back, order alternating."""
+    for make in makers:  # one untimed pass each: the first pays for fresh memory (page faults), not the tree
+        run(make(), seqs, page_size, capacity, host)
     gc.collect()
     gc.freeze()  # the imports' and the workload's objects: a full collection scans only what the trees made
-    for r in range(repeats):
-        times = {}
-        for make in (sides if r % 2 == 0 else sides[::-1]):
-            side = make()
-            times[side.name] = run(side, arrays, values, page_size, capacity)
-        for op, tk in times["tierkv"].items():
-            if tk > 0:
-                ratios.setdefault(op, []).append((times["sglang"][op] / tk, times["sglang"][op], tk))
-    gc.unfreeze()
+    ratios: dict[str, list[tuple[float, float, float]]] = {}
+    try:
+        for r in range(repeats):
+            times, works = {}, {}
+            for make in (makers if r % 2 == 0 else makers[::-1]):
+                side = make()
+                times[side.name], works[side.name] = run(side, seqs, page_size, capacity, host)
+                del side
+                gc.collect()
+            check_work(works["tierkv"], works["sglang"], exact=capacity is None)
+            for op, tk in times["tierkv"].items():
+                if tk > 0:
+                    ratios.setdefault(op, []).append((times["sglang"][op] / tk, times["sglang"][op], tk))
+    finally:
+        gc.unfreeze()
     return ratios
 
 
+def check_work(tierkv: list[int], sglang: list[int], exact: bool) -> None:
+    """Raise unless both sides did the same work. Without eviction, step by step: every match's hit,
+    every tree size. With eviction, the totals (tokens matched, evicted, inserted) within 5%: the two
+    LRUs differ on one point (SGLang's partial match also touches the unmatched tail of the node it
+    splits, tierkv's leaves it as old as it was), so once a tie like that is broken differently the
+    victims, and the hits after them, may differ a little."""
+    if exact:
+        if tierkv != sglang:
+            at = next(i for i, (a, b) in enumerate(zip(tierkv, sglang)) if a != b)
+            raise AssertionError(f"unequal work at step {at}: tierkv {tierkv[at]}, sglang {sglang[at]}")
+        return
+    for name, pick in (("evicted", lambda w: -sum(x for x in w if x < 0)),
+                       ("matched and inserted", lambda w: sum(x for x in w if x > 0))):
+        a, b = pick(tierkv), pick(sglang)
+        if abs(a - b) > 0.05 * max(a, b, 1):
+            raise AssertionError(f"unequal work: tierkv {name} {a} tokens, sglang {b}")
+
+
 def cold_size(seqs: list[list[int]], page_size: int) -> int:
-    side = TierkvSide(page_size)
+    total = sum(len(s) for s in seqs) + 64
+    side = TierkvSide(page_size, total // page_size * page_size + page_size)
     for s in seqs:
-        side.insert(side.key(array("q", s)), range(len(s)))
+        key = side.key(array("q", s))
+        hit, prefix = side.match(key)
+        slots = side.slots(len(s), prefix)
+        side.release(slots, side.insert(key, slots))
     return side.size()
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def memory_child(shape: str, side_name: str, requests: int) -> None:
+    """Print RSS growth per cached token of one side's cold build (run in a fresh process)."""
+    make_seqs, page, _ = SHAPES[shape]
+    seqs = make_seqs(requests)
+    if side_name == "tierkv":
+        side = TierkvSide(page, sum(len(s) for s in seqs) // page * page + 2 * page)
+    else:
+        side = SglangSide(page, import_sglang())
+    torch.empty(1)  # the allocator's first use
+    gc.collect()
+    before = rss_bytes()
+    for s in seqs:
+        key = side.key(array("q", s))
+        hit, prefix = side.match(key)
+        slots = side.slots(len(s), prefix)
+        side.release(slots, side.insert(key, slots))
+        del key, prefix, slots  # the caller's arrays: dropped once inserted
+    gc.collect()
+    print((rss_bytes() - before) / side.size(), side.size())
+
+
+def memory_table(shapes: list[str], sizes: dict[str, int]) -> None:
+    print(f"\nRSS growth per cached token, cold build, fresh process per side (bytes; lower is better)")
+    print(f"{'shape':<8} {'tokens':>9} {'sglang B':>9} {'tierkv B':>9} {'ratio':>6}")
+    for shape in shapes:
+        per = {}
+        for name in ("sglang", "tierkv"):
+            out = subprocess.run([sys.executable, __file__, "--memory-child", shape, name,
+                                  "--requests", str(sizes[shape])], capture_output=True, text=True, check=True)
+            per[name], tokens = out.stdout.split()[-2:]
+        s, t = float(per["sglang"]), float(per["tierkv"])
+        print(f"{shape:<8} {int(tokens):>9} {s:>9.1f} {t:>9.1f} {t / s:>5.2f}x")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trace", default=str(TRACE))
-    parser.add_argument("--trace-requests", type=int, default=400)
-    parser.add_argument("--chat-requests", type=int, default=8000)
+    parser.add_argument("--shapes", default="trace,chat,agent,fanout", help="comma-separated: " + ", ".join(SHAPES))
+    parser.add_argument("--requests", type=int, default=None, help="per shape (default: its own)")
     parser.add_argument("--capacity-fraction", type=float, default=0.25)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--workloads", default="trace,chat", help="comma-separated: trace, chat")
-    parser.add_argument("--no-gc", action="store_true", help="cyclic GC off while timing")
+    parser.add_argument("--host", action="store_true", help="also time evict_host on a host-only tree")
+    parser.add_argument("--memory", action="store_true", help="also measure RSS per cached token")
+    parser.add_argument("--memory-child", nargs=2, metavar=("SHAPE", "SIDE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.no_gc:
-        gc.disable()
     torch.set_num_threads(1)
+    shapes = args.shapes.split(",")
+    sizes = {s: args.requests or SHAPES[s][2] for s in SHAPES}
+    if args.memory_child:
+        memory_child(*args.memory_child, sizes[args.memory_child[0]])
+        return
     sgl = import_sglang()
     import sglang
 
-    print(f"tierkv RadixTree ({tree_impl()}) vs SGLang {sglang.__version__} RadixCache, array('q') keys, "
-          f"CPU time, {args.repeats} interleaved repeats, GC {'off' if args.no_gc else 'on'}; "
+    print(f"tierkv HiRadixCache ({tree_impl()}) vs SGLang {sglang.__version__} RadixCache, array('q') keys, "
+          f"thread CPU time, {args.repeats} interleaved repeats, equal work checked; "
           "ratio = SGLang time / tierkv time")
-    print(f"{'workload':<10} {'phase':<7} {'op':<10} {'sglang s':>9} {'tierkv s':>9} {'ratio min':>10} {'median':>7}")
-    workloads = {"trace": lambda: ("trace p16", trace_workload(args.trace, args.trace_requests), 16),
-                 "chat": lambda: ("chat p1", chat_workload(args.chat_requests), 1)}
-    for name, seqs, page in (workloads[w]() for w in args.workloads.split(",")):
-        sides = [lambda: TierkvSide(page), lambda: SglangSide(page, sgl)]
+    print(f"{'shape':<10} {'phase':<7} {'op':<10} {'sglang s':>9} {'tierkv s':>9} {'ratio min':>10} {'median':>7}")
+    for shape in shapes:
+        make_seqs, page, _ = SHAPES[shape]
+        seqs = make_seqs(sizes[shape])
+        total = sum(len(s) for s in seqs) // page * page + 2 * page
         capacity = int(cold_size(seqs, page) * args.capacity_fraction)
-        for phase, cap in (("cold", None), ("steady", capacity)):
-            for op, runs in compare(sides, seqs, page, cap, args.repeats).items():
+        phases = [("cold", None, False), ("steady", capacity, False)] + ([("L2", None, True)] if args.host else [])
+        for phase, cap, host in phases:
+            makers = [lambda: TierkvSide(page, total, host), lambda: SglangSide(page, sgl)]
+            for op, runs in compare(makers, seqs, page, cap, args.repeats, host).items():
+                if host and op != "evict_host":
+                    continue  # the same ops as "cold", plus the L2 backups
                 rs = [r[0] for r in runs]
-                print(f"{name:<10} {phase:<7} {op:<10} {statistics.median(r[1] for r in runs):>9.3f} "
-                      f"{statistics.median(r[2] for r in runs):>9.3f} {min(rs):>9.2f}x {statistics.median(rs):>6.2f}x")
+                print(f"{shape + ' p' + str(page):<10} {phase:<7} {op:<10} "
+                      f"{statistics.median(r[1] for r in runs):>9.3f} {statistics.median(r[2] for r in runs):>9.3f} "
+                      f"{min(rs):>9.2f}x {statistics.median(rs):>6.2f}x", flush=True)
+    if args.memory:
+        memory_table(shapes, sizes)
 
 
 def tree_impl() -> str:
     import tierkv.radix as radix
-
     from tierkv.eviction import heap
 
     evict = "C" if heap.native_evict_device is not None else "Python"

@@ -6,6 +6,7 @@
  * one memcmp for a whole match, memcmp over fixed chunks and then single elements to place a mismatch.
  */
 #include "_radix.h"
+#include "_radix_evict.h"
 #include <stdint.h>
 #include <string.h>
 
@@ -105,8 +106,8 @@ static PyMethodDef methods[] = {
     {"pack_int64", pack_int64, METH_O,
      "pack_int64(seq) -> bytes of int64s, or None if an item is not an int that fits in 64 bits"},
     {"evict_device", (PyCFunction)(void (*)(void))tierkv_evict_device, METH_FASTCALL,
-     "evict_device(tree, heap, live, changed, seqs, key_of, recheck, num_tokens, on_evict) -> "
-     "(freed, nodes, values)"},
+     "evict_device(tree, heap, live, changed, seqs, key_of, recheck, num_tokens, on_evict, keep_nodes, "
+     "hand_back, host_tier) -> (freed, nodes, values, held)"},
     {"common_prefix_len", (PyCFunction)(void (*)(void))common_prefix_len, METH_FASTCALL,
      "common_prefix_len(a, b, offset) -> equal leading elements of int64 arrays a and b[offset:]"},
     {NULL, NULL, 0, NULL},
@@ -115,8 +116,9 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "tierkv._radix", NULL, -1, methods};
 
 /* 2: evict_device; common_prefix_len takes memoryviews of int64 arrays (node keys may be views);
- * 3: the tree's frontier sets may be None (untracked until read); 4: evict_device takes keep_nodes */
-#define API_VERSION 4
+ * 3: the tree's frontier sets may be None (untracked until read); 4: evict_device takes keep_nodes;
+ * 5: evict_device takes hand_back and returns the victim it handed back; 6: and host_tier */
+#define API_VERSION 6
 
 PyMODINIT_FUNC PyInit__radix(void) {
     PyObject *m = PyModule_Create(&module);

@@ -5,7 +5,7 @@
  * (an equality test and then an order test per nested item) cost ~1.5 us per pop at 5k entries; the
  * order is the same one (lexicographic, shorter first), so the Python path (heapq) and this one share
  * one heap. */
-#include "_radix.h"
+#include "_radix_heap.h"
 
 /* -1, 0, 1 for x <, ==, > y as far as an order test tells (NaN-free keys); -2 on error */
 /* 1 and the value when ``v`` is an int of one digit (every tick and node id for a long while): read

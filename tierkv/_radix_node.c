@@ -1,6 +1,8 @@
 /* Tree nodes as the compiled eviction loop (_radix_evict.c) reads them: TreeNode slots at their offsets,
  * the checks that keep a bad node a TypeError, the leaf test, the heap key, and unlinking. */
-#include "_radix_evict.h"
+#include "_radix_node.h"
+#include "_radix.h"
+#include "_radix_heap.h"
 #include <structmember.h>
 
 #define SCAN_CHILDREN 8  /* a parent with at most this many children is scanned, not hashed into */
@@ -76,7 +78,7 @@ static int scan_device_child(PyObject *children, Py_ssize_t from, Py_ssize_t to,
 }
 
 /* RadixTree.is_device_leaf: 1, 0, or -1 on error */
-int tierkv_is_device_leaf(EvictCtx *c, PyObject *n) {
+int tierkv_is_device_leaf(NodeCtx *c, PyObject *n) {
     if (tierkv_check_node(n) < 0) {
         return -1;
     }
@@ -103,9 +105,43 @@ int tierkv_is_device_leaf(EvictCtx *c, PyObject *n) {
     return rc < 0 ? -1 : !rc;
 }
 
+/* a child of ``children`` holding host slots: 1, 0, or -1 on error */
+static int has_host_child(PyObject *children) {
+    Py_ssize_t pos = 0;
+    PyObject *k, *child;
+    while (PyDict_Next(children, &pos, &k, &child)) {
+        if (!Py_IS_TYPE(child, tierkv_node_layout.type) || SLOT(child, host_value) == NULL) {
+            return tierkv_check_node(child) < 0 ? -1 : 0;
+        }
+        if (SLOT(child, host_value) != Py_None) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* RadixTree.is_host_leaf: 1, 0, or -1 on error */
+int tierkv_is_host_leaf(NodeCtx *c, PyObject *n) {
+    if (tierkv_check_node(n) < 0) {
+        return -1;
+    }
+    if (n == c->root || SLOT(n, host_value) == Py_None) {
+        return 0;
+    }
+    int held = is_true(SLOT(n, host_ref));
+    if (held == 0 && SLOT(n, device_value) == Py_None) {
+        held = is_true(SLOT(n, lock_ref));  /* a locked host-only node is kept */
+    }
+    if (held) {
+        return held < 0 ? -1 : 0;
+    }
+    int rc = has_host_child(SLOT(n, children));
+    return rc < 0 ? -1 : !rc;
+}
+
 /* the heap key of ``node`` (new reference): a call, or its slots read here, one bare or a tuple of them
  * (LRU's heap key is last_access_time: a Python call per ranked node cost more than the rest) */
-PyObject *tierkv_rank(EvictCtx *c, PyObject *node) {
+PyObject *tierkv_rank(NodeCtx *c, PyObject *node) {
     if (c->num_key_slots == 0) {
         return PyObject_CallOneArg(c->key_of, node);
     }
@@ -135,7 +171,7 @@ PyObject *tierkv_rank(EvictCtx *c, PyObject *node) {
     return key;
 }
 
-int tierkv_bind_key_slots(EvictCtx *c) {
+int tierkv_bind_key_slots(NodeCtx *c) {
     if (PyUnicode_Check(c->key_of)) {
         const char *name = PyUnicode_AsUTF8(c->key_of);
         if (name == NULL || slot_offset(tierkv_node_layout.type, name, &c->key_slots[0]) < 0) {
@@ -171,7 +207,7 @@ int tierkv_bind_key_slots(EvictCtx *c) {
 
 /* tierkv_rank(c, node) compared with ``key`` as tierkv_key_cmp does; a slot key is compared slot by slot, with
  * no tuple built (in a chain, each parent is compared with the heap's top and evicted at once) */
-int tierkv_rank_cmp(EvictCtx *c, PyObject *node, PyObject *key) {
+int tierkv_rank_cmp(NodeCtx *c, PyObject *node, PyObject *key) {
     PyObject *first = c->num_key_slots > 0 ? *(PyObject **)((char *)node + c->key_slots[0]) : NULL;
     if (c->bare_key && first != NULL) {
         return tierkv_obj_cmp(first, key);
@@ -195,7 +231,7 @@ int tierkv_rank_cmp(EvictCtx *c, PyObject *node, PyObject *key) {
 }
 
 /* RadixTree.child_key(node.key, node.extra_key) for int64 keys */
-PyObject *tierkv_child_key(EvictCtx *c, PyObject *node) {
+PyObject *tierkv_child_key(NodeCtx *c, PyObject *node) {
     Py_buffer view;
     if (tierkv_int64_view(SLOT(node, key), &view, "node key") < 0) {
         return NULL;
@@ -221,7 +257,7 @@ PyObject *tierkv_child_key(EvictCtx *c, PyObject *node) {
 /* Delete ``node`` from its parent's children. Why by identity: its child key reads the first page of
  * the node's key, a cache miss per evicted node (~15 % of the loop on chat keys); a parent's few
  * children are scanned for the node instead, and only a parent with many is looked up by key. */
-int tierkv_unlink_child(EvictCtx *c, PyObject *parent, PyObject *node) {
+int tierkv_unlink_child(NodeCtx *c, PyObject *parent, PyObject *node) {
     PyObject *children = SLOT(parent, children), *k, *v;
     Py_ssize_t pos = 0;
     if (PyDict_GET_SIZE(children) <= SCAN_CHILDREN) {

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterable, Iterator
 
 from tierkv.radix_frontiers import Frontiers
-from tierkv.radix_key import RadixKey, load_native
+from tierkv.radix_key import RadixKey, key_slack, load_native, own_key
 
 _node_ids = itertools.count(1)
 
@@ -159,7 +159,8 @@ def implementation() -> str:
 class RadixTree:
     """Prefix tree over page-aligned token keys. Not thread-safe: callers serialise access."""
 
-    def __init__(self, page_size: int = 1, bigram: bool = False) -> None:
+    def __init__(self, page_size: int = 1, bigram: bool = False,
+                 slice_value: Callable[[Any, int, int], Any] | None = None) -> None:
         if not isinstance(page_size, int) or page_size < 1:
             raise ValueError(f"page_size must be a positive int, got {page_size!r}")
         self.page_size = page_size
@@ -175,6 +176,10 @@ class RadixTree:
         # called as split_hook(top, bottom) after every split, so per-node state kept outside the tree (an
         # eviction policy's, by node id) follows the new top node: it holds the same tokens' KV, same uses
         self.split_hook: Callable[[TreeNode, TreeNode], None] | None = None
+        # slice_value(value, start, end): the part of a caller's value a node keeps. Plain slicing by
+        # default; a cache whose values are views (slot tensors) passes one that copies a small part of a
+        # large buffer, so that a node never keeps a caller's whole tensor alive
+        self._slice_value = slice_value or _plain_slice
 
     # ---- keys ---------------------------------------------------------------------------------------
     def elements(self, key: RadixKey) -> list:
@@ -286,7 +291,7 @@ class RadixTree:
             if priority > child.priority:
                 child.priority = priority
             if child._device_value is None:
-                self._attach(child, value[pos:pos + n])
+                self._attach(child, self._slice_value(value, pos, pos + n))
                 result.revived.append(child)
             else:
                 result.shared.append((child, pos, pos + n))
@@ -297,18 +302,19 @@ class RadixTree:
             leaf = TreeNode(self._leaf_key(elems, pos, num_elems), extra_key, node, tick)
             leaf.priority = priority
             node.children[self.child_key(leaf.key, extra_key)] = leaf
-            self._attach(leaf, value[pos:num_elems] if pos or num_values > num_elems else value)  # one slice
+            whole = not pos and num_values == num_elems and self._slice_value is _plain_slice  # no slice needed
+            self._attach(leaf, value if whole else self._slice_value(value, pos, num_elems))
             result.new_node = leaf
             path.append(leaf)
         self.root._frontiers.touched_path(path)  # re-ranked by eviction heaps
         return result
 
     def _leaf_key(self, elems: Any, start: int, end: int) -> Any:
-        """A new leaf's key ``elems[start:end]``: a view of the caller's token array when it is at least
-        half of it, else a copy. The copy was most of a long prompt's insert (SGLang copies too); the
-        array is the caller's to hand over (see RadixKey), and a view of a short tail would keep a whole
-        prompt alive for a few tokens, so a view holds at most twice the tokens its node keeps."""
-        if type(elems) is array and 2 * (end - start) >= len(elems):
+        """A new leaf's key ``elems[start:end]``: a view of the caller's token array when it is all of it
+        but at most :func:`~tierkv.radix_key.key_slack` elements (a partial page, or an eighth), else a
+        copy. The array is the caller's to hand over (see RadixKey): a view of a whole prompt saves copying
+        it, and a view of a part would keep the rest alive (a short branch pinned a long shared prompt)."""
+        if type(elems) is array and len(elems) - (end - start) <= key_slack(end - start):
             return memoryview(elems)[start:end]
         return elems[start:end]
 
@@ -344,22 +350,25 @@ class RadixTree:
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:
         """Split ``child`` so its first ``n`` elements become a new parent; returns that parent."""
-        top = TreeNode(child.key[:n], child.extra_key, child.parent, child.creation_time)
+        top = TreeNode(None, child.extra_key, child.parent, child.creation_time)
         top.last_access_time = child.last_access_time
         top.hit_count, top.priority = child.hit_count, child.priority
         top.lock_ref, top.host_ref = child.lock_ref, child.host_ref
         top.invalid = child.invalid
+        cut = self._slice_value
         if child.device_value is not None:
-            top.device_value = child.device_value[:n]
-            child.device_value = child.device_value[n:]
+            value = child.device_value
+            top.device_value = cut(value, 0, n)
+            child.device_value = cut(value, n, len(value))
         if child.host_value is not None:
-            top.host_value = child.host_value[:n]
-            child.host_value = child.host_value[n:]
+            value = child.host_value
+            top.host_value = cut(value, 0, n)
+            child.host_value = cut(value, n, len(value))
         if child.hash_values is not None:
             pages = n // self.page_size
             top.hash_values, child.hash_values = child.hash_values[:pages], child.hash_values[pages:]
         child.parent.children[self.child_key(child.key, child.extra_key)] = top
-        child.key = child.key[n:]
+        top.key, child.key = own_key(child.key[:n]), own_key(child.key[n:])
         child.parent = top
         top.children[self.child_key(child.key, child.extra_key)] = child
         if self.split_hook is not None:
@@ -568,6 +577,10 @@ class RadixTree:
                f"evictable_size {self.evictable_size} != {evictable}")
         _check(protected == self.protected_size, self.root,
                f"protected_size {self.protected_size} != {protected}")
+
+
+def _plain_slice(value: Any, start: int, end: int) -> Any:
+    return value[start:end]
 
 
 def _is_leaf(node: TreeNode, attr: str) -> bool:

@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 log = logging.getLogger(__name__)
 
 
-NATIVE_API_VERSION = 4  # the API_VERSION of tierkv/_radix.c that the tree calls
+NATIVE_API_VERSION = 6  # the API_VERSION of tierkv/_radix.c that the tree calls
 
 
 def load_native(name: str) -> Callable | None:
@@ -113,3 +113,24 @@ def _token_id(index: int, value: object) -> int:
         return operator.index(value)
     except TypeError:
         raise TypeError(f"token_ids[{index}] must be an int, got {value!r}") from None
+
+
+# elements beyond its own that a node's key may keep alive: a view of a caller's array that leaves out at
+# most KEY_SLACK (a partial last page) or an eighth of its own elements is kept as a view, else copied
+# (copying a 100k-token prompt's new part to save the few hundred tokens before it cost more than its insert)
+KEY_SLACK = 64
+
+
+def key_slack(num_elements: int) -> int:
+    """Elements beyond ``num_elements`` that a node's key may keep alive (see :data:`KEY_SLACK`)."""
+    return max(KEY_SLACK, num_elements // 8)
+
+
+def own_key(key: object) -> object:
+    """``key`` (one half of a split node's key) as what the node may keep: a view of an array it leaves
+    mostly unused becomes a copy, so the other half's tokens are not kept alive by it."""
+    if type(key) is memoryview and len(key.obj) - len(key) > key_slack(len(key)):
+        own = array("q")
+        own.frombytes(key.cast("B"))
+        return own
+    return key

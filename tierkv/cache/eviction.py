@@ -86,8 +86,10 @@ class Eviction:
         for). Lock contract: skips locked nodes, and nodes without an L2 copy whose host-only
         descendants are protected (host_ref: an L3 backup or prefetch reads them).
         """
-        freed, batch, kept = 0, _WriteBackBatch(), []
         write_back = self.config.writes_on_evict and self.transfer is not None
+        if not write_back:
+            return self._evict_dropping(num_tokens)
+        freed, batch, kept = 0, _WriteBackBatch(), []
         for node in self._device_heap.victims() if num_tokens > 0 else ():
             self._split_victim(node, num_tokens - freed)
             if write_back and node.host_value is None and self.admit(node):
@@ -112,6 +114,33 @@ class Eviction:
         self.stats.evicted_device_tokens += freed
         if batch.raised is not None:  # let it through now that no slot is left loose
             raise batch.raised
+        return freed
+
+    def _evict_dropping(self, num_tokens: int) -> int:
+        """:meth:`evict` when nothing is copied on eviction: the heap's compiled loop evicts every victim
+        it can alone, and hands back one at a time those this loop must (split, deleted with L2-only
+        descendants, or kept). Same victims, same order as the loop over ``victims()``."""
+        freed, slots, kept = 0, [], []
+        heap, on_evict, split = self._device_heap, self.priority.on_evict, self.config.split_victims
+        while freed < num_tokens:
+            num_freed, values, node = heap.evict_device_until_held(num_tokens - freed, on_evict, split)
+            freed += num_freed
+            slots += values
+            if node is None:
+                break
+            self._split_victim(node, num_tokens - freed)
+            if node.host_value is None and node.host_ref:
+                kept.append(node)  # deleting it would delete L2 pages in use
+                continue
+            freed += len(node)
+            slots.append(self.tree.clear_device_value(node))
+            removed = node.host_value is None
+            if removed:
+                self._remove_with_host_subtree(node)
+            on_evict(node, removed=removed)
+        self.device_pool.allocator.free_each(slots, whole_pages=True)  # the tree's own, checked at insert
+        self.tree.mark_changed("device", kept)  # candidates again at the next call
+        self.stats.evicted_device_tokens += freed
         return freed
 
     def _split_victim(self, node: TreeNode, num_tokens: int) -> None:
@@ -198,17 +227,20 @@ class Eviction:
         nodes with host_ref (in-flight writes, loads, backups) and locked host-only nodes.
         """
         freed, evicted_slots = 0, []
-        for node in self._host_heap.victims() if num_tokens > 0 else ():
+        heap, on_evict, split = self._host_heap, self.priority.on_evict, self.config.split_victims
+        while freed < num_tokens:  # the heap's compiled loop; a victim to split is handed back
+            num_freed, values, node = heap.evict_host_until_held(num_tokens - freed, on_evict, split)
+            freed += num_freed
+            evicted_slots += values
+            if node is None:
+                break
             self._split_victim(node, num_tokens - freed)
             freed += len(node)
             evicted_slots.append(node.host_value)
             node.host_value = None
             if node.device_value is None:
                 self.tree.remove_leaf(node)
-            self.priority.on_evict(node, removed=node.device_value is None)
-            if freed >= num_tokens:
-                break
-        if evicted_slots:  # one free: each call validates its slots, which dominates for small nodes
-            self.host_pool.free(torch.cat(evicted_slots))
+            on_evict(node, removed=node.device_value is None)
+        self.host_pool.allocator.free_each(evicted_slots, whole_pages=True)  # no concatenation: see free_each
         self.stats.evicted_host_tokens += freed
         return freed

@@ -31,7 +31,7 @@ from tierkv.cache.retire import Retirements
 from tierkv.copy.transfer import CopyHandle, TransferController, resolve_host_layout
 from tierkv.eviction import get_policy
 from tierkv.hashing import HashNamespace
-from tierkv.pools.allocator import plain_slot_slices
+from tierkv.pools.allocator import owned_slot_slice, plain_slot_slices
 from tierkv.pools.kv import DeviceKVPool, HostKVPool, host_pool_tokens
 from tierkv.radix import MatchPath, RadixKey, RadixTree, TreeNode
 from tierkv.storage.base import PageStore
@@ -58,7 +58,7 @@ class HiRadixCache:
             raise ValueError(f"device pool page_size {device_pool.page_size} != config page_size "
                              f"{self.config.page_size}")
         self.device_pool = device_pool
-        self.tree = RadixTree(self.config.page_size, bigram=self.config.bigram)
+        self.tree = RadixTree(self.config.page_size, bigram=self.config.bigram, slice_value=owned_slot_slice)
         self.priority = get_policy(self.config.eviction_policy)
         self.tree.split_hook = self.priority.on_split  # a split node's halves keep its rank
         self.tp = tp or TPGroup.single()

@@ -160,3 +160,26 @@ def test_bookkeeping_is_bounded_by_the_ghosts_and_the_nodes_cached():
 
 def test_registered_under_its_name():
     assert isinstance(get_policy("adaptive"), Adaptive)
+
+
+def test_a_node_removed_in_two_pieces_teaches_what_it_teaches_removed_whole():
+    """Exclusive tiers remove a node in other pieces than one tier of their total (each tier splits its last
+    victim where it needs pages): counted per token, with each token one step of the decay, both learn the
+    same. Counted per node, or decayed per removal, they drifted apart."""
+    learned = []
+    for pieces in (False, True):
+        policy = Adaptive(half_life_tokens=64)
+        tree, nodes = _tree_with(policy, [("a", list(range(100)), 1), ("b", [500, 501], 2)])
+        if pieces:
+            head = tree.split(nodes["a"], 60)
+            for node in (nodes["a"], head):  # the tail first, as an eviction of a leaf takes it
+                tree.clear_device_value(node)
+                tree.remove_leaf(node)
+                policy.on_evict(node, True)
+        else:
+            tree.clear_device_value(nodes["a"])
+            tree.remove_leaf(nodes["a"])
+            policy.on_evict(nodes["a"], True)
+        learned.append((policy.return_rates(), policy.new_weight, policy._removed_total, policy._cached_tokens))
+    (rates_whole, *rest_whole), (rates_pieces, *rest_pieces) = learned
+    assert rates_pieces == pytest.approx(rates_whole, rel=1e-12) and rest_pieces == rest_whole

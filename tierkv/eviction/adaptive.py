@@ -96,10 +96,12 @@ class Adaptive(GDSF):
         if removed:  # a move between tiers teaches nothing: one tier of the total would not see it
             num_tokens = len(node) * self.element_tokens
             cls = self.node_class(node)
+            # each token removed is one step of the decay, the node's own tokens too (a geometric sum):
+            # a node removed in two pieces, one right after the other, counts as the node removed whole
             decay = self._decay_per_token ** num_tokens
             self._removed_tokens = [t * decay for t in self._removed_tokens]
             self._returned_tokens = [t * decay for t in self._returned_tokens]
-            self._removed_tokens[cls] += num_tokens
+            self._removed_tokens[cls] += (1.0 - decay) / (1.0 - self._decay_per_token)
             self._removed_total += num_tokens
             self._cached_tokens = max(0, self._cached_tokens - num_tokens)
             self.ghosts.add(fingerprint(node, self.element_tokens), (cls, self._removed_total))
@@ -114,4 +116,5 @@ class Adaptive(GDSF):
 
     def _learn(self) -> None:
         new, reused = self.return_rates()
-        self.new_weight = min(1.0, new / reused) ** self.sharpness
+        # in steps of 1/1024: float sums in another order (a node removed in pieces) give the same weight
+        self.new_weight = round(1024 * min(1.0, new / reused) ** self.sharpness) / 1024

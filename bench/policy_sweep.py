@@ -98,6 +98,11 @@ def markdown(points: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _points(difference: float) -> str:
+    """A hit-ratio difference in percentage points; "=" only when exactly equal (-0.00 is a loss)."""
+    return "=" if difference == 0 else f"{100 * difference:+.2f}"
+
+
 def one_table(points: list[dict]) -> str:
     """Every point in one table: a row per (trace, capacity, policy) with L1-only, each tiered mode and its
     difference to L1-only at the same total, and MIN; then per policy and mode the mean fraction of MIN, the
@@ -119,7 +124,7 @@ def one_table(points: list[dict]) -> str:
             for mode in tiered:
                 p = cell.get((trace, size, policy, mode))
                 row.append("-" if p is None else
-                           f"{100 * p['hit_ratio']:.2f} ({100 * (p['hit_ratio'] - one['hit_ratio']):+.2f})")
+                           f"{100 * p['hit_ratio']:.2f} ({_points(p['hit_ratio'] - one['hit_ratio'])})")
             lines.append("| " + " | ".join(row) + " |")
     lines += ["", "| policy, mode | mean fraction of MIN | worst tiered - L1-only (points) | best of the table at |",
               "|---|---|---|---|"]
@@ -134,7 +139,7 @@ def one_table(points: list[dict]) -> str:
             gaps = [p["hit_ratio"] - cell[(p["trace"], p["capacity_tokens"], policy, "l1")]["hit_ratio"]
                     for p in mine]
             wins = sum(p["hit_ratio"] >= best[(p["trace"], p["capacity_tokens"])] for p in mine)
-            worst = "-" if mode == "l1" else f"{100 * min(gaps):+.2f}"
+            worst = "-" if mode == "l1" else _points(min(gaps))
             lines.append(f"| {policy}, {mode} | {mean:.3f} | {worst} | {wins} of {len(mine)} |")
     return "\n".join(lines)
 

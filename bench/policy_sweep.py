@@ -9,6 +9,8 @@ MIN is the offline optimum of one tier of the whole capacity (tierkv.replay.opti
 
 Run:  /work/venv/bin/python bench/policy_sweep.py TRACE [TRACE...] [--sizes 1M,4.5M,10M]
           [--policies lru,gdsf,...] [--modes l1,inclusive,exclusive] [--json OUT] [--jobs 2] [--swap-loads] [--whole-nodes]
+      /work/venv/bin/python bench/policy_sweep.py --render OUT [OUT...]   (one table from saved --json runs:
+          a row per trace, capacity and policy; tiered minus L1-only per tier mode; a summary per policy)
 """
 
 from __future__ import annotations
@@ -96,9 +98,56 @@ def markdown(points: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _points(difference: float) -> str:
+    """A hit-ratio difference in percentage points; "=" only when exactly equal (-0.00 is a loss)."""
+    return "=" if difference == 0 else f"{100 * difference:+.2f}"
+
+
+def one_table(points: list[dict]) -> str:
+    """Every point in one table: a row per (trace, capacity, policy) with L1-only, each tiered mode and its
+    difference to L1-only at the same total, and MIN; then per policy and mode the mean fraction of MIN, the
+    worst difference to L1-only and the points where the policy is the best of the table."""
+    cell = {(p["trace"], p["capacity_tokens"], p["policy"], p["mode"]): p for p in points}
+    traces = list(dict.fromkeys(p["trace"] for p in points))
+    policies = list(dict.fromkeys(p["policy"] for p in points))
+    tiered = [m for m in ("exclusive", "inclusive") if any(p["mode"] == m for p in points)]
+    head = ["trace", "total", "MIN", "policy", "L1-only"] + [f"{m}, vs L1" for m in tiered]
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    sites = [(t, s) for t in traces for s in sorted({p["capacity_tokens"] for p in points if p["trace"] == t})]
+    for trace, size in sites:
+        for policy in policies:
+            one = cell.get((trace, size, policy, "l1"))
+            if one is None:
+                continue
+            row = [Path(trace).name.split(".")[0], f"{size / 1e6:g}M", f"{100 * one['optimal_hit_ratio']:.1f}",
+                   policy, f"{100 * one['hit_ratio']:.2f}"]
+            for mode in tiered:
+                p = cell.get((trace, size, policy, mode))
+                row.append("-" if p is None else
+                           f"{100 * p['hit_ratio']:.2f} ({_points(p['hit_ratio'] - one['hit_ratio'])})")
+            lines.append("| " + " | ".join(row) + " |")
+    lines += ["", "| policy, mode | mean fraction of MIN | worst tiered - L1-only (points) | best of the table at |",
+              "|---|---|---|---|"]
+    for mode in ["l1"] + tiered:
+        best = {site: max(cell[site + (q, mode)]["hit_ratio"] for q in policies if site + (q, mode) in cell)
+                for site in sites}
+        for policy in policies:
+            mine = [cell[site + (policy, mode)] for site in sites if site + (policy, mode) in cell]
+            if not mine:
+                continue
+            mean = sum(p["fraction_of_min"] for p in mine) / len(mine)
+            gaps = [p["hit_ratio"] - cell[(p["trace"], p["capacity_tokens"], policy, "l1")]["hit_ratio"]
+                    for p in mine]
+            wins = sum(p["hit_ratio"] >= best[(p["trace"], p["capacity_tokens"])] for p in mine)
+            worst = "-" if mode == "l1" else _points(min(gaps))
+            lines.append(f"| {policy}, {mode} | {mean:.3f} | {worst} | {wins} of {len(mine)} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("traces", nargs="+")
+    ap.add_argument("traces", nargs="*")
+    ap.add_argument("--render", nargs="+", metavar="JSON", help="print one table from saved --json runs, run nothing")
     ap.add_argument("--sizes", default="1M,4.5M,10M")
     ap.add_argument("--policies", default=",".join(p for p in POLICIES if p not in ("priority", "mru")))
     ap.add_argument("--modes", default=",".join(MODES))
@@ -111,6 +160,11 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--json", metavar="OUT")
     args = ap.parse_args()
+    if args.render:
+        print(one_table([p for path in args.render for p in json.loads(Path(path).read_text())]))
+        return
+    if not args.traces:
+        ap.error("give TRACE files to sweep, or --render JSON files")
     points = sweep(args.traces, parse_sizes(args.sizes), args.policies.split(","), args.modes.split(","),
                    args.page_size, args.jobs, args.admission, args.swap_loads,
                    args.whole_nodes)

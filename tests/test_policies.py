@@ -53,6 +53,7 @@ def _three(policy):
     ("lfu", "bac"),
     ("arc", "bca"),      # no ghost hits yet: no T2 bonus, plain recency
     ("gdsf", "bac"),     # H = uses x cost per slot at an equal depth, so frequency order
+    ("adaptive", "bac"), # no ghost back yet: weight 1, GDSF's order
     ("filo", "cba"),     # newest created first, whatever the uses
 ])
 def test_order_on_three_leaves(name, expected):
@@ -199,7 +200,7 @@ def test_gdsf_cost_per_slot_is_the_inserted_nodes_not_the_shape_it_has_when_firs
     assert policy.cost_per_slot(node) == policy.cost_per_slot(top) == whole
 
 
-@pytest.mark.parametrize("policy", ["lru", "gdsf"])
+@pytest.mark.parametrize("policy", ["lru", "gdsf", "adaptive"])
 def test_exclusive_tiers_hit_as_one_tier_of_the_same_size_request_by_request(policy):
     """Exclusive tiers at equal memory: L1 a ninth, L2 the rest, against one tier of the total (the
     sweep's configurations). Both simulators serve each request of an agent-like trace with the same hit:
@@ -237,6 +238,10 @@ def test_exclusive_tiers_hit_as_one_tier_of_the_same_size_request_by_request(pol
     dict(l1_tokens=48_000, eviction_policy="s3fifo"),
     dict(l1_tokens=48_000, eviction_policy="arc"),
     dict(l1_tokens=48_000, eviction_policy="hitdensity"),
+    dict(l1_tokens=48_000, eviction_policy="adaptive"),
+    dict(l1_tokens=8_000, l2_tokens=40_000, eviction_policy="adaptive"),
+    dict(l1_tokens=8_000, l2_tokens=40_000, eviction_policy="adaptive", tier_mode="exclusive"),
+    dict(l1_tokens=8_000, l2_tokens=40_000, eviction_policy="adaptive", tier_mode="exclusive", load_chunk_tokens=0),
     # HiCache's whole-node eviction
     dict(l1_tokens=48_000, eviction_policy="gdsf", split_victims=False),
     dict(l1_tokens=8_000, l2_tokens=40_000, eviction_policy="lru", tier_mode="exclusive", split_victims=False),

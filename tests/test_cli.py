@@ -1,13 +1,14 @@
+import argparse
+import ast
 import gzip
 import json
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
 
-from tierkv.cli import main
+from tierkv.cli import build_parser, main
 
 FIXTURE = Path(__file__).parent / "fixtures" / "conversation_200.jsonl"
 REQUIRED = {"requests", "prompt_tokens", "hit_tokens", "hit_ratio", "optimal_hit_ratio", "no_cache_ttft_s",
@@ -77,22 +78,68 @@ def test_bad_options_are_clear_errors(capsys):
         main(["replay", str(FIXTURE), "--policy", "nope"])
 
 
-def test_serve_and_bench_engine_dispatch_lazily(monkeypatch):
-    calls = []
-    fake = types.ModuleType("tierkv.engine.cli")
-    fake.serve_main = lambda argv: calls.append(("serve", argv)) or 0
-    fake.bench_main = lambda argv: calls.append(("bench", argv)) or 3
-    monkeypatch.setitem(sys.modules, "tierkv.engine.cli", fake)
-    assert main(["serve", "--port", "8000"]) == 0
-    assert main(["bench", "engine", "--quick"]) == 3
-    assert calls == [("serve", ["--port", "8000"]), ("bench", ["--quick"])]
+def _all_parsers(parser: argparse.ArgumentParser):
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                yield from _all_parsers(child)
 
 
-def test_missing_engine_is_a_clear_error(monkeypatch, capsys):
+def test_serve_and_bench_are_nested_subcommands_with_help_for_every_flag(capsys):
+    """29.11: serve and bench were hand-dispatched (add_help=False), flags had no help, defaults showed
+    twice or empty."""
+    parser = build_parser()
+    parsers = {p.prog: p for p in _all_parsers(parser)}
+    assert {"tierkv replay", "tierkv serve", "tierkv bench", "tierkv bench engine"} <= parsers.keys()
+    for prog, sub in parsers.items():
+        formatter = sub._get_formatter()
+        for action in sub._actions:
+            if action.option_strings and action.dest != "help":
+                assert action.help, f"{prog} {action.option_strings[0]} has no help"
+                shown = formatter._expand_help(action)
+                assert shown.count("(default") <= 1, (prog, shown)  # once, not twice
+                assert "(default: None)" not in shown and "(default: )" not in shown, (prog, shown)
+    for argv, shown in ((["serve", "--help"], "--hicache-write-policy"), (["bench", "--help"], "engine"),
+                        (["bench", "engine", "--help"], "--conversations")):
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        assert info.value.code == 0 and shown in capsys.readouterr().out
+
+
+def test_nested_serve_and_bench_engine_run_their_commands(capsys):
+    assert main(["serve", "--model", "tiny-llama", "--device", "meta"]) == 2
+    assert "tierkv serve: error: --device meta" in capsys.readouterr().err
+    assert main(["bench", "engine", "--conversations", "2", "--turns", "2", "--system-tokens", "32", "--quick"]) == 0
+    assert "outputs identical across modes: yes" in capsys.readouterr().out
+
+
+def test_missing_engine_is_a_clear_error_and_replay_still_parses(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "tierkv.engine.cli", None)
-    assert main(["serve"]) == 2
+    assert main(["serve", "--model", "tiny-llama"]) == 2
     assert "needs the engine" in capsys.readouterr().err
-    assert main(["bench"]) == 2
+    assert main(["bench", "engine", "--quick"]) == 2
+    with pytest.raises(SystemExit) as info:
+        main(["replay", "--help"])
+    assert info.value.code == 0
+
+
+def test_cli_modules_import_one_way():
+    """29.11: tierkv.cli <-> tierkv.engine.cli (token_count) and engine.bench <-> bench_crossover were circles."""
+    root = Path(__file__).parent.parent / "tierkv"
+
+    def imports(path: Path) -> set[str]:
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names.add(node.module)
+            elif isinstance(node, ast.Import):
+                names.update(alias.name for alias in node.names)
+        return names
+
+    assert "tierkv.cli" not in imports(root / "engine" / "cli.py")
+    assert "tierkv.engine.bench" not in imports(root / "engine" / "bench_crossover.py")
+    assert "tierkv.engine.bench" not in imports(root / "engine" / "bench_workload.py")
 
 
 def test_python_dash_m_tierkv_runs():
@@ -105,9 +152,12 @@ def test_version_and_bench_help_exit_zero(capsys):
     with pytest.raises(SystemExit) as info:
         main(["--version"])
     assert info.value.code == 0 and capsys.readouterr().out.startswith("tierkv 0.")
-    assert main(["bench", "--help"]) == 0
-    assert "tierkv bench engine" in capsys.readouterr().out
-    assert main(["bench"]) == 2
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "--help"])
+    assert info.value.code == 0 and "tierkv bench" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as info:
+        main(["bench"])
+    assert info.value.code == 2 and "BENCHMARK" in capsys.readouterr().err
 
 
 def test_replay_help_shows_defaults_and_models(capsys):

@@ -57,3 +57,9 @@ def test_copy_benchmark_rows():
     rows = measure("cpu", size_mib=1, repeats=1)
     assert [r["case"] for r in rows][1:] == ["kernel/layer_first", "kernel/page_first", "direct/page_first_direct"]
     assert all(r["write_gbps"] > 0 for r in rows) and "write vs flat" in format_rows(rows)
+
+
+def test_a_device_that_cannot_run_the_model_is_refused_before_the_runs(capsys):
+    """24.7: `--device meta` was accepted; every run then failed."""
+    assert main(["--device", "meta", "--quick"]) == 2
+    assert "--device meta" in capsys.readouterr().err

@@ -7,6 +7,7 @@ from engine_helpers import single_torch_thread  # noqa: F401  (autouse fixture)
 from tierkv.engine.engine import Engine, EngineConfig
 from tierkv.engine.request import Request
 from tierkv.engine.scheduler import SchedulerConfig
+from tierkv.radix import RadixKey
 
 
 @pytest.fixture(scope="module")
@@ -71,3 +72,37 @@ def test_scheduler_config_rejects_bad_values(bad):
 def test_request_rejects_empty_prompt():
     with pytest.raises(ValueError, match="prompt"):
         Request([], 3)
+
+
+@pytest.mark.parametrize("mode", ["l1", "l1+l2"])
+def test_abort_releases_waiting_prefilling_decoding_and_unsubmitted_requests(model, mode):
+    """Scheduler.abort (a client went away): the request stops at once wherever it is, its slots and locks
+    are released, the KV it computed stays cached (unlocked), and the others still finish exactly."""
+    prompts = prompts_with_shared_prefix(4, prefix_len=48, suffix_len=200, seed=9)
+    want = reference(model, prompts[:1], 6)[0]
+    engine = Engine(model, EngineConfig(mode=mode, l1_tokens=2048, page_size=4, max_running_requests=2,
+                                        chunk_tokens=64))
+    keep, decoding, prefilling, waiting = [engine.submit(p, 6 if i == 0 else 500) for i, p in enumerate(prompts)]
+    early = Request(list(prompts[0]), 4)
+    engine.scheduler.abort(early)  # not submitted yet: refused when it is
+    engine.scheduler.submit(early)
+    engine.scheduler.step()  # keep and decoding run (chunked prefill); prefilling waits
+    engine.scheduler.abort(waiting)
+    assert waiting.finished and waiting.cancelled and not waiting.output
+    while not decoding.output:
+        engine.scheduler.step()
+    engine.scheduler.abort(decoding)
+    engine.scheduler.step()  # prefilling is admitted in decoding's place
+    assert prefilling in engine.scheduler.running and prefilling.in_prefill
+    engine.scheduler.abort(prefilling)
+    engine.check_integrity()
+    while engine.scheduler.has_work:
+        engine.scheduler.step()
+    assert_same(keep, want)
+    assert [r.cancelled for r in (early, waiting, decoding, prefilling)] == [True] * 4
+    assert engine.scheduler.counters.requests_cancelled == 4 and len(decoding.output) < 500
+    engine.cache.flush()
+    engine.check_integrity()
+    assert engine.cache.tree.protected_size == 0
+    assert engine.cache.match_prefix(RadixKey(prompts[1][:100])).device_indices.numel() >= 96  # kept, unlocked
+    engine.close()

@@ -107,7 +107,7 @@ def test_serve_command_prints_a_summary_and_logs_each_request(tmp_path):
     try:
         summary = [proc.stdout.readline() for _ in range(4)]
         assert "L1 2,000 tokens" in summary[1] and "L2 8,000 tokens" in summary[1], summary
-        assert "inclusive)" in summary[1] and "eviction gdsf" in summary[1], summary
+        assert "inclusive, write_through" in summary[1] and "eviction gdsf" in summary[1], summary
         assert "listening on http://127.0.0.1:" in summary[-1], summary
         port = int(summary[-1].rsplit(":", 1)[1])
         status, _, data = call(port, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 3})
@@ -126,7 +126,11 @@ def test_serve_command_prints_a_summary_and_logs_each_request(tmp_path):
     (["--l1-tokens", "1e12"], "--l1-tokens"), (["--device", "cuda"], "--device"),
     (["--tenant-keys", "/nonexistent/keys"], "--tenant-keys"), (["--l2-tokens", "100"], "--l2-tokens"),
     (["--prefill-tokens-per-s", "0"], "--prefill-tokens-per-s"), (["--tier-mode", "both"], "--tier-mode"),
-    (["--eviction-policy", "random"], "--eviction-policy"),
+    (["--eviction-policy", "random"], "--eviction-policy"), (["--max-waiting-requests", "0"], "--max-waiting-requests"),
+    (["--device", "meta"], "--device"),  # 24.7: accepted, then every request failed
+    (["--l3", "file:/tmp/tierkv-unused-l3", "--mode", "l1+l2"], "--l3"),  # 29.2: ran without the L3 it named
+    (["--l3", "file:/tmp/tierkv-unused-l3", "--storage-extra", '{"io_wait_timeout_s": 0}'], "io_wait_timeout_s"),
+    (["--hicache-mem-layout", "page_head"], "--hicache-mem-layout"),  # 29.5: SGLang's value tierkv lacks
 ])
 def test_serve_flag_errors_are_one_line_naming_the_flag(flags, named):
     if flags[0] == "--device":
@@ -137,6 +141,17 @@ def test_serve_flag_errors_are_one_line_naming_the_flag(flags, named):
                            "--port", "0", *flags], capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, PYTHONPATH=os.getcwd()))
     assert proc.returncode == 2 and named in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_serve_never_echoes_the_storage_extra_config():
+    """24.6: valid JSON that is not an object was echoed whole in the error (a pasted page key showed)."""
+    secret = "page-key-Zq81xK-0123456789abcdef"
+    proc = subprocess.run([sys.executable, "-m", "tierkv.engine.cli", "serve", "--model", "tiny-llama", "--port", "0",
+                           "--mode", "l1+l2+l3", "--l3", "file:/tmp/tierkv-unused-l3", "--storage-extra",
+                           json.dumps(secret)], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    assert proc.returncode == 2 and "--storage-extra" in proc.stderr, proc.stderr
+    assert secret not in proc.stderr + proc.stdout
 
 
 def test_client_leaving_mid_stream_leaks_nothing(server):

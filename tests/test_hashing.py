@@ -3,7 +3,10 @@ import hashlib
 import pytest
 import torch
 
-from tierkv.hashing import HASH_ALGORITHMS, HashNamespace, hash_function, page_hashes, token_bytes
+from hypothesis import given, strategies as st
+
+from tierkv.hashing import (HASH_ALGORITHMS, HashNamespace, hash_function, page_hashes, request_extra_key,
+                            token_bytes)
 from tierkv.pools.spec import KVSpec
 
 NS = HashNamespace(model="llama-3-8b", kv_layout="mha/page_first", kv_dtype="float16",
@@ -109,3 +112,23 @@ def test_batched_chain_equals_the_definition_page_by_page(algorithm, page_size, 
         expected.append(prior)
     assert page_hashes(tokens, page_size, None, ns) == expected
     assert page_hashes(tokens[page_size:], page_size, expected[0], ns) == expected[1:]
+
+
+# ---- a request's namespace from its tenant and cache_salt ------------------------------------------------
+# pieces of the encodings themselves, so that random fields imitate each other's separators
+_PIECES = st.sampled_from(["", "a", "b", "|", ":", "+", "1", "12:", "salt:", "tenant:", "tenant+salt:", "|salt:"])
+_FIELD = st.none() | st.lists(_PIECES | st.text(max_size=3), max_size=4).map("".join)
+
+
+def test_a_tenant_and_a_salt_never_meet_a_tenant_named_like_both():
+    assert request_extra_key("a", "b") != request_extra_key("a|salt:b", None)
+    assert request_extra_key("a", "b") != request_extra_key("a|salt:", "b")
+    assert request_extra_key(None, None) is None
+    # the single-field namespaces are unchanged: their pages stay reachable
+    assert (request_extra_key("a", None), request_extra_key(None, "b")) == ("tenant:a", "salt:b")
+
+
+@given(first=st.tuples(_FIELD, _FIELD), second=st.tuples(_FIELD, _FIELD))
+def test_no_two_tenant_salt_pairs_share_a_namespace(first, second):
+    if first != second:
+        assert request_extra_key(*first) != request_extra_key(*second)

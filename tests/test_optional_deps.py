@@ -27,7 +27,7 @@ assert main(["replay", FIXTURE, "--limit", "20", "--l1-tokens", "4k", "--l2-toke
 try:
     factory.open_store("redis://127.0.0.1:1/0", "ns", 4096, {})
 except ValueError as exc:
-    assert "tierkv[redis]" in str(exc), exc
+    assert "tierkv-hicache[redis]" in str(exc), exc
     print("REDIS-REFUSED")
 assert "redis" not in sys.modules
 """

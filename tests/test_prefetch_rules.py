@@ -146,3 +146,42 @@ def test_prefix_keys_reach_stores_that_want_them(pass_prefix_keys: bool):
     assert cache.match_prefix(key).host_hit_length + len(cache.match_prefix(key).device_indices) == 6 * PS
     cache.check_integrity()
     cache.close()
+
+
+def _small_l2_with_stored(key: RadixKey, stored_pages: int):
+    """L1 of 8 pages and L2 of 16 (rate limit: 0.8 x 8 pages = 102 tokens); L3 holds the first
+    ``stored_pages`` of ``key``, written by a larger cache sharing the store."""
+    blobs: dict = {}
+    writer = make_cache(page_size=PS, device_tokens=32 * PS)
+    attach_fake(writer, blobs)
+    compute_and_insert(writer, key, seed=43)
+    writer.flush()
+    writer.close()
+    for stored in list(blobs)[stored_pages:]:
+        del blobs[stored]
+    cache = make_cache(page_size=PS, device_tokens=8 * PS)
+    store = attach_fake(cache, blobs, prefetch_stop_policy="wait_complete")
+    assert cache.storage.max_tokens_in_flight == int(0.8 * 8 * PS)
+    return cache, store
+
+
+def test_rate_limit_counts_tokens_asked_for_and_skips_only_once_full():
+    """HiCache's rule: a prefetch is skipped only when the tokens asked for by prefetches not yet ended
+    already reach the limit, whatever its own size; a prompt longer than the limit is still fetched."""
+    long_key = RadixKey(random_tokens(12 * PS, seed=44))  # 192 tokens asked: more than the 102 limit
+    cache, store = _small_l2_with_stored(long_key, stored_pages=4)
+    assert cache.prefetch_from_storage("long", cache.tree.root, long_key)
+    cache.storage.wait_idle()
+    cache.step()  # L3 holds 4 of its 12 pages: 4 granted, but all 12 stay counted until it ends
+    assert len(cache.storage.prefetches["long"].host_pages) == 4
+    short_key = RadixKey(random_tokens(2 * PS, seed=45))
+    assert not cache.prefetch_from_storage("short", cache.tree.root, short_key)
+    assert cache.storage.stats.prefetch_rate_limited == 1
+    cache.flush()
+    assert cache.check_prefetch_progress("long")
+    assert cache.match_prefix(long_key).host_hit_length == 4 * PS
+    assert cache.prefetch_from_storage("short", cache.tree.root, short_key)  # ended: room again
+    cache.flush()
+    assert cache.check_prefetch_progress("short")
+    cache.check_integrity()
+    cache.close()

@@ -1,6 +1,10 @@
 """L3 on a real 3-master Redis Cluster (issue 15, item 7): slots spread pages, a killed master costs hits."""
 
+import os
+import signal
+
 import pytest
+import redis
 import torch
 
 from tests.servers import RedisClusterServers, running
@@ -28,6 +32,37 @@ def test_cluster_round_trip_spreads_pages_over_every_master(redis_cluster):
     store.clear()
     assert store.batch_exists(keys) == 0 and sum(redis.Redis(port=n.port).dbsize() for n in redis_cluster.nodes) == 0
     store.close()
+
+
+def test_a_dead_master_costs_only_its_own_pages_in_every_batch(redis_cluster):
+    """Whole batches (as prefetch and backup send them) with one master killed by PID: every page on
+    the two live masters still hits, in the batch that meets the dead master and in the next ones, and
+    only the dead master's pages miss or fail to write. (Runs before the test below kills another.)"""
+    store = open_store(redis_cluster.url, "ns", PAGE_NBYTES, {"key_prefix": "dead:", "timeout_s": 1.0,
+                                                              "retry_backoff_s": 30.0, "batch_pages": 4})
+    keys, pages = make_keys(60, seed=5), make_pages(60, seed=5)
+    assert store.batch_set(keys, pages) == [True] * 60
+    victim = redis_cluster.nodes[1]
+    slot_map = redis.RedisCluster(host="127.0.0.1", port=redis_cluster.nodes[0].port)
+    on_victim = [slot_map.get_node_from_key(store.redis_key(k)).port == victim.port for k in keys]
+    slot_map.close()
+    assert 0 < sum(on_victim) < 60
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.proc.wait(10)
+    try:
+        for _ in range(3):  # the first batch meets the dead master, the next ones find it backing off
+            targets = empty_pages(60)
+            assert store.batch_get(keys, targets) == [not dead for dead in on_victim]
+            assert all(torch.equal(t, p) for t, p, dead in zip(targets, pages, on_victim) if not dead)
+        live_keys = [k for k, dead in zip(keys, on_victim) if not dead]
+        assert store.batch_exists(live_keys) == len(live_keys)
+        assert store.batch_exists(keys) == on_victim.index(True)  # the leading run stops at its first page
+        assert store.batch_set(keys, pages) == [not dead for dead in on_victim]
+        assert store.stats.errors > 0
+    finally:
+        victim.restart()  # same port and nodes.conf: it rejoins with its slots (and no data)
+        redis_cluster.wait_ok("redis-cli")
+        store.close()
 
 
 def test_cluster_master_killed_mid_run_costs_hits_never_correctness(redis_cluster):

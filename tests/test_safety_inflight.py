@@ -134,6 +134,73 @@ def test_reset_during_stuck_backup_never_poisons_l3(gate):
     reader.close()
 
 
+class OneCallAtATimeStore(FakeStore):
+    """A FakeStore where two calls of the backup worker block, each until its ``releases[n]`` is set: its
+    first call of ``op``, then its next call of any kind (two backups, stuck one after the other)."""
+
+    def __init__(self, namespace: str, page_nbytes: int, op: str) -> None:
+        super().__init__(namespace, page_nbytes)
+        self.op, self.num_calls = op, 0
+        self.releases = [threading.Event() for _ in range(2)]
+        self.entered = [threading.Event() for _ in range(2)]
+
+    def _enter(self, op: str) -> None:
+        super()._enter(op)
+        backup_worker = threading.current_thread().name == "tierkv-backup"
+        if backup_worker and (self.num_calls == 1 or self.num_calls == 0 and op == self.op):
+            call, self.num_calls = self.num_calls, self.num_calls + 1
+            self.entered[call].set()
+            assert self.releases[call].wait(30), f"{op} call {call} never released"
+
+
+@pytest.mark.parametrize("op", ["exists", "set"])
+def test_reset_during_sibling_backups_gives_their_shared_slots_one_owner(op):
+    """Two backups of sibling prompts both cover their shared prefix's L2 slots. A reset while both are
+    stuck must leave each slot one owner, freed once, after the last of them returns: never freed under
+    a node that reused it meanwhile. Prefetches keep working meanwhile."""
+    cache = make_cache(page_size=PS, device_tokens=8 * PS)
+    store = OneCallAtATimeStore("test-ns", cache.host_pool.page_nbytes, op)
+    cache.attach_storage(store, storage_config(io_wait_timeout_s=0.05, prefetch_max_tokens_in_flight=16 * PS),
+                         "test-model")
+    prefix = random_tokens(4 * PS, seed=1)
+    siblings = [RadixKey(prefix + random_tokens(2 * PS, seed=s)) for s in (2, 3)]
+    for i, key in enumerate(siblings):
+        compute_and_insert(cache, key, seed=10 + i)
+        cache.step()  # the write to L2 retires and starts the key's backup to L3
+    first, second = cache.storage.backups
+    assert len(first.host_slots) == len(second.host_slots) == 6 * PS
+    assert torch.equal(first.host_slots[:4 * PS], second.host_slots[:4 * PS])  # the shared prefix
+    assert store.entered[0].wait(10)
+    cache.reset()  # both backups are still in flight: one inside the store, one queued behind it
+    cache.check_integrity()
+    key = _key(7)  # a prefetch after the reset (drained backups are no prefetch for the rate limit)
+    assert cache.prefetch_from_storage("r", cache.match_prefix(key).last_host_node, key)
+    store.releases[0].set()  # the first returns; the second enters the store and sticks there
+    assert first.done.wait(10) and store.entered[1].wait(10)
+    cache.flush()
+    assert cache.check_prefetch_progress("r")  # L3 holds nothing of it
+    cache.check_integrity()
+    shared = first.host_slots
+    assert cache.host_pool.allocator.owned_mask()[cache.host_pool.allocator.slots_to_pages(shared)].all()
+    key2, key3 = _key(4), _key(5)  # fill L2 again while the second backup is stuck
+    kv2 = compute_and_insert(cache, key2, seed=5)
+    cache.flush()
+    kv3 = compute_and_insert(cache, key3, seed=6)
+    cache.flush()
+    cache.check_integrity()
+    store.releases[1].set()
+    assert second.done.wait(10)
+    cache.flush()  # the slots go back once, now that no worker can read them
+    cache.check_integrity()
+    assert not cache.storage.draining
+    _assert_exact_hit(cache, key2, kv2)
+    _assert_exact_hit(cache, key3, kv3)
+    cache.reset()
+    assert cache.host_pool.allocator.num_free_slots == cache.host_pool.num_slots
+    cache.check_integrity()
+    cache.close()
+
+
 @pytest.mark.parametrize("gate", ["exists", "get"])
 def test_release_and_timeout_of_stuck_prefetch_keep_slots_until_it_returns(gate):
     cache, store = _gated_cache()

@@ -16,7 +16,7 @@ def _env(**extra: str) -> dict:
 
 def test_skip_vllm_builds_no_venv_and_reports_the_skip(tmp_path):
     proc = subprocess.run(["bash", "scripts/test.sh", "tests/test_vllm_connector.py", "-rs"], cwd=ROOT,
-                          env=_env(TIERKV_SKIP_VLLM="1", TIERKV_VLLM_VENV=str(tmp_path / "never-built")),
+                          env=_env(TIERKV_SKIP_VLLM="1", TIERKV_SGLANG="0", TIERKV_VLLM_VENV=str(tmp_path / "never-built")),
                           capture_output=True, text=True, timeout=600)
     # 5: pytest collected no test, when the module skips itself at import (no vLLM venv here at all)
     assert proc.returncode in (0, 5), proc.stdout[-2000:] + proc.stderr[-2000:]

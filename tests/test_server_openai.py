@@ -155,6 +155,17 @@ def test_tenants_from_api_keys_never_share_kv(model, tmp_path):
         srv.close()
 
 
+def test_a_tenant_with_a_salt_never_shares_kv_with_a_tenant_named_like_both(model):
+    srv = start_server(model, api_keys={"key-a": "a", "key-x": "a|salt:b"})
+    try:
+        alice, mallory = client_for(srv, "key-a"), client_for(srv, "key-x")
+        cached(alice, f"pw={SECRET} salted", extra_body={"cache_salt": "b"})
+        assert cached(alice, f"pw={SECRET} salted", extra_body={"cache_salt": "b"}) > 0
+        assert cached(mallory, f"pw={SECRET} salted") == 0
+    finally:
+        srv.close()
+
+
 # ---- metrics -------------------------------------------------------------------------------------
 def scrape(srv, accept: str | None = None) -> tuple[str, str]:
     conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
@@ -171,9 +182,9 @@ def test_metrics_parse_as_prometheus_text_and_openmetrics(server):
     assert ctype.startswith("text/plain")
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for family in parse_prometheus(text) for s in family.samples}
-    assert samples[("tierkv_requests_total", (("status", "finished"),))] >= 2
-    assert samples[("tierkv_cache_hit_tokens_total", (("cache_source", "device"),))] >= 18
-    assert ("tierkv_cache_hit_tokens_total", (("cache_source", "storage"),)) in samples
+    assert samples[("tierkv_requests_total", (("outcome", "finished"),))] >= 2
+    assert samples[("tierkv_cache_hit_tokens_total", (("tier", "device"),))] >= 18
+    assert ("tierkv_cache_hit_tokens_total", (("tier", "host"),)) in samples
     assert samples[("tierkv_cache_capacity_tokens", (("tier", "host"),))] == server.loop.engine.cache.host_pool.num_slots
     assert samples[("tierkv_time_to_first_token_seconds_count", ())] >= 2
     assert ("tierkv_evicted_tokens_total", (("tier", "device"),)) in samples

@@ -2,11 +2,13 @@
 
 - a rank whose reads failed stops the prefetch on every rank (MAX of "terminated");
 - ranks agree (MIN) on how many leading pages every rank's L3 holds before reading, and read only those;
-- MLA KV (identical on every rank) is stored once, written by rank 0, and read by every rank.
+- MLA KV (identical on every rank) is stored once, written by rank 0, and read by every rank;
+- a namespace given as a string (the model name) still names each rank's own shard of the heads.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import threading
@@ -14,12 +16,14 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tierkv.config import CacheConfig
 from tierkv.hashing import HashNamespace
+from tierkv.cache.l3 import open_storage
 from tierkv.hicache import HiRadixCache
 from tierkv.pools.kv import DeviceKVPool
 from tierkv.pools.spec import KVSpec
@@ -145,6 +149,24 @@ def _mla_stored_once(tp: TPGroup, l3_dir: str) -> None:
     cache.close()
 
 
+def _string_namespace_is_per_rank(tp: TPGroup, l3_dir: str) -> None:
+    """Both ranks store the same prompt (their own head shard) in one L3 under a string namespace; each
+    must read back its own shard, never the other rank's."""
+    cache = _cache(MHA, tp)
+    extra = json.dumps({"prefetch_threshold": 0, "prefetch_stop_policy": "wait_complete"})
+    open_storage(cache, f"file:{l3_dir}/by-name", extra, "my-model")
+    key = RadixKey(random_tokens(NUM_PAGES * PS, seed=4))
+    kv = compute_and_insert(cache, key, seed=40 + tp.rank)  # each rank's own heads
+    drop_l1_l2(cache)
+    dist.barrier()  # both ranks' backups are in L3 before either reads
+    steps = _run_prefetch(cache, key)
+    assert steps < MAX_STEPS
+    assert torch.equal(load_hit(cache, key), kv), f"rank {tp.rank} read another rank's head shard"
+    assert f"tp={tp.rank}of2" in cache.storage.namespace.name()
+    cache.check_integrity()
+    cache.close()
+
+
 class _Counting:
     """Counts pages written through to a real store (the file backend under test)."""
 
@@ -168,6 +190,7 @@ def _rank_main(rank: int, world_size: int, port: int, l3_dir: str) -> None:
         _terminated_anywhere_stops_everywhere(tp)
         _agree_on_hit_count_before_reading(tp)
         _mla_stored_once(tp, l3_dir)
+        _string_namespace_is_per_rank(tp, l3_dir)
     finally:
         dist.destroy_process_group()
 
@@ -181,3 +204,30 @@ def _free_port() -> int:
 def test_two_ranks_follow_hicache_storage_agreement(tmp_path: Path) -> None:
     mp.set_forkserver_preload(["torch", "torch.distributed", "tierkv.hicache", "tierkv.tp"])
     mp.start_processes(_rank_main, args=(2, _free_port(), str(tmp_path)), nprocs=2, start_method="forkserver")
+
+
+@pytest.mark.parametrize("tp_rank, tp_size", [(0, 1), (0, 2), (1, 3)])
+def test_a_namespace_naming_another_tp_shard_is_refused(tp_rank: int, tp_size: int) -> None:
+    """Rank 1 of 2 given rank 0's (or no rank's) namespace would read rank 0's heads as its own."""
+    cache = _cache(MHA, TPGroup(1, 2))
+    namespace = HashNamespace.for_spec("m", cache.device_pool.spec, "page_first", tp_rank, tp_size)
+    store = CountingStore(namespace.name(), cache.host_pool.page_nbytes)
+    with pytest.raises(ValueError, match=f"names TP shard {tp_rank}of{tp_size} but this cache is TP rank 1 of 2"):
+        cache.attach_storage(store, storage_config(), namespace)
+    assert cache.storage is None
+    own = HashNamespace.for_spec("m", cache.device_pool.spec, "page_first", 1, 2)
+    cache.attach_storage(store, storage_config(), own)  # its own shard is accepted
+    assert cache.storage.namespace == own
+    cache.storage.close()  # a lone rank: the cache's own close would run a collective
+
+
+def test_an_mla_namespace_must_be_rank_less() -> None:
+    """MLA pages are one copy for every rank: a namespace naming one rank would never be written."""
+    cache = _cache(MLA, TPGroup(1, 2))
+    ranked = HashNamespace(model="m", tp_rank=1, tp_size=2)
+    store = CountingStore(ranked.name(), cache.host_pool.page_nbytes)
+    with pytest.raises(ValueError, match="whose mla pages are 0of1"):
+        cache.attach_storage(store, storage_config(), ranked)
+    cache.attach_storage(store, storage_config(), "m")
+    assert "tp=0of1" in cache.storage.namespace.name()
+    cache.storage.close()

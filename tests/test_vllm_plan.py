@@ -56,18 +56,19 @@ class Pair:
         self.scheduler.on_worker_report(finished, report.backups_done, report.counters)
         return finished
 
-    def match(self, req_id: str, prompt: list[int], local_hit: int = 0, timeout_s: float = 10.0):
+    def match(self, req_id: str, prompt: list[int], local_hit: int = 0, timeout_s: float = 10.0,
+              extra_key: str | None = None):
         deadline = time.monotonic() + timeout_s
         while True:
-            answer = self.scheduler.num_new_matched_tokens(req_id, prompt, local_hit)
+            answer = self.scheduler.num_new_matched_tokens(req_id, prompt, local_hit, extra_key)
             if answer[0] is not None or time.monotonic() > deadline:
                 return answer
             time.sleep(0.01)
 
-    def compute(self, req_id: str, prompt: list[int], blocks: list[int]) -> None:
+    def compute(self, req_id: str, prompt: list[int], blocks: list[int], extra_key: str | None = None) -> None:
         """A request with no hit: vLLM computes it all, the connector saves its full blocks."""
-        assert self.match(req_id, prompt) == (0, False)
-        self.scheduler.after_alloc(req_id, prompt, blocks, 0)
+        assert self.match(req_id, prompt, extra_key=extra_key) == (0, False)
+        self.scheduler.after_alloc(req_id, prompt, blocks, 0, extra_key)
         self.scheduler.plan_save(req_id, prompt, blocks, len(prompt))
         self.step()
         self.scheduler.request_finished(req_id)
@@ -145,6 +146,50 @@ def test_l3_hit_in_a_fresh_pair_loads_asynchronously(tmp_path):
     assert reader.scheduler.state_summary()["tracked_requests"] == 0
     for pair in (writer, reader):
         pair.close()
+
+
+SALT_A, SALT_B = "salt='tenant-a'|lora=None", "salt='tenant-b'|lora=None"
+
+
+def test_two_salts_never_share_a_page_and_each_hits_its_own(tmp_path):
+    pair = Pair(tmp_path)
+    pair.compute("a1", PROMPT, [0, 1, 2, 3], extra_key=SALT_A)
+    pair.layers[0][4:8] += 1.0  # tenant b's KV for the same tokens differs (as a salted model's would)
+    pair.compute("b1", PROMPT, [4, 5, 6, 7], extra_key=SALT_B)
+    # equal tokens, two salts: two sets of L2 pages and of L3 keys, none shared
+    assert pair.scheduler.allocator.num_used_slots == 2 * HIT
+    assert pair.match("none", PROMPT) == (0, False)  # an unsalted request sees neither
+    pair.scheduler.request_finished("none")
+    for req_id, salt, source in (("a2", SALT_A, [0, 1, 2]), ("b2", SALT_B, [4, 5, 6])):
+        assert pair.match(req_id, PROMPT, extra_key=salt) == (HIT, False)
+        pair.scheduler.after_alloc(req_id, PROMPT, [20, 21, 22, 23], HIT, salt)
+        pair.step()
+        assert pair.blocks_equal(source, [20, 21, 22])  # its own tenant's bytes
+        pair.scheduler.request_finished(req_id)
+    pair.wait_backups()
+    pages = sorted(p.name for p in tmp_path.rglob("*.page"))
+    assert len(pages) == len(set(pages)) == 2 * HIT // BLOCK
+    # a fresh process: L3 serves each salt its own pages only
+    reader = Pair(tmp_path)
+    assert reader.match("c1", PROMPT, extra_key="salt='tenant-c'|lora=None") == (0, False)
+    assert reader.match("a3", PROMPT, extra_key=SALT_A) == (HIT, True)
+    reader.scheduler.request_finished("c1")
+    reader.scheduler.request_finished("a3")
+    for each in (pair, reader):
+        each.scheduler.check_integrity()
+        each.close()
+
+
+def test_salt_keys_are_disjoint_chains(tmp_path):
+    pair = Pair(tmp_path)  # with an L3, a lookup hashes every page of the prompt
+    chains = {}
+    for salt in (None, SALT_A, SALT_B, ""):
+        assert pair.match(f"r{salt}", PROMPT, extra_key=salt) == (0, False)
+        chains[salt] = pair.scheduler.requests[f"r{salt}"].hashes
+    assert all(len(c) == HIT // BLOCK for c in chains.values())
+    flat = [h for c in chains.values() for h in c]
+    assert len(flat) == len(set(flat))
+    pair.close()
 
 
 def _corrupt(root: Path) -> int:

@@ -1,9 +1,10 @@
 """Run one real vLLM engine (CPU) through phases of greedy generation; print the results as JSON.
 
 Usage: ``python tests/vllm_scenarios.py '<scenario json>'`` with the vLLM venv's python. The scenario:
-``{"model": dir, "connector": extra_config or null, "max_tokens": n, "phases": [phase, ...]}``; a phase:
-``{"prompts": name, "reset_prefix_cache": bool, "signal": [pid, "SIGSTOP"], "corrupt_l3": file L3 dir,
-"flush_backups": bool}`` (all but "prompts" optional).
+``{"model": dir, "connector": extra_config or "noop" or null, "max_tokens": n, "phases": [phase, ...]}``
+("noop": bench/noop_connector.py's connector that does nothing; null: no connector); a phase:
+``{"prompts": name, "salt": cache_salt, "reset_prefix_cache": bool, "signal": [pid, "SIGSTOP"],
+"corrupt_l3": file L3 dir, "flush_backups": bool}`` (all but "prompts" optional).
 Prompt sets are seeded, so every process builds the same ones. The last stdout line is
 ``RESULT {"phases": [{"outputs": [[ids]], "cached": [n], "stats": {...}}]}``.
 
@@ -27,8 +28,12 @@ BLOCK_SIZE = 32
 
 
 def prompt_set(name: str) -> list[list[int]]:
-    """Seeded prompt sets: "A".."D" are 3 unrelated 200-token prompts; "shared" has a 128-token common prefix."""
+    """Seeded prompt sets: "A".."D" are 3 unrelated 200-token prompts; "shared" has a 128-token common prefix;
+    "many" is 24 prompts of 8 groups sharing 96-token prefixes."""
     rng = random.Random(name)
+    if name == "many":
+        prefixes = [[rng.randrange(256) for _ in range(96)] for _ in range(8)]
+        return [prefixes[i % 8] + [rng.randrange(256) for _ in range(104)] for i in range(24)]
     if name == "shared":
         prefix = [rng.randrange(256) for _ in range(128)]
         return [prefix + [rng.randrange(256) for _ in range(100)] for _ in range(3)]
@@ -73,7 +78,11 @@ def run(scenario: dict) -> dict:
 
     kwargs = {}
     extra = scenario.get("connector")
-    if extra is not None:
+    if extra == "noop":
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="NoopConnector", kv_connector_module_path="bench.noop_connector", kv_role="kv_both")
+        extra = None
+    elif extra is not None:
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="TierKVConnector", kv_connector_module_path="tierkv.integrations.vllm",
             kv_role="kv_both", kv_connector_extra_config=extra)
@@ -92,7 +101,9 @@ def run(scenario: dict) -> dict:
         if phase.get("reset_prefix_cache"):
             llm.reset_prefix_cache()
         prompts = prompt_set(phase["prompts"])
-        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sampling, use_tqdm=False)
+        salt = {"cache_salt": phase["salt"]} if phase.get("salt") else {}
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p, **salt) for p in prompts], sampling,
+                               use_tqdm=False)
         if phase.get("flush_backups") and stats_path:
             _flush_backups(llm, flush_sampling, stats_path)
         results.append({"outputs": [list(o.outputs[0].token_ids) for o in outputs],

@@ -1,7 +1,7 @@
-"""Command line: ``tierkv replay`` (trace replay with baselines), ``tierkv bench``, ``tierkv serve``.
+"""Command line: ``tierkv replay`` (trace replay with baselines), ``tierkv serve``, ``tierkv bench engine``.
 
-``serve`` and ``bench engine`` live in the engine package and are imported only when asked for, so the
-replay works without it.
+One argparse tree with a subcommand each. ``serve`` and ``bench`` come from the engine package
+(tierkv.engine.cli); a build without it still replays, and says what ``serve`` and ``bench`` need.
 """
 
 from __future__ import annotations
@@ -12,21 +12,25 @@ import sys
 
 from rich.console import Console
 
+from tierkv.cli_args import HelpFormatter, token_count
 from tierkv.config import TIER_MODES, WRITE_POLICIES
 from tierkv.eviction import POLICIES
 
 DEFAULT_L1_TOKENS = "500k"  # ~61 GiB of Llama-3-8B KV: what one 80 GB GPU keeps for KV
 DEFAULT_L2_TOKENS = "4M"  # 8x L1: ~0.5 TiB of host memory
+ENGINE_COMMANDS = {"serve": "serve a model over an OpenAI-compatible HTTP API with the tiered cache",
+                   "bench": "benchmarks of the engine (`tierkv bench engine`)"}
 
 
 def _replay_parser(sub: argparse._SubParsersAction) -> None:
     from tierkv.replay.ttft import GPU_PEAK_FLOPS, MODELS
 
     p = sub.add_parser("replay", help="replay a Mooncake-format trace through L1/L2/L3 with baselines",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       formatter_class=HelpFormatter,
                        description="Replay a request trace through the real hierarchical cache and report "
                                    "hits per tier, the L1-only and no-cache baselines, the offline optimum "
                                    "(Belady MIN) and a modelled TTFT.")
+    p.set_defaults(run=_run_replay)
     p.add_argument("trace", help="JSONL trace, or .jsonl.gz (timestamp, input_length, output_length, hash_ids)")
     p.add_argument("--l1-tokens", type=token_count, default=DEFAULT_L1_TOKENS,
                    help="L1 (device) capacity; 250k, 1M, ...")
@@ -35,7 +39,9 @@ def _replay_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--page-size", type=int, default=16, help="tokens per cache page (the trace's blocks are 512)")
     p.add_argument("--policy", default="gdsf", choices=sorted(POLICIES),
                    help="eviction policy (README: 'Eviction policies and tiers' compares them)")
-    p.add_argument("--write-policy", default="write_through", choices=sorted(WRITE_POLICIES))
+    p.add_argument("--write-policy", default="write_through", choices=sorted(WRITE_POLICIES),
+                   help="when L1 pages are copied to L2: write_through (on insert), write_through_selective "
+                        "(on the second hit), write_back (on L1 eviction); HiCache's policies")
     p.add_argument("--tier-mode", default="inclusive", choices=TIER_MODES,
                    help="inclusive: L2 copies L1 (write policy); exclusive: L2 keeps what L1 dropped")
     p.add_argument("--load-chunk-tokens", type=int, default=256,
@@ -54,10 +60,11 @@ def _replay_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--l3-latency-us", type=float, default=100.0, help="L3->L2 latency per batch, us")
     p.add_argument("--json", metavar="OUT", help="write the report as JSON")
     p.add_argument("--plot", metavar="OUT.png", help="plot hits and TTFT (or the sweep, with --sweep)")
-    p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    p.add_argument("--limit", type=int, default=None, help="replay only the first N requests (default: all)")
     p.add_argument("--sweep", metavar="SIZES", help="also sweep total capacity, e.g. 250k,1M,3M,10M")
     p.add_argument("--sweep-policies", metavar="NAMES", default="",
-                   help="compare these policies too in the sweep, e.g. lru,gdsf,s3fifo (or 'all')")
+                   help="compare these policies too in the sweep, e.g. lru,gdsf,s3fifo (or 'all'; default: "
+                        "--policy only)")
     p.add_argument("--sweep-engine", default="replay", choices=("replay", "sim"),
                    help="sweep with the full replay or the page-level simulator (same tree and policies)")
     p.add_argument("--include-output", action="store_true", help="insert generated tokens too")
@@ -67,44 +74,36 @@ def _replay_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--serial", action="store_true", help="run the baselines after, not beside, the replay")
 
 
-def token_count(text: str) -> int:
-    """argparse type: a token count such as 500000, 500k or 1.5M (argparse names the flag in its error)."""
-    from tierkv.replay.report import parse_size
-
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def build_parser() -> argparse.ArgumentParser:
     from tierkv import __version__
 
-    parser = argparse.ArgumentParser(prog="tierkv", description="hierarchical prefix KV cache tools")
+    parser = argparse.ArgumentParser(prog="tierkv", description="hierarchical prefix KV cache tools",
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--version", action="version", version=f"tierkv {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _replay_parser(sub)
-    sub.add_parser("bench", help="benchmarks: `tierkv bench engine ...` (the engine's)", add_help=False)
-    sub.add_parser("serve", help="serve a model with the tiered cache (the engine's)", add_help=False)
+    _engine_parsers(sub)
     return parser
 
 
-def _dispatch(func_name: str, argv: list[str], what: str) -> int:
-    """Call ``tierkv.engine.cli.<func_name>(argv)``, importing the engine only now."""
+def _engine_parsers(sub: argparse._SubParsersAction) -> None:
+    """``serve`` and ``bench`` from tierkv.engine.cli, or stand-ins that say the engine is missing."""
     try:
-        module = importlib.import_module("tierkv.engine.cli")
+        engine_cli = importlib.import_module("tierkv.engine.cli")
     except ModuleNotFoundError as exc:
         if exc.name not in ("tierkv.engine", "tierkv.engine.cli"):
             raise
-        print(f"tierkv: `{what}` needs the engine (tierkv.engine.cli), which this build does not have",
-              file=sys.stderr)
-        return 2
-    func = getattr(module, func_name, None)
-    if func is None:
-        print(f"tierkv: `{what}` needs tierkv.engine.cli.{func_name}, which this build does not have",
-              file=sys.stderr)
-        return 2
-    return int(func(argv) or 0)
+        for name, text in ENGINE_COMMANDS.items():
+            p = sub.add_parser(name, help=f"{text} (needs tierkv.engine, which this build does not have)")
+            p.set_defaults(run=_engine_missing)  # its arguments are left unparsed (main)
+        return
+    engine_cli.add_commands(sub, ENGINE_COMMANDS)
+
+
+def _engine_missing(args: argparse.Namespace) -> int:
+    print(f"tierkv: `{args.command}` needs the engine (tierkv.engine.cli), which this build does not have",
+          file=sys.stderr)
+    return 2
 
 
 def _model_from_args(args: argparse.Namespace):
@@ -172,23 +171,20 @@ def replay_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["serve"]:
-        return _dispatch("serve_main", argv[1:], "serve")
-    if argv[:1] == ["bench"]:
-        if argv[1:2] == ["engine"]:
-            return _dispatch("bench_main", argv[2:], "bench engine")
-        asked_for_help = argv[1:2] in (["-h"], ["--help"])
-        print("usage: tierkv bench engine [ARGS...]   (the engine benchmark; `tierkv bench engine --help`)\n"
-              "replay benchmarks: python bench/bench_replay.py", file=sys.stdout if asked_for_help else sys.stderr)
-        return 0 if asked_for_help else 2
-    args = build_parser().parse_args(argv)
+def _run_replay(args: argparse.Namespace) -> int:
     try:
         return replay_main(args)
     except (ValueError, OSError) as exc:
         print(f"tierkv replay: error: {exc}", file=sys.stderr)
         return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(sys.argv[1:] if argv is None else list(argv))
+    if unknown and args.run is not _engine_missing:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    return int(args.run(args) or 0)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ class CacheConfig:
     host_layout: str = "layer_first"
     hicache_ratio: float = 2.0
     hicache_size_gb: float | None = None
+    host_memory_reserve_gib: float = 10.0  # host memory an L2 must leave free, as HiCache's (0: none)
     load_back_threshold: int = 10
     bigram: bool = False
     enable_host: bool = True
@@ -77,6 +78,7 @@ class CacheConfig:
         check_number("hicache_ratio", self.hicache_ratio, minimum=0, exclusive_minimum=True)
         if self.hicache_size_gb is not None:  # 0, as in HiCache: no absolute size, use the ratio
             check_number("hicache_size_gb", self.hicache_size_gb, minimum=0)
+        check_number("host_memory_reserve_gib", self.host_memory_reserve_gib, minimum=0)
         check_int("load_back_threshold", self.load_back_threshold, minimum=0)
         check_bool("bigram", self.bigram)
         check_bool("enable_host", self.enable_host)

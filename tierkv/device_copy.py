@@ -12,10 +12,15 @@ are asynchronous against pinned host memory. When the host pages are too fragmen
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from tierkv.cpu_copy import page_segments
 from tierkv.pools.kv import PagedKVBuffer, paired_page_rows
+
+if TYPE_CHECKING:
+    from tierkv.copy.triton_copy import TritonPageCopy
 
 # Up to this many DMAs per (kv, layer) piece of a page: one run of host pages needs one DMA in
 # page-first layouts and one per (kv, layer) in layer_first.
@@ -46,3 +51,14 @@ def staged_copy(device_pool: PagedKVBuffer, device_pages: torch.Tensor, host_poo
         staging[start:end].copy_(host_table.narrow(0, first_row, end - start), non_blocking=non_blocking)
     device_table.index_copy_(0, device_index, staging)
     return True
+
+
+def select_device_copy(src: PagedKVBuffer, dst: PagedKVBuffer, io_backend: str) -> "TritonPageCopy | None":
+    """The one-launch Triton copy between these pools when the ``kernel`` backend should use it (on CUDA
+    when triton is installed; anywhere with ``TIERKV_COPY_KERNEL=triton``), else None: the torch copies
+    here and in :mod:`tierkv.cpu_copy` run. Without triton on CUDA, one log line says how to get it."""
+    if io_backend != "kernel":
+        return None
+    from tierkv.copy.triton_copy import copier_for  # imports no triton until a kernel runs
+
+    return copier_for(src, dst)

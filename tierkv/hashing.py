@@ -110,6 +110,21 @@ class HashNamespace:
         return hash_function(self.algorithm)(f"{self.name()}|request_extra={tenant}".encode())
 
 
+def request_extra_key(tenant: str | None, salt: str | None) -> str | None:
+    """A request's ``extra_key`` (its cache namespace) from its tenant and its ``cache_salt``; None for neither.
+
+    No two (tenant, salt) pairs give the same key, whatever the separators or empty strings they hold:
+    a tenant alone is ``tenant:T``, a salt alone ``salt:S`` (both as before), and the two together
+    ``tenant+salt:<len(T)>:TS``, whose prefix neither single form can start with and whose length says
+    where the tenant ends. (A plain join let tenant ``a`` with salt ``b`` meet tenant ``a|salt:b``.)
+    """
+    if tenant is None:
+        return None if salt is None else f"salt:{salt}"
+    if salt is None:
+        return f"tenant:{tenant}"
+    return f"tenant+salt:{len(tenant)}:{tenant}{salt}"
+
+
 def token_bytes(tokens: Sequence) -> bytes:
     """Tokens (ints, or pairs of ints in bigram mode) as tagged little-endian int64 bytes."""
     array = np.asarray(tokens, dtype="<i8")

@@ -85,7 +85,7 @@ class HiRadixCache(StorageTierMethods, EvictionMethods):
         cfg, spec = self.config, self.device_pool.spec
         layout = resolve_host_layout(cfg.host_layout, cfg.io_backend)
         tokens = host_pool_tokens(self.device_pool.num_slots, spec.bytes_per_token, cfg.page_size,
-                                  cfg.hicache_ratio, cfg.hicache_size_gb)
+                                  cfg.hicache_ratio, cfg.hicache_size_gb, int(cfg.host_memory_reserve_gib * 2**30))
         return HostKVPool(spec, tokens + cfg.staging_tokens, cfg.page_size, layout)
 
     # ---- lookup ---------------------------------------------------------------------------------
@@ -490,6 +490,10 @@ class HiRadixCache(StorageTierMethods, EvictionMethods):
     @property
     def protected_size(self) -> int:
         return self.tree.protected_size
+
+    def get_height(self, node: TreeNode) -> int:
+        """``node``'s depth: the nodes from the root down to it (the root is 0), as HiCache's. Lock contract: none."""
+        return len(self.tree.path_to_root(node))
 
     def reset(self, clear_storage: bool = False) -> None:
         """Drop every cached token in L1 and L2, and in L3 only when ``clear_storage`` (L3 may be shared

@@ -67,6 +67,10 @@ def copy_pages(src: PagedKVBuffer, src_pages: torch.Tensor, dst: PagedKVBuffer, 
     as single strided copies when there are few runs, and token rows with vectorised index copies when
     there are many. ``direct`` copies page by page.
     """
+    kernel = device_copy.select_device_copy(src, dst, io_backend)
+    if kernel is not None:  # one Triton launch for the batch
+        kernel(src, src_pages, dst, dst_pages)
+        return
     non_blocking = src.device.type == "cuda" or dst.device.type == "cuda"
     if io_backend == "direct":
         for s, d in zip(src_pages.tolist(), dst_pages.tolist()):
@@ -263,8 +267,11 @@ class TransferController:
         if self.use_cuda:
             self._load_stream.wait_stream(torch.cuda.current_stream(dst.device))
             with torch.cuda.stream(self._load_stream):
+                kernel = device_copy.select_device_copy(src, dst, self.io_backend)
+                copy_one_layer = (kernel.layer_copier(src, src_pages, dst, dst_pages) if kernel is not None
+                                  else partial(copy_layer, src, src_pages, dst, dst_pages))
                 for layer in range(num_layers):
-                    copy_layer(src, src_pages, dst, dst_pages, layer)
+                    copy_one_layer(layer)
                     handle.layer_events.append(torch.cuda.Event())
                     handle.layer_events[-1].record(self._load_stream)
             handle.cuda_event = handle.layer_events[-1]
@@ -294,6 +301,9 @@ class TransferController:
         """Copies one layer of these pages L2 -> L1: the native chunk copy, else vectorised row copies
         over row tables computed once for the batch."""
         src, dst = self.host_pool, self.device_pool
+        kernel = device_copy.select_device_copy(src, dst, self.io_backend)
+        if kernel is not None:
+            return kernel.layer_copier(src, src_pages, dst, dst_pages)
         if cpu_copy.native_available() and self.io_backend == "kernel":
             return partial(cpu_copy.copy_page_chunks, src, src_pages, dst, dst_pages)
         src_table, src_rows, dst_table, dst_rows = paired_page_rows(src, src_pages, dst, dst_pages)
@@ -434,7 +444,8 @@ class _SlotCopy:
     def __init__(self, kind: str, src: PagedKVBuffer, dst: PagedKVBuffer, io_backend: str) -> None:
         self.kind, self.src, self.dst, self.io_backend = kind, src, dst, io_backend
         self.bytes_per_slot = src.spec.bytes_per_token
-        native = io_backend == "kernel" and cpu_copy.native_available()
+        native = (io_backend == "kernel" and cpu_copy.native_available()
+                  and device_copy.select_device_copy(src, dst, io_backend) is None)
         self.chunks = cpu_copy.ChunkCopy(src, dst, name=kind) if native else None
 
     def check(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> tuple:

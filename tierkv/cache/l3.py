@@ -7,8 +7,9 @@ protects, and report through its counters and events.
 Ownership contract: a host slot handed to a worker stays owned until that worker returns, whatever
 ``release``, a stop-policy timeout or ``reset`` does. One mechanism: an in-flight object whose worker
 may still touch its slots when the cache lets it go moves to ``draining`` (a released or timed-out
-prefetch; every prefetch and backup still in flight at a reset) and owns its slots there; ``step``
-frees them once the worker is agreed finished.
+prefetch; every prefetch still in flight at a reset, and the backups then in flight as one group,
+:class:`DrainedBackups`, since sibling backups share slots) and owns its slots there, each slot once;
+``step`` frees them once the worker is agreed finished.
 
 TP contract: what asynchronous progress decides (retiring backups, revoking, stopping, freeing a
 drained prefetch's slots) is decided from counts agreed across ranks in the cache's one per-step
@@ -36,7 +37,7 @@ import torch
 from tierkv.hashing import HashNamespace, page_hashes
 from tierkv.radix import RadixKey, TreeNode
 from tierkv.retire import Retirements
-from tierkv.cache.l3_backup import Backup
+from tierkv.cache.l3_backup import Backup, DrainedBackups
 from tierkv.storage.base import PageStore
 from tierkv.storage.config import StorageConfig
 from tierkv.storage.factory import BACKEND_OPTIONS, open_store, parse_spec
@@ -72,12 +73,24 @@ class StorageStats:
     backup_not_worth_tokens: int = 0  # the cost model judged writing them costlier than their reads save
 
 
-def resolve_namespace(namespace: HashNamespace | str, algorithm: str | None) -> HashNamespace:
-    """A string names the model; ``algorithm`` (when given) overrides the namespace's own."""
+def resolve_namespace(cache: "HiRadixCache", namespace: HashNamespace | str,
+                      algorithm: str | None) -> HashNamespace:
+    """The namespace of this cache's pages: a string names the model, the rest (KV layout, dtype, shape,
+    TP shard) comes from the cache; an explicit namespace must name the cache's own TP shard (MLA: none).
+    ``algorithm`` (when given) overrides the namespace's own."""
+    spec, tp = cache.device_pool.spec, cache.tp
     if isinstance(namespace, str):
-        return HashNamespace(model=namespace, algorithm=algorithm or "sha256")
+        return HashNamespace.for_spec(namespace, spec, cache.host_pool.layout, tp.rank, tp.world_size,
+                                      algorithm=algorithm or "sha256")
     if not isinstance(namespace, HashNamespace):
         raise ValueError(f"namespace must be a HashNamespace or a str, got {namespace!r}")
+    # a rank reading under another shard's name would take that shard's heads for its own
+    shard = (0, 1) if spec.attention == "mla" else (tp.rank, tp.world_size)
+    if (namespace.tp_rank, namespace.tp_size) != shard:
+        raise ValueError(f"namespace names TP shard {namespace.tp_rank}of{namespace.tp_size} but this cache "
+                         f"is TP rank {tp.rank} of {tp.world_size}, whose {spec.attention} pages are "
+                         f"{shard[0]}of{shard[1]}: build it with HashNamespace.for_spec(..., tp_rank, tp_size) "
+                         f"or pass the model name as a string")
     return namespace if algorithm is None else dataclasses.replace(namespace, algorithm=algorithm)
 
 
@@ -87,7 +100,7 @@ def open_storage(cache: "HiRadixCache", spec: str, extra_config: str | None,
     of the extra-config JSON, and attach it to ``cache`` with the rest of that JSON as its StorageConfig."""
     backend, _ = parse_spec(spec)
     config = StorageConfig.from_json(extra_config, backend_keys=BACKEND_OPTIONS[backend])
-    ns = resolve_namespace(namespace, config.hash_algorithm)
+    ns = resolve_namespace(cache, namespace, config.hash_algorithm)
     store = open_store(spec, ns.name(), cache.host_pool.page_nbytes, dict(config.backend_config))
     store.check_config()  # opening is lazy; a refused setting is an error now, not a silent miss later
     cache.attach_storage(store, config, ns)
@@ -106,11 +119,12 @@ class StorageController:
                              f"{cache.host_pool.page_nbytes}")
         self.cache, self.tree, self.host_pool = cache, cache.tree, cache.host_pool
         self.store, self.config = store, config
-        self.namespace = resolve_namespace(namespace, config.hash_algorithm)
+        self.namespace = resolve_namespace(cache, namespace, config.hash_algorithm)
         self.page_size = cache.config.page_size
         self.stats = StorageStats()
         self.prefetches: dict[str, Prefetch] = {}  # by request id, in start order: running or revoked
-        self.draining: list[Prefetch | Backup] = []  # let go while their worker may still touch their slots
+        # let go while their worker may still touch their slots
+        self.draining: list[Prefetch | DrainedBackups] = []
         self.backups: deque[Backup] = deque()
         self.granted_in_last_step = 0  # prefetches handed host slots by the last apply_progress (agreed)
         self._seed = functools.lru_cache(maxsize=MAX_CACHED_SEEDS)(self.namespace.seed)  # one per tenant, bounded
@@ -160,7 +174,7 @@ class StorageController:
         anchor = path[anchor_index - 1] if anchor_index else self.tree.root
         anchor_len = sum(len(n) for n in path[:anchor_index])
         num_tokens = len(elems) - anchor_len
-        if self.tokens_in_flight + num_tokens > self.max_tokens_in_flight:
+        if self.tokens_in_flight >= self.max_tokens_in_flight:  # HiCache: full already, whatever this one's size
             self.stats.prefetch_rate_limited += 1
             return False
         if not self.costs.l3_may_pay(anchor_len, num_tokens // self.page_size, self.page_size):
@@ -185,9 +199,9 @@ class StorageController:
 
     @property
     def tokens_in_flight(self) -> int:
-        """Host tokens held by prefetches not yet ended (running or draining), or asked for by those whose
-        lookup still runs: the rate limit's measure."""
-        return sum(p.reserved_tokens for p in self._counted())
+        """Tokens asked for by the prefetches not yet ended, however many L3 turned out to hold: the rate
+        limit's measure (HiCache's ``prefetch_tokens_occupied``)."""
+        return sum(p.num_pages for p in self.prefetches.values() if p.state == "running") * self.page_size
 
     def check_prefetch(self, request_id: str) -> bool:
         """See HiRadixCache.check_prefetch_progress. Lock contract: on ending, releases the host_ref."""
@@ -293,7 +307,7 @@ class StorageController:
             return num_tokens - offset
         return 0
 
-    def _counted(self) -> list[Prefetch | Backup]:
+    def _counted(self) -> list[Prefetch | DrainedBackups]:
         return [p for p in self.prefetches.values() if p.state == "running"] + self.draining
 
     # ---- backup -------------------------------------------------------------------------------
@@ -383,7 +397,7 @@ class StorageController:
             retirements.run(self._retire_drained, item)
         retirements.raise_first()
 
-    def _retire_drained(self, item: Prefetch | Backup) -> None:
+    def _retire_drained(self, item: Prefetch | DrainedBackups) -> None:
         """Its worker has returned: the slots it owned go back to the pool."""
         item.state = "done"
         self.host_pool.free(item.host_slots)
@@ -434,28 +448,34 @@ class StorageController:
 
     def clear_store(self) -> bool:
         """Empty the store after in-flight backups (bounded wait: they would re-add pages); False when
-        the backend cannot clear."""
+        the backend cannot clear or fails to (raises, or counts an error meanwhile), as HiCache's."""
         self.wait_idle()
+        errors_before = self.store.stats.errors
         try:
             self.store.clear()
         except NotImplementedError:
             return False
-        return True
+        except Exception as exc:  # a backend fault is a False answer, never a crash of the caller
+            log.error("clearing L3 failed: %s: %s", type(exc).__name__, exc)
+            return False
+        return self.store.stats.errors == errors_before
 
     def reset(self, clear_store: bool = False) -> None:
         """Cancel in-flight work; what is still in flight after a bounded wait drains, owning its host
         slots (see :meth:`owned_host_slots`) until its worker returns. Call before the cache resets its
         tree and pools. Empties the store if asked."""
-        for item in [*self._counted(), *self.backups]:
+        for item in [*self.prefetches.values(), *self.backups]:  # draining items are cancelled already
             item.cancel.set()
         self.wait_idle()
         running = [p for p in self.prefetches.values() if p.state == "running"]
         for prefetch in running:
             if not prefetch.granted.is_set():  # its lookup owns no slot: nothing to drain
                 prefetch.state = "done"
-        for item in [*[p for p in running if p.state == "running"], *self.backups]:
-            item.state = "draining"
-            self.draining.append(item)
+        for prefetch in [p for p in running if p.state == "running"]:
+            prefetch.state = "draining"
+            self.draining.append(prefetch)
+        if self.backups:  # one owner for their slots: sibling backups share their prefix's
+            self.draining.append(DrainedBackups.of(list(self.backups)))
         self.prefetches.clear()
         self.backups.clear()
         if clear_store:
@@ -464,7 +484,7 @@ class StorageController:
 
     def close(self) -> None:
         """Stop the worker threads (bounded wait) and close the store."""
-        for prefetch in self._counted():
+        for prefetch in self.prefetches.values():  # draining items are cancelled already
             prefetch.cancel.set()
         stopped = stop_workers([self._prefetch_worker, self._backup_worker], self.config.io_wait_timeout_s)
         if stopped:

@@ -21,9 +21,9 @@ log = logging.getLogger(__name__)
 class Backup:
     """Writes ``hashes`` from ``host_pages``; holds one host_ref on ``node`` until the controller retires it.
 
-    ``host_slots`` are the slots of ``host_pages``: the tree owns them while ``state`` is running; when a
-    reset drops the tree under a backup still in flight, the backup drains: it owns them itself until
-    its worker has returned (the worker may still read them), like a draining prefetch.
+    ``host_slots`` are the slots of ``host_pages``; the tree owns them, never the backup: backups of
+    sibling prompts share their common prefix's slots. When a reset drops the tree under backups still
+    in flight, one :class:`DrainedBackups` takes those slots over (see there).
 
     Pages already present at the head (batch_exists) are skipped. Only ``done`` and the page counts are
     written by the worker thread. ``costs`` (the cache's cost model) gets the thread's CPU per page written.
@@ -34,13 +34,11 @@ class Backup:
     host_pages: list[int]
     host_slots: torch.Tensor
     page_size: int
-    state: str = "running"
     done: threading.Event = field(default_factory=threading.Event)
     cancel: threading.Event = field(default_factory=threading.Event)
     skipped_pages: int = 0
     written_pages: int = 0
     failed_pages: int = 0
-    agreed_finished: bool = False  # scheduler thread only, once draining
     # for a store that wants each batch's prefix keys: the page hashes of the path above ``hashes``
     prefix_hashes: list[str] | None = None
     costs: CostModel | None = None
@@ -48,17 +46,6 @@ class Backup:
     @property
     def num_tokens(self) -> int:
         return len(self.hashes) * self.page_size
-
-    def local_counts(self) -> tuple[list[int], list[int]]:
-        """While draining, in a prefetch's progress layout: MIN [0, finished, 0], MAX [0]."""
-        return [0, int(self.done.is_set()), 0], [0]
-
-    def agree(self, min_counts: list[int], max_counts: list[int]) -> None:
-        self.agreed_finished = self.agreed_finished or bool(min_counts[1])
-
-    def wait_worker(self, timeout_s: float) -> bool:
-        """Wait until the worker has returned; False on timeout."""
-        return self.done.wait(timeout_s)
 
     def _prefix_keys(self, start: int) -> dict[str, list[str]]:
         return prefix_keys_arg(self.prefix_hashes, self.hashes, start)
@@ -83,3 +70,35 @@ class Backup:
             if self.costs is not None:
                 self.costs.observe_l3_write(time.thread_time() - started_cpu_s, self.written_pages)
             self.done.set()
+
+
+@dataclass(eq=False)
+class DrainedBackups:
+    """The backups still in flight when the cache was reset, owning their host slots until every one of
+    their workers has returned (a worker may still read them).
+
+    One owner for all of them: sibling backups cover their shared prefix's slots, so each backup owning
+    its own slots would own those twice and free them twice (the second time under whichever node had
+    reused them). ``host_slots`` holds each slot once. It drains like a prefetch.
+    """
+
+    backups: list[Backup]
+    host_slots: torch.Tensor
+    state: str = "draining"
+    agreed_finished: bool = False  # scheduler thread only
+
+    @classmethod
+    def of(cls, backups: list[Backup]) -> "DrainedBackups":
+        return cls(backups, torch.unique(torch.cat([b.host_slots for b in backups])))
+
+    def local_counts(self) -> tuple[list[int], list[int]]:
+        """In a prefetch's progress layout: MIN [0, finished, 0], MAX [0]."""
+        return [0, int(all(b.done.is_set() for b in self.backups)), 0], [0]
+
+    def agree(self, min_counts: list[int], max_counts: list[int]) -> None:
+        self.agreed_finished = self.agreed_finished or bool(min_counts[1])
+
+    def wait_worker(self, timeout_s: float) -> bool:
+        """Wait until every worker has returned; False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        return all(b.done.wait(max(0.0, deadline - time.monotonic())) for b in self.backups)

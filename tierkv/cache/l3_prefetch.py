@@ -96,13 +96,6 @@ class Prefetch:
         """Running, the pages found agreed, no slots granted yet: the scheduler's move (see :meth:`grant`)."""
         return self.state == "running" and self.agreed_found != _FOUND_UNKNOWN and not self.granted.is_set()
 
-    @property
-    def reserved_tokens(self) -> int:
-        """Host tokens this prefetch holds, or may ask for while its lookup runs (the rate limit's measure)."""
-        if self.granted.is_set() or self.state != "running":
-            return len(self.host_slots)
-        return self.num_pages * self.page_size
-
     def grant(self, host_slots: torch.Tensor, host_pages: list[int]) -> None:
         """Scheduler thread: the slots for the agreed pages found; the caller then submits :meth:`read`."""
         self.host_slots, self.host_pages = host_slots, host_pages

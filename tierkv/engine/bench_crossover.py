@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from rich.console import Console
 from rich.table import Table
 
-from tierkv.engine.bench import ChatWorkload, ModeResult, run_mode, warm_up
+from tierkv.engine.bench_workload import ChatWorkload, ModeResult, run_mode, warm_up
 from tierkv.engine.engine import MODE_LABELS
 from tierkv.engine.loader import build_model
 

@@ -1,75 +1,75 @@
-"""Command lines: ``tierkv serve`` and ``tierkv bench engine`` (dispatched here by tierkv.cli)."""
+"""Command lines: ``tierkv serve`` and ``tierkv bench engine`` (registered in ``tierkv``'s parser by
+tierkv.cli; ``python -m tierkv.engine.cli serve|bench ...`` runs them without it)."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import signal
 import sys
 from pathlib import Path
 
-from tierkv.cli import token_count
-from tierkv.config import TIER_MODES, CacheConfig
+from tierkv.cli_args import HelpFormatter, port_number
+from tierkv.engine import bench
 from tierkv.engine.config import PRESETS
-from tierkv.engine.engine import CACHE_MODES, Engine, EngineConfig
-from tierkv.eviction import POLICIES
+from tierkv.engine.engine import Engine
+from tierkv.engine.serve_config import CliError, add_cache_arguments, engine_config_from_args
 
-DEFAULT_L1_TOKENS = "8k"
-
-
-class CliError(ValueError):
-    """A bad command-line value; the message names the flag."""
+SERVE_DESCRIPTION = "OpenAI-compatible completions and chat server with the tiered prefix cache."
 
 
-def port_number(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"{port} is outside [0, 65535]")
-    return port
-
-
-def _engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default="cpu", help="torch device for model and L1 (cpu, cuda, cuda:1)")
-    parser.add_argument("--page-size", type=int, default=16, help="tokens per cache page (as tierkv replay)")
-    parser.add_argument("--chunk-tokens", type=int, default=256, help="prompt tokens prefilled per step")
-    parser.add_argument("--max-running", type=int, default=16, help="requests batched together")
-    parser.add_argument("--prefill-tokens-per-s", type=float, default=None,
-                        help="fix the prefill rate the fetch-or-recompute decisions use (default: measured)")
-    parser.add_argument("--tier-mode", choices=TIER_MODES, default="inclusive",
-                        help="inclusive: L2 copies what L1 holds; exclusive: L2 holds what L1 dropped")
-    parser.add_argument("--eviction-policy", choices=sorted(POLICIES), default=CacheConfig.eviction_policy,
-                        help="order in which L1 and L2 pages go")
-
-
-def serve_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tierkv serve", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                                     description="OpenAI-compatible completions and chat server with the tiered "
-                                                 "prefix cache.")
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True,
                         help=f"preset ({', '.join(PRESETS)}: random weights, text output is noise), a config.json, "
                              "or a checkpoint directory (its own tokenizer when it has one)")
-    parser.add_argument("--served-model-name", default=None, help="the name clients pass as `model` "
-                                                                   "(default: --model)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=port_number, default=8000, help="0 picks a free port")
-    parser.add_argument("--mode", choices=CACHE_MODES, default="l1+l2")
-    parser.add_argument("--l1-tokens", type=token_count, default=DEFAULT_L1_TOKENS, help="L1 (device) tokens")
-    parser.add_argument("--l2-tokens", type=token_count, default=None, help="L2 (host) tokens (default 2x L1)")
-    parser.add_argument("--l3", default=None, help="storage spec for mode l1+l2+l3, e.g. file:/tmp/kv")
-    parser.add_argument("--storage-extra", default=None, help="JSON extra config for the L3 tier")
-    parser.add_argument("--model-id", default=None,
-                        help="a name added to the model's L3 namespace (which always digests config and weights)")
-    parser.add_argument("--api-key", default=None, help="require this API key (one tenant)")
-    parser.add_argument("--tenant-keys", default=None, metavar="FILE",
+    parser.add_argument("--served-model-name", default=None,
+                        help="the name clients pass as `model` (default: --model)")
+    parser.add_argument("--device", default="cpu",
+                        help="torch device for the model and L1 (cpu, cuda, cuda:1); checked at start")
+    server = parser.add_argument_group("HTTP server")
+    server.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    server.add_argument("--port", type=port_number, default=8000, help="TCP port; 0 picks a free one")
+    server.add_argument("--api-key", default=None, help="require this API key (one tenant)")
+    server.add_argument("--tenant-keys", default=None, metavar="FILE",
                         help="file of `TENANT KEY` lines: each key's requests get their own cache namespace")
-    parser.add_argument("--read-timeout-s", type=float, default=30.0, help="time a client has to send a request")
-    parser.add_argument("--max-connections", type=int, default=1024, help="open connections beyond are refused")
-    _engine_args(parser)
+    server.add_argument("--read-timeout-s", type=float, default=30.0, help="time a client has to send a request")
+    server.add_argument("--max-connections", type=int, default=1024, help="open connections beyond are refused")
+    server.add_argument("--max-waiting-requests", type=int, default=1024,
+                        help="requests queued for admission beyond are answered 429 with Retry-After")
+    server.add_argument("--model-id", default=None,
+                        help="a name added to the model's L3 namespace (which always digests config and weights)")
+    add_cache_arguments(parser)
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    """``tierkv serve``'s parser on its own (``python -m tierkv.engine.cli serve``)."""
+    parser = argparse.ArgumentParser(prog="tierkv serve", formatter_class=HelpFormatter,
+                                     description=SERVE_DESCRIPTION)
+    add_serve_arguments(parser)
     return parser
+
+
+def add_commands(sub: argparse._SubParsersAction, helps: dict[str, str]) -> None:
+    """Add ``serve`` and ``bench`` (with its own subcommand ``engine``) to ``tierkv``'s subparsers."""
+    _add_serve(sub, helps["serve"])
+    bench_parser = sub.add_parser("bench", help=helps["bench"], formatter_class=HelpFormatter,
+                                  description="Benchmarks of the engine. Replay benchmarks: python "
+                                              "bench/bench_replay.py")
+    benchmarks = bench_parser.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
+    _add_engine_bench(benchmarks, "engine", "TTFT and throughput per cache mode on a chat workload "
+                                            "(--models: the crossover table over model sizes)")
+
+
+def _add_serve(sub: argparse._SubParsersAction, help_text: str) -> None:
+    serve = sub.add_parser("serve", help=help_text, description=SERVE_DESCRIPTION, formatter_class=HelpFormatter)
+    add_serve_arguments(serve)
+    serve.set_defaults(run=run_serve)
+
+
+def _add_engine_bench(sub: argparse._SubParsersAction, name: str, help_text: str) -> None:
+    parser = sub.add_parser(name, help=help_text, description=bench.DESCRIPTION, formatter_class=HelpFormatter)
+    bench.add_arguments(parser)
+    parser.set_defaults(run=bench.run)
 
 
 def read_tenant_keys(path: str) -> dict[str, str]:
@@ -94,56 +94,22 @@ def read_tenant_keys(path: str) -> dict[str, str]:
     return keys
 
 
-def _engine_config(args: argparse.Namespace) -> EngineConfig:
-    try:
-        extra = json.loads(args.storage_extra) if args.storage_extra else None
-    except json.JSONDecodeError as exc:
-        raise CliError(f"--storage-extra: not valid JSON: {exc}") from None
-    if extra is not None and not isinstance(extra, dict):
-        raise CliError(f"--storage-extra: expected a JSON object, got {args.storage_extra!r}")
-    if args.device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise CliError(f"--device {args.device}: CUDA is not available on this machine")
-    if args.l2_tokens is not None and args.l2_tokens <= args.l1_tokens:
-        raise CliError(f"--l2-tokens {args.l2_tokens} must be larger than --l1-tokens {args.l1_tokens}")
-    ratio = args.l2_tokens / args.l1_tokens if args.l2_tokens else 2.0
-    try:
-        return EngineConfig(mode=args.mode, device=args.device, l1_tokens=args.l1_tokens, page_size=args.page_size,
-                            hicache_ratio=ratio, l3=args.l3, storage_extra=extra,
-                            max_running_requests=args.max_running, chunk_tokens=args.chunk_tokens,
-                            model_id=args.model_id, prefill_tokens_per_s=args.prefill_tokens_per_s,
-                            tier_mode=args.tier_mode, eviction_policy=args.eviction_policy)
-    except ValueError as exc:
-        raise CliError(_name_flag(str(exc))) from None
-
-
-def _name_flag(message: str) -> str:
-    """``l1_tokens must ...`` -> ``--l1-tokens: l1_tokens must ...`` for the config fields that are flags."""
-    for field_name in ("l1_tokens", "page_size", "mode", "l3", "max_running_requests", "chunk_tokens",
-                       "prefill_tokens_per_s"):
-        if message.startswith(field_name) or f"'{field_name}'" in message or f" {field_name} " in message:
-            flag = {"max_running_requests": "max-running"}.get(field_name, field_name.replace("_", "-"))
-            return f"--{flag}: {message}"
-    return message
-
-
 def _build_server(args: argparse.Namespace):
     try:
         from tierkv.engine.server import CompletionServer, ServerLimits
     except ModuleNotFoundError as exc:
-        raise CliError(f"serving needs {exc.name}: pip install 'tierkv[serve]'") from None
+        raise CliError(f"serving needs {exc.name}: pip install 'tierkv-hicache[serve]'") from None
     from tierkv.engine.tokenizer import load_tokenizer
 
-    config = _engine_config(args)
+    config = engine_config_from_args(args)
     keys = read_tenant_keys(args.tenant_keys) if args.tenant_keys else None
     if args.api_key:
         keys = (keys or {}) | {args.api_key: "default"}
     try:
-        limits = ServerLimits(read_timeout_s=args.read_timeout_s, max_connections=args.max_connections)
+        limits = ServerLimits(read_timeout_s=args.read_timeout_s, max_connections=args.max_connections,
+                              max_waiting_requests=args.max_waiting_requests)
     except ValueError as exc:
-        raise CliError(f"--read-timeout-s / --max-connections: {exc}") from None
+        raise CliError(f"--read-timeout-s / --max-connections / --max-waiting-requests: {exc}") from None
     tokenizer = load_tokenizer(args.model)
     try:
         engine = Engine(args.model, config)
@@ -159,31 +125,52 @@ def _build_server(args: argparse.Namespace):
 
 
 def startup_summary(server, args: argparse.Namespace) -> list[str]:
-    """What a operator needs to know at a glance: model, tiers with sizes, namespaces, limits, address."""
+    """What an operator needs to know at a glance: model, tiers with sizes and policies, L3 and its cost
+    model, tenants, limits, address."""
     engine = server.loop.engine
-    spec = engine.model.config.kv_spec(engine.config.kv_dtype)
+    cfg = engine.config
+    spec = engine.model.config.kv_spec(cfg.kv_dtype)
     lines = [f"model {args.model} ({engine.model.config.arch}, {spec.bytes_per_token:,} KV bytes/token) "
-             f"served as {server.model_name!r}, tokenizer {server.tokenizer.name}, device {engine.config.device}",
-             f"cache {args.mode}, page {engine.config.page_size} tokens: L1 {engine.device_pool.num_slots:,} tokens "
+             f"served as {server.model_name!r}, tokenizer {server.tokenizer.name}, device {cfg.device}",
+             f"cache {cfg.mode}, page {cfg.page_size} tokens: L1 {engine.device_pool.num_slots:,} tokens "
              f"({engine.device_pool.num_slots * spec.bytes_per_token / 2**20:,.1f} MiB)"]
     if engine.cache.host_pool is not None:
         host = engine.cache.host_pool.num_slots
-        lines[-1] += f", L2 {host:,} tokens ({host * spec.bytes_per_token / 2**20:,.1f} MiB, {engine.config.tier_mode})"
-    lines[-1] += f"; eviction {engine.config.eviction_policy}"
-    if args.l3:
-        from tierkv.storage.factory import redact_spec
-
-        lines[-1] += f", L3 {redact_spec(args.l3)}"
+        lines[-1] += (f", L2 {host:,} tokens ({host * spec.bytes_per_token / 2**20:,.1f} MiB, {cfg.tier_mode}, "
+                      f"{cfg.write_policy}, {engine.cache.host_pool.layout} layout, {cfg.io_backend} copies)")
+    lines[-1] += f"; eviction {cfg.eviction_policy}"
+    if engine.cache.storage is not None:
+        lines.append(l3_summary(engine))
     tenants = "off (one shared cache; clients may pass cache_salt)" if server.api_keys is None else \
         f"{len(set(server.api_keys.values()))} tenant(s), API key required"
     lines.append(f"tenants {tenants}; body limit {server.limits.max_body_bytes:,} B, read timeout "
-                 f"{server.limits.read_timeout_s:g} s, max {server.limits.max_connections} connections")
+                 f"{server.limits.read_timeout_s:g} s, max {server.limits.max_connections} connections, "
+                 f"{server.limits.max_waiting_requests} waiting")
     lines.append(f"listening on http://{args.host}:{server.port}")
     return lines
 
 
+def l3_summary(engine) -> str:
+    """L3's store, prefetch policy and cost model, and the counters of its decisions so far (the banner
+    shows them at start, the exit line at the end): where L3 hits went when there are none."""
+    from tierkv.engine.prefetch import l3_counters
+    from tierkv.storage.factory import redact_spec
+
+    storage, cfg = engine.cache.storage, engine.config
+    rate = f"{cfg.prefill_tokens_per_s:g} tokens/s (fixed)" if cfg.prefill_tokens_per_s else "measured"
+    if not cfg.cost_aware:
+        rate = "off (every hit fetched)"
+    counters = ", ".join(f"{name} {value}" for name, value in l3_counters(engine.cache).items())
+    return (f"L3 {redact_spec(cfg.l3)}: prefetch threshold {storage.config.prefetch_threshold} tokens, stop "
+            f"policy {storage.config.prefetch_stop_policy}, at most {storage.max_tokens_in_flight:,} tokens in "
+            f"flight; cost model prefill rate {rate}; L3 decisions: {counters}")
+
+
 def serve_main(argv: list[str] | None = None) -> int:
-    args = serve_parser().parse_args(argv)
+    return run_serve(serve_parser().parse_args(argv))
+
+
+def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         server = _build_server(args)
@@ -199,6 +186,8 @@ def serve_main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         pass
     finally:
+        if server.loop.engine.cache.storage is not None:
+            print(f"tierkv serve: at exit: {l3_summary(server.loop.engine)}", flush=True)
         server.close()
     return 0
 
@@ -208,15 +197,19 @@ def _raise_interrupt(signum: int, frame: object) -> None:
 
 
 def bench_main(argv: list[str] | None = None) -> int:
-    from tierkv.engine.bench import main
-    return main(argv)
+    """``tierkv bench engine ARGS`` as a function (``python -m tierkv.engine.cli bench ARGS``)."""
+    return bench.main(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tierkv.engine.cli serve|bench ...``: the engine's commands without ``tierkv``."""
+    parser = argparse.ArgumentParser(prog="python -m tierkv.engine.cli", formatter_class=HelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_serve(sub, SERVE_DESCRIPTION)
+    _add_engine_bench(sub, "bench", "the engine benchmark (as `tierkv bench engine`)")
+    args = parser.parse_args(argv)
+    return int(args.run(args) or 0)
 
 
 if __name__ == "__main__":
-    command = sys.argv[1] if len(sys.argv) > 1 else ""
-    if command == "serve":
-        sys.exit(serve_main(sys.argv[2:]))
-    if command == "bench":
-        sys.exit(bench_main(sys.argv[2:]))
-    print("usage: python -m tierkv.engine.cli {serve|bench} ...", file=sys.stderr)
-    sys.exit(2)
+    sys.exit(main())

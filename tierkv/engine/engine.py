@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tierkv.config import TIER_MODES, WRITE_POLICIES, CacheConfig
+from tierkv.config import IO_BACKENDS, TIER_MODES, WRITE_POLICIES, CacheConfig
 from tierkv.engine.config import ModelConfig
 from tierkv.engine.loader import build_model, model_namespace
 from tierkv.engine.models import CausalLM
@@ -40,6 +40,7 @@ class EngineConfig:
     tier_mode: str = "inclusive"  # CacheConfig.tier_mode: exclusive L2 holds what L1 dropped
     eviction_policy: str = CacheConfig.eviction_policy
     host_layout: str = "layer_first"
+    io_backend: str = "kernel"  # CacheConfig.io_backend: L1<->L2 copies (HiCache's --hicache-io-backend)
     kv_dtype: str | None = None
     l3: str | None = None
     storage_extra: dict | None = None
@@ -62,6 +63,7 @@ class EngineConfig:
         check_choice("tier_mode", self.tier_mode, TIER_MODES)
         check_choice("eviction_policy", self.eviction_policy, sorted(POLICIES))
         check_choice("host_layout", self.host_layout, HOST_LAYOUTS)
+        check_choice("io_backend", self.io_backend, IO_BACKENDS)
         if self.kv_dtype is not None:
             try:
                 parse_dtype(self.kv_dtype)
@@ -92,7 +94,7 @@ class Engine:
         spec = self.model.config.kv_spec(cfg.kv_dtype)
         self.device_pool = DeviceKVPool(spec, cfg.l1_tokens, cfg.page_size, self.model.device)
         cache_cfg = CacheConfig(page_size=cfg.page_size, write_policy=cfg.write_policy, host_layout=cfg.host_layout,
-                                tier_mode=cfg.tier_mode, eviction_policy=cfg.eviction_policy,
+                                io_backend=cfg.io_backend, tier_mode=cfg.tier_mode, eviction_policy=cfg.eviction_policy,
                                 hicache_ratio=cfg.hicache_ratio, hicache_size_gb=cfg.hicache_size_gb,
                                 enable_host=cfg.mode in ("l1+l2", "l1+l2+l3"), cost_aware=cfg.cost_aware,
                                 prefill_tokens_per_s=cfg.prefill_tokens_per_s)

@@ -16,6 +16,34 @@ from tierkv.engine.config import ModelConfig, resolve_config
 from tierkv.engine.models import CausalLM, init_random_
 
 
+# Device types the engine's kernels run on; others (meta: shapes only, no data) are refused at start
+RUNNABLE_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps")
+
+
+def check_device(device: str) -> torch.device:
+    """``device`` as a torch.device if a model can run there: a known type, present on this machine, and
+    a tiny tensor computed on it reads back right. ValueError saying why not (at start, not at the first
+    request: a device that cannot hold data, such as meta, would fail every request after)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"not a torch device: {str(exc).splitlines()[0]}") from None
+    if dev.type not in RUNNABLE_DEVICE_TYPES:
+        raise ValueError(f"device type {dev.type!r} cannot run the model; use one of {RUNNABLE_DEVICE_TYPES}")
+    backend = getattr(torch, dev.type, None)
+    if dev.type != "cpu" and not (backend is not None and backend.is_available()):
+        raise ValueError(f"{dev.type.upper()} is not available on this machine")
+    if dev.index is not None and dev.type != "cpu" and dev.index >= backend.device_count():
+        raise ValueError(f"this machine has {backend.device_count()} {dev.type} device(s), no index {dev.index}")
+    try:
+        probe = (torch.arange(4, dtype=torch.float32, device=dev) * 2).sum().item()
+    except RuntimeError as exc:
+        raise ValueError(f"a test computation failed: {str(exc).splitlines()[0]}") from None
+    if probe != 12.0:
+        raise ValueError(f"a test computation read back {probe}, not 12")
+    return dev
+
+
 def build_model(model: str | ModelConfig, device: torch.device | str = "cpu") -> CausalLM:
     """A preset name, a ModelConfig, a config.json, or a checkpoint directory (config.json + *.safetensors).
 

@@ -14,7 +14,7 @@ import math
 import torch
 from torch import nn
 
-from tierkv.engine.attention import ForwardBatch, causal_attention, gqa_paged_attention
+from tierkv.engine.attention import ForwardBatch, causal_attention, decode_attention, gqa_paged_attention
 from tierkv.engine.config import ModelConfig
 from tierkv.pools.kv import DeviceKVPool
 
@@ -36,17 +36,16 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float, interleaved: bool = False) -> torch.Tensor:
-    """Rotary embedding of ``x [T, heads, d]`` at ``positions [T]``. ``interleaved`` (DeepSeek's
-    checkpoint layout) first gathers even then odd channels, as its reference code does."""
+def apply_rope(x: torch.Tensor, batch: ForwardBatch, theta: float, interleaved: bool = False) -> torch.Tensor:
+    """Rotary embedding of ``x [T, heads, d]`` at the batch's positions (its cos/sin table is made once
+    per pass). ``interleaved`` (DeepSeek's checkpoint layout) first gathers even then odd channels, as
+    its reference code does."""
     d = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
-    freqs = positions.float()[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+    cos, sin = batch.rope_table(d, theta)
     if interleaved:
         x = x.unflatten(-1, (d // 2, 2)).transpose(-1, -2).reshape(x.shape)
     xf = x.float()
-    return (xf * emb.cos() + rotate_half(xf) * emb.sin()).to(x.dtype)
+    return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
 
 
 class MLP(nn.Module):
@@ -79,8 +78,8 @@ class GQAAttention(nn.Module):
         v = self.v_proj(x).unflatten(-1, (cfg.num_kv_heads, cfg.head_dim))
         if cfg.arch == "qwen3":
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, batch.positions, cfg.rope_theta)
-        k = apply_rope(k, batch.positions, cfg.rope_theta)
+        q = apply_rope(q, batch, cfg.rope_theta)
+        k = apply_rope(k, batch, cfg.rope_theta)
         batch.wait_kv(self.layer)
         out = gqa_paged_attention(q, k, v, pool.k_buffer(self.layer), pool.v_buffer(self.layer), batch,
                                   1.0 / math.sqrt(cfg.head_dim))
@@ -104,9 +103,9 @@ class MLAttention(nn.Module):
         cfg = self.cfg
         q = self.q_proj(x).unflatten(-1, (cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim))
         q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
-        q = torch.cat((q_nope, apply_rope(q_pe, batch.positions, cfg.rope_theta, interleaved=True)), dim=-1)
+        q = torch.cat((q_nope, apply_rope(q_pe, batch, cfg.rope_theta, interleaved=True)), dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
-        k_pe = apply_rope(k_pe[:, None, :], batch.positions, cfg.rope_theta, interleaved=True)
+        k_pe = apply_rope(k_pe[:, None, :], batch, cfg.rope_theta, interleaved=True)
         batch.wait_kv(self.layer)
         cache = pool.latent_buffer(self.layer)  # [slots, 1, kv_lora_rank + rope]
         cache[batch.out_slots] = torch.cat((self.kv_a_layernorm(latent)[:, None, :], k_pe), -1).to(cache.dtype)
@@ -115,15 +114,19 @@ class MLAttention(nn.Module):
             k, v = self._expand(cache[seq.kv_slots, 0].to(x.dtype))
             out[seq.q_start:seq.q_end] = causal_attention(q[seq.q_start:seq.q_end], k, v, seq.first_position,
                                                           self.scale)
+        if batch.decode is not None:
+            d = batch.decode
+            k, v = self._expand(d.gather(cache)[:, :, 0].to(x.dtype))
+            out[d.q_rows] = decode_attention(q[d.q_rows], k, v, d.padding, self.scale)
         return self.o_proj(out.flatten(-2))
 
     def _expand(self, cached: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-head K ``[L, H, nope+rope]`` and V ``[L, H, v]`` from cached latents ``[L, rank+rope]``."""
+        """Per-head K ``[..., H, nope+rope]`` and V ``[..., H, v]`` from cached latents ``[..., rank+rope]``."""
         cfg = self.cfg
         latent, k_pe = cached.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
         kv = self.kv_b_proj(latent).unflatten(-1, (cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim))
         k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
-        k = torch.cat((k_nope, k_pe[:, None, :].expand(-1, cfg.num_heads, -1)), dim=-1)
+        k = torch.cat((k_nope, k_pe.unsqueeze(-2).expand(*k_pe.shape[:-1], cfg.num_heads, -1)), dim=-1)
         return k, v
 
 

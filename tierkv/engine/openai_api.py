@@ -1,14 +1,18 @@
 """The OpenAI wire format: pydantic request models, the checks that refuse what the engine cannot honour,
 and the response and stream-chunk bodies.
 
-Every parameter is either honoured or refused with HTTP 400 naming it; none is silently ignored. The engine
-decodes greedily, so ``temperature`` must be 0 (or absent) and ``top_p`` 1; ``seed`` is accepted because
-greedy output is the same for every seed; ``n`` must be 1.
+Every parameter is either honoured or refused with HTTP 400 naming it and its value; none that changes the
+output is silently ignored. The engine decodes greedily, so ``temperature`` must be 0 (or absent). The
+sampling fields vLLM and SGLang accept are accepted at their neutral values (``top_p`` 1, ``top_k`` -1 or 0,
+``min_p`` 0, ``repetition_penalty`` 1, ``presence_penalty`` / ``frequency_penalty`` 0, ``best_of`` 1,
+``min_tokens`` 0, ``logit_bias`` and ``stop_token_ids`` empty, ``skip_special_tokens`` and
+``spaces_between_special_tokens`` true, ``include_stop_str_in_output`` false), and ``top_k`` 1 (greedy itself); with ``temperature`` 0 any
+``top_p`` / ``top_k`` / ``min_p`` is accepted, as those only filter what greedy decoding never samples.
+``seed`` is accepted because greedy output is the same for every seed; ``ignore_eos`` is honoured.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Literal, Union
 
@@ -23,9 +27,10 @@ class ApiError(Exception):
     """An HTTP error with an OpenAI-shaped body; ``param`` names the offending field."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 kind: str = "invalid_request_error") -> None:
+                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.kind = status, message, param, kind
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
@@ -50,6 +55,18 @@ class _Common(_Strict):
     n: int = 1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # vLLM / SGLang sampling extensions, accepted at their neutral values (see the module docstring)
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    best_of: int | None = None
+    min_tokens: int = 0
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     user: str | None = None
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
 
@@ -95,17 +112,31 @@ def parse_request(model: type[_Common], body: bytes) -> _Common:
     return request
 
 
+# field -> the values that leave greedy output unchanged (None: absent)
+_NEUTRAL = {"n": (1,), "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (None, 1),
+            "best_of": (None, 1), "min_tokens": (0,), "stop_token_ids": (None, []), "skip_special_tokens": (True,),
+            "spaces_between_special_tokens": (True,), "include_stop_str_in_output": (False,)}
+# filters of the sampled distribution: no-ops under greedy decoding, refused when temperature is absent
+_FILTERS = {"top_p": (None, 1), "top_k": (None, -1, 0, 1), "min_p": (None, 0)}
+
+
 def _refuse_unsupported(req: _Common) -> None:
     if req.temperature not in (None, 0):
         raise ApiError(400, f"temperature: only greedy decoding is supported (0 or absent), got {req.temperature}",
                        "temperature")
-    if req.top_p not in (None, 1):
-        raise ApiError(400, f"top_p: only 1 (greedy decoding) is supported, got {req.top_p}", "top_p")
-    if req.n != 1:
-        raise ApiError(400, f"n: only 1 is supported (greedy decoding gives one answer), got {req.n}", "n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name):
-            raise ApiError(400, f"{name}: penalties are not supported, got {getattr(req, name)}", name)
+    for name, neutral in _NEUTRAL.items():
+        if getattr(req, name) not in neutral:
+            raise ApiError(400, f"{name}: only {' or '.join(map(str, (v for v in neutral if v is not None)))} is "
+                                f"supported (greedy decoding, no penalties), got {getattr(req, name)}", name)
+    if req.temperature != 0:
+        for name, neutral in _FILTERS.items():
+            if getattr(req, name) not in neutral:
+                raise ApiError(400, f"{name}: only {' or '.join(map(str, neutral[1:]))} is supported unless "
+                                    f"temperature is 0 (greedy decoding), got {getattr(req, name)}", name)
+    if req.logit_bias:
+        raise ApiError(400, f"logit_bias: not supported, got {len(req.logit_bias)} entries", "logit_bias")
+    if req.stream_options is not None and not req.stream:
+        raise ApiError(400, "stream_options: only allowed when stream is true", "stream_options")
     if any(not s for s in stop_strings(req)) or len(stop_strings(req)) > 4:
         raise ApiError(400, "stop: up to 4 non-empty strings", "stop")
     if isinstance(req, CompletionRequest) and req.echo and req.logprobs is not None:
@@ -186,6 +217,7 @@ def chat_logprobs(tokens: list[TokenOut]) -> dict:
                         for t in tokens]}
 
 
-def envelope(kind: str, rid: str, model: str, choice: dict) -> dict:
+def envelope(kind: str, rid: str, model: str, choice: dict, created_unix: int) -> dict:
+    """A response or chunk body; every chunk of one response carries its id and creation time."""
     return {"id": f"{'chatcmpl' if kind.startswith('chat') else 'cmpl'}-{rid}", "object": kind,
-            "created": int(time.time()), "model": model, "choices": [choice]}
+            "created": created_unix, "model": model, "choices": [choice]}

@@ -17,6 +17,10 @@ from tierkv.radix import RadixKey
 
 log = logging.getLogger(__name__)
 
+# The engine's stop policy when the extra config names none: HiCache's default. StorageConfig's own,
+# best_effort (end a prefetch whenever its request can run), gave an idle engine no L3 hit at all: a
+# request runs in the step its prefetch starts, before the exists call returns (issue 29.4).
+DEFAULT_STOP_POLICY = "timeout"
 # An admission waits at most this long for a prefetch (less when L3 is timed faster): a prefetch that
 # finds nothing then costs its request an exists call, not a whole scheduler step.
 MAX_ADMISSION_WAIT_S = 0.05
@@ -81,11 +85,30 @@ class Prefetcher:
 
 
 def attach_l3(engine, spec: str, extra_config: dict) -> Prefetcher:
-    """Open the store named by ``spec`` and attach it with ``extra_config`` (prefetch policy, backend keys)."""
+    """Open the store named by ``spec`` and attach it with ``extra_config`` (prefetch policy, backend keys;
+    the stop policy is :data:`DEFAULT_STOP_POLICY` unless it names one)."""
     from tierkv.hashing import HashNamespace
     from tierkv.cache.l3 import open_storage
     cache = engine.cache
     namespace = HashNamespace.for_spec(engine.namespace, cache.host_pool.spec, cache.host_pool.layout)
+    extra_config = {"prefetch_stop_policy": DEFAULT_STOP_POLICY, **extra_config}
     open_storage(cache, spec, json.dumps(extra_config), namespace)
     engine.scheduler.prefetcher = prefetcher = Prefetcher(cache)
     return prefetcher
+
+
+def l3_counters(cache) -> dict[str, int]:
+    """What L3 did and what the cost model decided, since the cache started: prefetches started,
+    revoked (by the stop policy or too small a hit, HiCache's threshold), judged not worth it (even a
+    full hit slower than recomputing) or cut after the exists call; lookups skipped for a poor hit rate;
+    backups started and skipped as not paying; tokens read. Empty without L3. For the banner, the
+    bench and /metrics: the answer to "why no L3 hits"."""
+    storage = cache.storage
+    if storage is None:
+        return {}
+    stats, model = storage.stats, cache.cost_model
+    return {"started": stats.prefetch_started, "revoked": stats.prefetch_revoked,
+            "not_worth": stats.prefetch_not_worth, "cut_after_exists": model.skipped_fetches,
+            "lookups_skipped": model.skipped_lookups, "rate_limited": stats.prefetch_rate_limited,
+            "backups": stats.backup_started, "backups_skipped": model.skipped_backups,
+            "prefetched_tokens": stats.prefetched_tokens}

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import itertools
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -11,10 +11,8 @@ import torch
 
 from tierkv.radix import TreeNode
 
-_request_ids = itertools.count()
 
-
-@dataclass
+@dataclass(eq=False)  # a request is itself: membership tests (waiting, running) compare identity
 class Request:
     """Greedy generation of up to ``max_new_tokens`` after ``prompt``.
 
@@ -28,7 +26,7 @@ class Request:
     extra_key: str | None = None
     eos_token_id: int | None = None
     on_token: Callable[["Request", int], None] | None = None
-    rid: str = field(default_factory=lambda: f"req-{next(_request_ids)}")
+    rid: str = field(default_factory=lambda: uuid.uuid4().hex)  # unique across restarts, not only in-process
     output: list[int] = field(default_factory=list)
     slots: torch.Tensor | None = None
     cached_len: int = 0
@@ -43,6 +41,7 @@ class Request:
     last_logits: torch.Tensor | None = None
     error: str | None = None
     stop_requested: bool = False  # set by on_token to end generation after this token (a stop string matched)
+    cancelled: bool = False  # its client went away: Scheduler.abort released it before it finished
     finished: bool = False
     arrival_s: float = field(default_factory=time.perf_counter)
     admitted_s: float | None = None

@@ -39,12 +39,14 @@ class ModelRunner:
         return self.model.device
 
     def forward(self, items: list[WorkItem], layer_loads: Any = None) -> torch.Tensor:
-        """One pass over all items; returns fp32 logits ``[num_sampling_items, vocab]`` in item order.
+        """One pass over all items; returns fp32 logits ``[num_sampling_items, vocab]`` in item order, on
+        the host (its one wait for the device per pass).
 
         ``layer_loads`` (a :class:`tierkv.layer_load.LayerLoads`): each layer waits for its own layer
         of those L2 -> L1 loads before reading KV, so the copy of later layers overlaps this compute."""
-        ids = torch.tensor([t for it in items for t in it.new_token_ids], dtype=torch.int64, device=self.device)
-        batch = ForwardBatch.build([(it.kv_slots, len(it.new_token_ids)) for it in items],
+        batch = ForwardBatch.build([t for it in items for t in it.new_token_ids],
+                                   [(it.kv_slots, len(it.new_token_ids)) for it in items],
                                    [it.sample for it in items], self.device)
         batch.layer_loads = layer_loads
-        return self.model(ids, batch, self.pool)
+        # on the host in one copy: the caller reads every row there (a copy per row is a wait per row)
+        return self.model(batch.input_ids, batch, self.pool).cpu()

@@ -55,6 +55,7 @@ class EngineCounters:
     requests_submitted: int = 0
     requests_finished: int = 0
     requests_failed: int = 0
+    requests_cancelled: int = 0  # aborted before they finished (their client went away)
     prompt_tokens: int = 0
     generated_tokens: int = 0
     device_hit_tokens: int = 0
@@ -86,12 +87,38 @@ class Scheduler:
         before any lookup, prefetch or eviction could disturb what the cache holds."""
         request.arrival_s = time.perf_counter()
         self.counters.requests_submitted += 1
+        if request.cancelled:  # aborted before it reached the scheduler
+            self._end_cancelled(request)
+            return request
         if not self._can_ever_fit(request):
             self._fail(request, f"request needs {request.max_kv_tokens} KV slots; the device pool "
                                 f"has {self.cache.device_pool.num_slots}")
             return request
         self.waiting.append(request)
         return request
+
+    def abort(self, request: Request) -> None:
+        """End ``request`` now, between steps (no load of its prefix is then in flight): a waiting one leaves the queue (its prefetch released), a
+        running one inserts the KV it computed (unlocked, evictable), unlocks its prefix and frees its own
+        slots. Safe for a request not (or no longer) in the scheduler: it is marked, and refused at submit.
+        Lock contract: releases the request's lock_ref on its prefix path."""
+        if request.finished:
+            return
+        request.cancelled = True
+        if request in self.waiting:
+            self.waiting.remove(request)
+            if self.prefetcher is not None:
+                self.prefetcher.abort(request)
+        elif request in self.running:
+            self.running.remove(request)
+            self._release(request)
+        else:
+            return  # not submitted yet: submit() ends it
+        self._end_cancelled(request)
+
+    def _end_cancelled(self, request: Request) -> None:
+        request.finished, request.finish_s = True, time.perf_counter()
+        self.counters.requests_cancelled += 1
 
     @property
     def has_work(self) -> bool:
@@ -262,8 +289,18 @@ class Scheduler:
 
     # ---- completion ------------------------------------------------------------------------------
     def _finish(self, request: Request) -> None:
-        """Insert the tokens whose KV was computed, unlock the prefix, free what the tree did not take."""
         self.running.remove(request)
+        self._release(request)
+        request.finished, request.finish_s = True, time.perf_counter()
+        c = self.counters
+        c.requests_finished += 1
+        c.device_hit_tokens += request.device_hit_tokens
+        c.host_hit_tokens += request.host_hit_tokens
+        c.storage_hit_tokens += request.storage_hit_tokens
+
+    def _release(self, request: Request) -> None:
+        """Insert the tokens whose KV was computed, unlock the prefix, free what the tree did not take.
+        Lock contract: releases the request's lock_ref on ``locked_node``."""
         n_kv = request.num_computed
         if self.config.use_prefix_cache:
             kept = self.cache.insert(RadixKey(request.all_tokens[:n_kv], request.extra_key), request.slots[:n_kv])
@@ -272,12 +309,6 @@ class Scheduler:
         else:
             self.cache.device_pool.free(request.own_slots)
         request.locked_node, request.slots = None, None
-        request.finished, request.finish_s = True, time.perf_counter()
-        c = self.counters
-        c.requests_finished += 1
-        c.device_hit_tokens += request.device_hit_tokens
-        c.host_hit_tokens += request.host_hit_tokens
-        c.storage_hit_tokens += request.storage_hit_tokens
 
     def _restart(self, request: Request) -> None:
         """Its prefix load failed: release its slots and lock and queue it again at the head; the cache

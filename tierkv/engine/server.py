@@ -1,8 +1,8 @@
 """HTTP front end: FastAPI + uvicorn, OpenAI-compatible ``/v1/completions`` and ``/v1/chat/completions``
 (plain and SSE streaming), ``/v1/models``, ``/health`` and Prometheus ``/metrics``.
 
-One engine thread owns the engine (the cache's thread contract: one scheduler thread); request handlers
-on the asyncio loop hand requests over through a queue and await their tokens. The HTTP/1.1 parser is
+One engine thread owns the engine (:mod:`tierkv.engine.engine_loop`); request handlers on the asyncio loop
+hand requests over through a queue and await their tokens. The HTTP/1.1 parser is
 uvicorn's h11 protocol, extended with a whole-request read deadline and a cap on open connections.
 """
 
@@ -10,112 +10,27 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
-import queue
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Callable
 
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from tierkv.engine.app_state import MAX_BODY_BYTES, AppState, ServerLimits
 from tierkv.engine.engine import Engine
+from tierkv.engine.engine_loop import EngineLoop
 from tierkv.engine.metrics import ServerMetrics
-from tierkv.engine.request import Request
+from tierkv.engine.routes import build_app
 from tierkv.engine.tokenizer import ByteTokenizer, Tokenizer
 
-log = logging.getLogger(__name__)
-access_log = logging.getLogger("tierkv.access")
+__all__ = ["MAX_BODY_BYTES", "CompletionServer", "ServerLimits", "guarded_protocol"]
 
-MAX_BODY_BYTES = 1 << 20
-_DONE = object()
+log = logging.getLogger(__name__)
+
 _BUSY_BODY = b'{"error": {"message": "too many open connections", "type": "server_busy", "param": null, "code": 503}}'
 _BUSY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
          b"content-length: %d\r\n\r\n" % len(_BUSY_BODY)) + _BUSY_BODY
-
-
-@dataclass
-class CompletionJob:
-    """One request in flight: the engine thread calls ``deliver`` with each TokenOut, then ``_DONE``."""
-
-    request: Request
-    deliver: Callable[[object], None]
-    extra: dict = field(default_factory=dict)
-
-
-class EngineLoop:
-    """Runs the scheduler on its own thread; :meth:`submit` is safe from any thread."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self._inbox: queue.Queue[CompletionJob] = queue.Queue()
-        self._active: list[CompletionJob] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="tierkv-engine", daemon=True)
-        self.broken: str | None = None
-        self.lock = threading.Lock()  # held while the engine steps, so /metrics reads a consistent view
-
-    def start(self) -> "EngineLoop":
-        self._thread.start()
-        return self
-
-    def submit(self, job: CompletionJob) -> CompletionJob:
-        if self.broken:
-            raise RuntimeError(self.broken)
-        self._inbox.put(job)
-        return job
-
-    def _run(self) -> None:
-        scheduler = self.engine.scheduler
-        while not self._stop.is_set():
-            try:
-                wait_s = 0 if scheduler.has_work else 0.05
-                job = self._inbox.get(timeout=wait_s) if wait_s else self._inbox.get_nowait()
-                with self.lock:
-                    scheduler.submit(job.request)
-                self._active.append(job)
-                continue  # drain the inbox before stepping so arrivals batch together
-            except queue.Empty:
-                pass
-            if scheduler.has_work:
-                try:
-                    with self.lock:
-                        scheduler.step()
-                except Exception as exc:  # a bug must not hang every client: fail them and stop serving
-                    log.exception("engine step failed")
-                    self.broken = f"engine failed: {exc!r}"
-                    for job in self._active:
-                        job.request.error, job.request.finished = self.broken, True
-                    self._stop.set()
-            for job in [j for j in self._active if j.request.finished]:
-                self._active.remove(job)
-                job.deliver(_DONE)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-        for job in self._active:
-            job.request.error = job.request.error or "server shutting down"
-            job.deliver(_DONE)
-
-
-@dataclass(frozen=True)
-class ServerLimits:
-    """``read_timeout_s`` bounds the time a client may take to send a whole request (head and body);
-    ``max_connections`` caps open connections (more are answered 503 and closed)."""
-
-    max_body_bytes: int = MAX_BODY_BYTES
-    read_timeout_s: float = 30.0
-    max_connections: int = 1024
-    keep_alive_s: float = 5.0
-
-    def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "read_timeout_s", "max_connections", "keep_alive_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-                raise ValueError(f"{name} must be a positive finite number, got {value!r}")
 
 
 def guarded_protocol(limits: ServerLimits) -> type[H11Protocol]:
@@ -175,15 +90,13 @@ class CompletionServer:
     def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 0, model_name: str = "tierkv",
                  tokenizer: Tokenizer | None = None, api_keys: dict[str, str] | None = None,
                  limits: ServerLimits | None = None) -> None:
-        from tierkv.engine.routes import build_app
-
-        self.loop = EngineLoop(engine)
         self.limits = limits or ServerLimits()
+        self.loop = EngineLoop(engine, self.limits.max_waiting_requests)
         self.model_name = model_name
         self.tokenizer = tokenizer or ByteTokenizer()
         self.api_keys = api_keys
         self.metrics = ServerMetrics(engine, self.loop.lock)
-        self.app = build_app(self)
+        self.app = build_app(AppState(self.loop, self.limits, model_name, self.tokenizer, api_keys, self.metrics))
         self.socket = socket.create_server((host, port), reuse_port=False)
         self.socket.setblocking(False)
         config = uvicorn.Config(self.app, http=guarded_protocol(self.limits), loop="asyncio", lifespan="off",

@@ -110,9 +110,12 @@ class HFTokenizer:
         return _DiffStream(self)
 
     def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
-        if getattr(self._tok, "chat_template", None):
-            return list(self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
-        return self.encode(plain_chat_text(messages))
+        if not getattr(self._tok, "chat_template", None):
+            return self.encode(plain_chat_text(messages))
+        # rendered to text, then encoded: apply_chat_template(tokenize=True) returns a list of ids in
+        # transformers 4.x but a BatchEncoding in 5.x; the template already holds any BOS it wants
+        text = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return list(self._tok.encode(text, add_special_tokens=False))
 
 
 def load_tokenizer(model: str) -> Tokenizer:

@@ -84,6 +84,10 @@ class ConnectorStats:
     loaded_l3_tokens: int = 0
     failed_load_tokens: int = 0
     backed_up_tokens: int = 0
+    # tierkv's own cost in vLLM's step: engine steps planned, and wall time inside the connector's methods
+    steps: int = 0
+    scheduler_busy_us: int = 0
+    worker_busy_us: int = 0  # summed over ranks
 
 
 @dataclass(eq=False)
@@ -107,6 +111,7 @@ class _Request:
     """The scheduler half's view of one request."""
 
     req_id: str
+    extra_key: str | None = None  # the request's namespace (cache salt, LoRA adapter): its own pages and keys
     hashes: list[str] = field(default_factory=list)
     protected: TreeNode | None = None  # holds one host_ref
     saved_tokens: int = 0
@@ -148,20 +153,25 @@ class SchedulerTiers:
         num_pages = len(tokens) // self.page_size
         if len(req.hashes) < num_pages:
             start = len(req.hashes) * self.page_size
-            prior = req.hashes[-1] if req.hashes else None
+            if req.hashes:
+                prior = req.hashes[-1]
+            else:  # the namespace's seed for the request's own extra key keeps salted chains apart
+                prior = None if req.extra_key is None else self.namespace.seed(req.extra_key)
             req.hashes += page_hashes(tokens[start:num_pages * self.page_size], self.page_size, prior,
                                       self.namespace)
         return req.hashes[:num_pages]
 
-    def num_new_matched_tokens(self, req_id: str, prompt: list[int], local_hit: int) -> tuple[int | None, bool]:
+    def num_new_matched_tokens(self, req_id: str, prompt: list[int], local_hit: int,
+                               extra_key: str | None = None) -> tuple[int | None, bool]:
         """Tokens beyond vLLM's own ``local_hit`` that L2/L3 can supply; None while L3 is still asked.
 
-        The last prompt token is never a hit (vLLM must compute one token). Lock contract: takes no
-        lock; the lookup it may start owns only its own fields.
+        The last prompt token is never a hit (vLLM must compute one token). ``extra_key`` names the
+        request's namespace (see :class:`tierkv.radix_key.RadixKey`). Lock contract: takes no lock; the
+        lookup it may start owns only its own fields.
         """
-        req = self.requests.setdefault(req_id, _Request(req_id))
+        req = self._request(req_id, extra_key)
         limit = (len(prompt) - 1) // self.page_size * self.page_size
-        path = self.tree.match(RadixKey(prompt[:limit]), touch=False)
+        path = self.tree.match(RadixKey(prompt[:limit], req.extra_key), touch=False)
         l2_end = path.num_tokens if path.num_tokens - local_hit >= self.config.load_back_threshold else 0
         base = max(l2_end, local_hit)  # L2 supplies [local_hit, base) when it reaches past vLLM's hit
         l3_end = base
@@ -185,11 +195,20 @@ class SchedulerTiers:
         req.planned = (local_hit, base, l3_end)
         return l3_end - local_hit, l3_end > base
 
-    def after_alloc(self, req_id: str, prompt: list[int], block_ids: list[int], num_external: int) -> None:
+    def _request(self, req_id: str, extra_key: str | None) -> _Request:
+        req = self.requests.get(req_id)
+        if req is None:
+            req = self.requests[req_id] = _Request(req_id, extra_key)
+        elif req.extra_key != extra_key:
+            raise ValueError(f"request {req_id}: extra key changed from {req.extra_key!r} to {extra_key!r}")
+        return req
+
+    def after_alloc(self, req_id: str, prompt: list[int], block_ids: list[int], num_external: int,
+                    extra_key: str | None = None) -> None:
         """Protect the request's L2 prefix and plan its load. Lock contract: one host_ref per request."""
-        req = self.requests.setdefault(req_id, _Request(req_id))
+        req = self._request(req_id, extra_key)
         if req.protected is None and req.saved_tokens == 0:
-            path = self.tree.match(RadixKey(prompt[: len(prompt) // self.page_size * self.page_size]))
+            path = self.tree.match(RadixKey(prompt[: len(prompt) // self.page_size * self.page_size], req.extra_key))
             for node in path.nodes:  # the request uses its L2 prefix once: policies count uses themselves
                 self.priority.on_access(node)
             if path.nodes:
@@ -204,7 +223,7 @@ class SchedulerTiers:
             raise RuntimeError(f"request {req_id}: vLLM allocated {num_external} external tokens after "
                                f"{local_hit}, the plan was up to {l3_end}")
         base, l3_end = min(base, end), end  # vLLM may take less than offered, never more
-        host_pages = self._host_pages(prompt, local_hit, base)
+        host_pages = self._host_pages(prompt, local_hit, base, req.extra_key)
         keys = self._hashes(req, prompt[:l3_end])[base // self.page_size:]
         first, last = local_hit // self.page_size, l3_end // self.page_size
         is_async = bool(keys)
@@ -215,11 +234,11 @@ class SchedulerTiers:
         self.stats.l2_hit_tokens += base - local_hit
         self.stats.l3_hit_tokens += l3_end - base
 
-    def _host_pages(self, prompt: list[int], start: int, end: int) -> list[int]:
+    def _host_pages(self, prompt: list[int], start: int, end: int, extra_key: str | None) -> list[int]:
         """L2 pages holding tokens [start, end) of ``prompt`` (protected by the request's host_ref)."""
         if end <= start:
             return []
-        path = self.tree.match(RadixKey(prompt[:end]))
+        path = self.tree.match(RadixKey(prompt[:end], extra_key))
         slots = torch.cat([n.host_value for n in path.nodes])[start:end]
         return self.allocator.slots_to_pages(slots).tolist()
 
@@ -230,6 +249,12 @@ class SchedulerTiers:
         req.protected = node
 
     # ---- saves -----------------------------------------------------------------------------------
+    def wants_save(self, req_id: str, computed_tokens: int) -> bool:
+        """Whether :meth:`plan_save` would do anything with ``computed_tokens`` (at most the request's length)."""
+        req = self.requests.get(req_id)
+        return (req is not None and not req.save_stopped and not req.load_pending
+                and computed_tokens // self.page_size * self.page_size > req.saved_tokens)
+
     def plan_save(self, req_id: str, tokens: list[int], block_ids: list[int], computed_tokens: int) -> None:
         """Back up to L2 (and L3) every full block computed by the end of this step and not yet saved.
 
@@ -241,7 +266,7 @@ class SchedulerTiers:
         end = min(computed_tokens, len(tokens)) // self.page_size * self.page_size
         if end <= req.saved_tokens:
             return
-        key = RadixKey(tokens[:end])
+        key = RadixKey(tokens[:end], req.extra_key)
         path = self.tree.match(key)
         start = path.num_tokens
         if start < req.saved_tokens:  # the request's host_ref protects its prefix: this is a bug, cost hits only
@@ -256,7 +281,7 @@ class SchedulerTiers:
                 req.save_stopped = True
                 self.stats.save_skipped_tokens += end - start
                 return
-            leaf = self.tree.add_leaf(parent, self.tree.elements(key)[start:], None)
+            leaf = self.tree.add_leaf(parent, self.tree.elements(key)[start:], req.extra_key)
             leaf.host_value = slots
             hashes = self._hashes(req, tokens[:end])
             leaf.hash_values = hashes[start // self.page_size:]

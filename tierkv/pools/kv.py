@@ -236,13 +236,19 @@ class HostKVPool(PagedKVBuffer):
         target.copy_(data.view(self.spec.dtype).view(target.shape))
 
 
+# Host memory an L2 pool must leave free (HiCache's 10 GiB): CacheConfig.host_memory_reserve_gib.
+HOST_MEMORY_RESERVE_BYTES = 10 * 2**30
+
+
 def host_pool_tokens(device_tokens: int, bytes_per_token: int, page_size: int,
-                     ratio: float = 2.0, size_gb: float | None = None) -> int:
+                     ratio: float = 2.0, size_gb: float | None = None,
+                     reserve_bytes: int = HOST_MEMORY_RESERVE_BYTES) -> int:
     """L2 size in tokens: ``size_gb`` when given and not 0 (overrides ``ratio``), else ``ratio`` x the L1 size.
 
     A host pool not larger than the device pool cannot hold anything L1 does not, so it is an error,
-    and so is one larger than the host memory available now (the pool's pages are touched lazily, so
-    the allocation itself would succeed and the process be killed later).
+    and so is one larger than the host memory available now less ``reserve_bytes`` (HiCache keeps
+    10 GiB for the rest of the process; the pool's pages are touched lazily, so the allocation itself
+    would succeed and the process be killed later).
     """
     if size_gb:
         if not isinstance(size_gb, (int, float)) or size_gb <= 0:
@@ -257,10 +263,11 @@ def host_pool_tokens(device_tokens: int, bytes_per_token: int, page_size: int,
         raise ValueError(f"host pool of {tokens} tokens is not larger than the device pool of "
                          f"{device_tokens} tokens (hicache_ratio={ratio!r}, hicache_size={size_gb!r})")
     available_bytes = available_host_memory_bytes()
-    if available_bytes is not None and tokens * bytes_per_token > available_bytes:
+    if available_bytes is not None and tokens * bytes_per_token > available_bytes - reserve_bytes:
         raise ValueError(f"host pool of {tokens} tokens needs {tokens * bytes_per_token / 1e9:.1f} GB but only "
-                         f"{available_bytes / 1e9:.1f} GB of host memory is available; lower hicache_ratio "
-                         f"({ratio!r}) or hicache_size_gb ({size_gb!r})")
+                         f"{available_bytes / 1e9:.1f} GB of host memory is available, of which "
+                         f"{reserve_bytes / 2**30:.1f} GiB stays free (host_memory_reserve_gib); lower "
+                         f"hicache_ratio ({ratio!r}) or hicache_size_gb ({size_gb!r})")
     return tokens
 
 

@@ -48,14 +48,17 @@ class StorageConfig:
         for name in ("prefetch_max_tokens_in_flight", "prefetch_batch_pages", "backup_max_pending_tokens"):
             if name != "prefetch_max_tokens_in_flight" or self.prefetch_max_tokens_in_flight is not None:
                 check_int(name, getattr(self, name), minimum=1)
-        for name in ("prefetch_timeout_base", "prefetch_timeout_per_ki_token", "io_wait_timeout_s"):
+        for name in ("prefetch_timeout_base", "prefetch_timeout_per_ki_token"):
             check_seconds(name, getattr(self, name))
+        # > 0: a zero bound gives up on every storage thread at once, and close() then reports a hang
+        check_seconds("io_wait_timeout_s", self.io_wait_timeout_s, positive=True)
         check_bool("hicache_storage_pass_prefix_keys", self.hicache_storage_pass_prefix_keys)
         check_choice("prefetch_stop_policy", self.prefetch_stop_policy, STOP_POLICIES)
         if self.hash_algorithm is not None:
             check_choice("hash_algorithm", self.hash_algorithm, HASH_ALGORITHMS)
         if not isinstance(self.backend_config, Mapping):
-            raise ValueError(f"backend_config must be a mapping, got {self.backend_config!r}")
+            # its value is not shown: backend keys include passwords and page keys
+            raise ValueError(f"backend_config must be a mapping, got a {type(self.backend_config).__name__}")
         object.__setattr__(self, "backend_config", dict(self.backend_config))  # a private copy; picklable
 
     @classmethod

@@ -187,5 +187,5 @@ def _redis_store_class(module: str, name: str) -> type:
     except ModuleNotFoundError as exc:
         if exc.name != "redis":
             raise
-        raise ValueError("the redis backends need redis-py: pip install 'tierkv[redis]'") from None
+        raise ValueError("the redis backends need redis-py: pip install 'tierkv-hicache[redis]'") from None
     return getattr(store_module, name)

@@ -27,7 +27,9 @@ once, and reads go on.
 
 With ``max_bytes`` the store keeps an LRU index of its pages (rebuilt from the directory at start,
 ordered by modification time, which a hit refreshes) and removes the least recently used pages when a
-write takes it over the bound.
+write takes it over the bound. Processes sharing the directory also share a ledger of its size
+(:mod:`tierkv.storage.file_budget`), so the directory as a whole stays within ``max_bytes`` plus the
+batches being written at that moment.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ import torch
 
 from tierkv.storage import native
 from tierkv.storage.base import Backoff, LruIndex, PageStore, check_key, check_max_bytes, is_key
+from tierkv.storage.file_budget import LEDGER_NAME, DirectoryBudget
 from tierkv.storage.page_format import CHECKSUM_OFFSET, CHUNK_NBYTES, HEADER_SIZE, Digest, PageFormatError
 
 PAGE_SUFFIX = ".page"
@@ -136,7 +139,9 @@ class FileStore(PageStore):
         self.max_bytes = check_max_bytes(max_bytes, self.format.blob_nbytes)
         self._index = LruIndex(self.max_bytes) if self.max_bytes is not None else None
         self._index_lock = threading.Lock()
+        self._budget = None
         if self._index is not None:
+            self._budget = DirectoryBudget(self.directory, self.max_bytes, PAGE_SUFFIX)
             self._rebuild_index()
         # The native batch I/O checks xxh3 checksums only; a MAC is computed in Python.
         self._native = native.pageio if self.format.page_key is None else None
@@ -405,11 +410,32 @@ class FileStore(PageStore):
             try:
                 with self._namespace(create=True) as dirs:
                     if self._native is not None:
-                        return self._set_native(dirs, keys, views)
-                    return [self._set_one(dirs, key, view) for key, view in zip(keys, views)]
+                        done = self._set_native(dirs, keys, views)
+                    else:
+                        done = [self._set_one(dirs, key, view) for key, view in zip(keys, views)]
             except OSError as err:
                 self._error(f"open {self.directory}", err)
                 return [False] * len(keys)
+            self._charge(sum(done))
+            return done
+
+    def _charge(self, num_pages: int) -> None:
+        """Count pages just written in the directory's shared ledger (other processes write there too)."""
+        self._update_ledger(num_pages)
+
+    def _credit(self, num_pages: int) -> None:
+        """Uncount pages this process just removed."""
+        self._update_ledger(-num_pages)
+
+    def _update_ledger(self, num_pages: int) -> None:
+        if self._budget is None or not num_pages:
+            return
+        try:
+            removed = self._budget.charge(num_pages * self.format.blob_nbytes)
+        except OSError as err:
+            self._error(f"size ledger of {self.directory}", err)
+            return
+        self._count(evicted_pages=removed)
 
     def _set_one(self, dirs: "_Subdirs", key: str, view: memoryview) -> bool:
         if not self.write_backoff.ready():
@@ -456,20 +482,22 @@ class FileStore(PageStore):
         if self.fsync:
             os.fsync(sub)  # the rename is durable only once its directory entry is
 
-    def _remove(self, key: str) -> None:
-        """Unlink ``key``'s page (missing is fine); raises OSError on any other failure."""
+    def _remove(self, key: str) -> bool:
+        """Unlink ``key``'s page; False if it was missing; raises OSError on any other failure."""
         try:
             with self._namespace(create=False) as dirs:
                 sub = dirs.get(key)
                 if sub is not None:
                     os.unlink(key + PAGE_SUFFIX, dir_fd=sub)
+                    return True
         except FileNotFoundError:
             pass
+        return False
 
     def _drop(self, key: str) -> None:
         self._forget(key)
         try:
-            self._remove(key)
+            self._credit(int(self._remove(key)))
         except OSError as err:
             self._error(f"remove corrupt page {key}", err)
 
@@ -484,7 +512,7 @@ class FileStore(PageStore):
             for entry in os.scandir(fd):
                 if entry.is_dir(follow_symlinks=False):
                     shutil.rmtree(entry.name, dir_fd=fd, ignore_errors=True)
-                else:
+                elif entry.name != LEDGER_NAME:  # other processes hold its lock: it is reset below
                     os.unlink(entry.name, dir_fd=fd)
         except OSError as err:
             self._error(f"clear {self.directory}", err)
@@ -497,6 +525,11 @@ class FileStore(PageStore):
         if self._index is not None:
             with self._index_lock:
                 self._index.clear()
+        if self._budget is not None:
+            try:
+                self._budget.reset()
+            except OSError as err:
+                self._error(f"clear {self.directory}", err)
 
     # ---- capacity --------------------------------------------------------------------------------
     def _indexed(self, key: str) -> None:
@@ -515,13 +548,15 @@ class FileStore(PageStore):
             return
         with self._index_lock:
             victims = self._index.add(key, self.format.blob_nbytes)
+        removed = 0
         for victim in victims:
             try:
-                self._remove(victim)
+                removed += self._remove(victim)
             except OSError as err:
                 self._error(f"evict page {victim}", err)
         if victims:
             self._count(evicted_pages=len(victims))
+            self._credit(removed)
 
     def _forget(self, key: str) -> None:
         if self._index is not None:

@@ -1,15 +1,19 @@
-"""Real vLLM (CPU) side by side: no connector, vLLM's native CPU offloading, tierkv (L2, and L2 + file L3).
+"""Real vLLM (CPU) side by side: vanilla vLLM, vLLM with a connector that does nothing, vLLM's native CPU
+offloading, and tierkv (L2; L2 + file L3; L2 + a file L3 a previous engine filled).
 
 The workload is the multi-turn conversation trace scaled to the tiny model: each 512-token trace block
 becomes ``--block-tokens`` seeded tokens, requests run one at a time in trace order, and vLLM's own
 prefix cache (L1) is cut to ``--l1-blocks`` blocks so turns of a conversation outlive it only in the
 lower tiers. Per mode: prefill tokens computed (prompt tokens vLLM did not get from any cache) and
-TTFT (wall time of a one-token generate) p50/p99, with ratios against the no-connector run.
+TTFT (wall time of a one-token generate), p50 as min / median over the repeats and p99 of the median
+repeat, with ratios against vanilla vLLM ("none") and against the no-op connector ("noop": merely
+configuring a KV connector changes vLLM's step, see bench/noop_connector.py). For tierkv modes, the
+connector's own time per engine step, scheduler + worker methods (from its counters; the worker's is
+summed over ranks and reported in 10 ms lots, so up to 10 ms of it may be missing).
 
 Run with the vLLM venv's python (scripts/setup_vllm.sh prints it):
-    .venv-vllm/bin/python bench/bench_vllm.py --requests 80
-Each mode starts its own engine in a subprocess; modes are interleaved over ``--repeats`` rounds and
-the table shows the median round.
+    .venv-vllm/bin/python bench/bench_vllm.py --requests 80 --repeats 3
+Each mode starts its own engine in a subprocess; modes are interleaved within every repeat.
 """
 
 from __future__ import annotations
@@ -32,8 +36,9 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 BLOCK_SIZE = 32
 # "offload" is vLLM's OffloadingConnector (0.32.0 refuses to start on CPU-only hosts: it reports that);
-# "simple-offload" is vLLM's SimpleCPUOffloadConnector, its other native CPU offloading connector.
-MODES = ("none", "offload", "simple-offload", "tierkv", "tierkv+file")
+# "simple-offload" is vLLM's SimpleCPUOffloadConnector, its other native CPU offloading connector;
+# "tierkv+warm" first runs the workload in an untimed engine that fills the file L3, then times a fresh one.
+MODES = ("none", "noop", "offload", "simple-offload", "tierkv", "tierkv+file", "tierkv+warm")
 TRACE = REPO / "tests" / "fixtures" / "conversation_200.jsonl"
 
 
@@ -57,6 +62,9 @@ def engine_kwargs(mode: str, l2_bytes: int, l3_dir: str) -> dict:
     from vllm.config import KVTransferConfig
     if mode == "none":
         return {}
+    if mode == "noop":
+        return {"kv_transfer_config": KVTransferConfig(
+            kv_connector="NoopConnector", kv_connector_module_path="bench.noop_connector", kv_role="kv_both")}
     if mode == "offload":
         return {"kv_transfer_config": KVTransferConfig(
             kv_connector="OffloadingConnector", kv_role="kv_both",
@@ -66,7 +74,7 @@ def engine_kwargs(mode: str, l2_bytes: int, l3_dir: str) -> dict:
             kv_connector="SimpleCPUOffloadConnector", kv_role="kv_both",
             kv_connector_extra_config={"cpu_bytes_to_use": l2_bytes})}
     extra: dict = {"hicache_size_gb": l2_bytes / 1e9}
-    if mode == "tierkv+file":
+    if mode in ("tierkv+file", "tierkv+warm"):
         extra.update(storage_backend=f"file://{l3_dir}", prefetch_threshold=0)
     return {"kv_transfer_config": KVTransferConfig(
         kv_connector="TierKVConnector", kv_connector_module_path="tierkv.integrations.vllm",
@@ -91,7 +99,28 @@ def run_mode(args: argparse.Namespace) -> dict:
         ttft_s.append(time.perf_counter() - start)
         computed += len(prompt) - out.num_cached_tokens
         total += len(prompt)
+    llm.llm_engine.engine_core.shutdown(timeout=60)  # graceful: the connector logs its counters as it stops
     return {"mode": args.mode, "ttft_s": ttft_s, "prefill_computed": computed, "prompt_tokens": total}
+
+
+_COUNTERS = "tierkv: counters at shutdown: "
+
+
+def run_subprocess(args: argparse.Namespace, mode: str, l3_dir: str) -> tuple[dict | None, str]:
+    """One engine's result (with the connector's counters, if it logged them), or None and why not."""
+    cmd = [sys.executable, __file__, "--mode", mode, "--l3-dir", l3_dir] + [
+        f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+        if k not in ("mode", "modes", "repeats", "l3_dir")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        errors = [ln for ln in proc.stderr.splitlines() if "Exception:" in ln or "Error:" in ln]
+        return None, (errors[0] if errors else proc.stderr[-300:]).split("] ")[-1].strip()
+    result = json.loads(lines[-1].removeprefix("RESULT "))
+    counters = [ln.split(_COUNTERS, 1)[1] for ln in (proc.stdout + proc.stderr).splitlines() if _COUNTERS in ln]
+    if counters:
+        result["counters"] = json.loads(counters[-1])
+    return result, ""
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -120,36 +149,40 @@ def main() -> None:
     for _ in range(args.repeats):
         for mode in args.modes.split(","):
             with tempfile.TemporaryDirectory(prefix="tierkv-bench-l3-") as l3_dir:
-                cmd = [sys.executable, __file__, "--mode", mode, "--l3-dir", l3_dir] + [
-                    f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                    if k not in ("mode", "modes", "repeats", "l3_dir")]
-                proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
-                lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-                if proc.returncode != 0 or not lines:
-                    errors = [ln for ln in proc.stderr.splitlines() if "Exception:" in ln or "Error:" in ln]
-                    failures[mode] = (errors[0] if errors else proc.stderr[-300:]).split("] ")[-1].strip()
-                    continue
-                runs.setdefault(mode, []).append(json.loads(lines[-1].removeprefix("RESULT ")))
+                if mode == "tierkv+warm":  # the untimed engine that fills L3 (as before a restart)
+                    result, why = run_subprocess(args, mode, l3_dir)
+                    if result is None:
+                        failures[mode] = why
+                        continue
+                result, why = run_subprocess(args, mode, l3_dir)
+            if result is None:
+                failures[mode] = why
+            else:
+                runs.setdefault(mode, []).append(result)
+    print(f"{args.requests} requests, {args.repeats} interleaved repeats; TTFT p50 min / median over repeats")
     report(runs, failures)
-
 
 def report(runs: dict[str, list[dict]], failures: dict[str, str]) -> None:
     rows = {}
     for mode, results in runs.items():
         p50s = [percentile(r["ttft_s"], 0.5) for r in results]
         median = results[p50s.index(statistics.median_low(p50s))]
-        rows[mode] = (median["prefill_computed"], median["prompt_tokens"], percentile(median["ttft_s"], 0.5),
-                      percentile(median["ttft_s"], 0.99))
-    base = rows.get("none")
-    print(f"{'mode':<14} {'prefill computed':>17} {'of prompt':>10} {'TTFT p50 ms':>12} {'p99 ms':>8} "
-          f"{'p50 vs none':>12} {'computed vs none':>17}")
-    for mode, (computed, total, p50, p99) in rows.items():
-        ratio = f"{p50 / base[2]:.2f}x" if base else "-"
-        cratio = f"{computed / base[0]:.2f}x" if base and base[0] else "-"
-        print(f"{mode:<14} {computed:>17} {total:>10} {p50 * 1e3:>12.1f} {p99 * 1e3:>8.1f} {ratio:>12} {cratio:>17}")
+        rows[mode] = (median, min(p50s), statistics.median(p50s))
+    print(f"{'mode':<14} {'computed':>9} {'of prompt':>10} {'p50 min ms':>11} {'p50 med ms':>11} {'p99 ms':>8} "
+          f"{'vs none':>8} {'vs noop':>8} {'connector us/step':>22}")
+    for mode, (median, p50_min, p50_median) in rows.items():
+        ratios = [f"{p50_median / rows[base][2]:.2f}x" if base in rows else "-" for base in ("none", "noop")]
+        counters = median.get("counters")
+        per_step = "-"
+        if counters and counters.get("steps"):
+            steps = counters["steps"]
+            per_step = (f"{counters['scheduler_busy_us'] / steps:.0f} + {counters['worker_busy_us'] / steps:.0f}"
+                        f" ({steps} steps)")
+        print(f"{mode:<14} {median['prefill_computed']:>9} {median['prompt_tokens']:>10} {p50_min * 1e3:>11.1f} "
+              f"{p50_median * 1e3:>11.1f} {percentile(median['ttft_s'], 0.99) * 1e3:>8.1f} {ratios[0]:>8} "
+              f"{ratios[1]:>8} {per_step:>22}")
     for mode, reason in failures.items():
         print(f"{mode:<14} did not start: {reason}")
-
 
 if __name__ == "__main__":
     main()

@@ -340,23 +340,23 @@ def test_progress_counts_layout_and_zero_is_no_news():
     assert cache.prefetch_from_storage("b", cache.tree.root, other)
     cache.storage.wait_idle()
     counts, flags = cache.local_progress()
-    # backups done; then per prefetch: pages, finished, 1 + found. "a" waits for its slots; "b" found
-    # nothing and is done without any
-    assert counts[2:] == [0, 0, 0, 5, 0, 1, 1]
-    assert flags == [0, 0]  # per prefetch: terminated (failed short or timed out)
+    # backups done; then per prefetch: pages, finished, 1 + found, timed out. "a" waits for its slots;
+    # "b" found nothing and is done without any
+    assert counts[2:] == [0, 0, 0, 5, 0, 0, 1, 1, 0]
+    assert flags == [0, 0]  # per prefetch: terminated (failed short)
     # a step that agrees on nothing (another rank is behind) changes nothing
     cache.apply_progress([0] * len(counts), [0] * len(flags))
     assert not cache.check_prefetch_progress("a")
     assert cache.storage.stats.prefetch_revoked == 0 and cache.storage.owned_host_slots()[0].numel() == 0
     # the pages found agreed: "a" gets slots for its 4 and reads them; "b" is revoked
-    cache.apply_progress(counts[:2] + [0, 0, 0, 5, 0, 1, 1], [0, 0])
+    cache.apply_progress(counts[:2] + [0, 0, 0, 5, 0, 0, 1, 1, 0], [0, 0])
     assert cache.storage.stats.prefetch_revoked == 1
     assert [len(s) for s in cache.storage.owned_host_slots()] == [4 * PS]
     cache.storage.wait_idle()
     counts, flags = cache.local_progress()
-    assert counts[2:] == [0, 4, 1, 5]
+    assert counts[2:] == [0, 4, 1, 5, 0]
     # the slowest rank got 2 pages of "a": every rank inserts exactly 2
-    cache.apply_progress(counts[:3] + [2, 1, 5], [0])
+    cache.apply_progress(counts[:3] + [2, 1, 5, 0], [0])
     assert cache.check_prefetch_progress("a") and cache.check_prefetch_progress("b")
     assert cache.match_prefix(key).host_hit_length == 2 * PS
     cache.check_integrity()

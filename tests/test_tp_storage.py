@@ -1,6 +1,7 @@
 """L3 under tensor parallelism with 2 gloo ranks: HiCache's agreement rules for prefetch and MLA backup.
 
 - a rank whose reads failed stops the prefetch on every rank (MAX of "terminated");
+- the timeout policy stops a prefetch once its budget has passed on every rank (MIN of "timed out");
 - ranks agree (MIN) on how many leading pages every rank's L3 holds before reading, and read only those;
 - MLA KV (identical on every rank) is stored once, written by rank 0, and read by every rank;
 - a namespace given as a string (the model name) still names each rank's own shard of the heads.
@@ -114,6 +115,31 @@ def _terminated_anywhere_stops_everywhere(tp: TPGroup) -> None:
     cache.close()
 
 
+def _timeout_stops_when_every_rank_may(tp: TPGroup) -> None:
+    key = RadixKey(random_tokens(NUM_PAGES * PS, seed=5))
+    cache, store = _stored_cache(tp, key, prefetch_stop_policy="timeout", prefetch_timeout_base=600.0)
+    store.gate_after_gets = 0  # every read hangs: only the budget can end the prefetch
+    assert cache.prefetch_from_storage("r", cache.tree.root, key)
+    prefetch = cache.storage.prefetches["r"]
+    while not prefetch.granted.is_set():  # agreed state: every rank leaves this loop at the same step
+        cache.step()
+        time.sleep(0.01)
+    if tp.rank == 0:
+        prefetch.started_s -= 1000.0  # rank 0's budget has passed; rank 1's has not
+    for _ in range(5):
+        cache.step()
+        assert not cache.check_prefetch_progress("r"), f"rank {tp.rank} stopped while rank 1 may not"
+    if tp.rank == 1:
+        prefetch.started_s -= 1000.0  # now every rank may stop
+    cache.step()
+    assert cache.check_prefetch_progress("r")
+    store.gate.set()
+    cache.flush()
+    cache.check_integrity()
+    tp.check_same_tree(cache.tree, include_slots=True)
+    cache.close()
+
+
 def _agree_on_hit_count_before_reading(tp: TPGroup) -> None:
     key = RadixKey(random_tokens(NUM_PAGES * PS, seed=2))
     cache, store = _stored_cache(tp, key, prefetch_stop_policy="wait_complete")
@@ -188,6 +214,7 @@ def _rank_main(rank: int, world_size: int, port: int, l3_dir: str) -> None:
     try:
         tp = TPGroup.from_default_group()
         _terminated_anywhere_stops_everywhere(tp)
+        _timeout_stops_when_every_rank_may(tp)
         _agree_on_hit_count_before_reading(tp)
         _mla_stored_once(tp, l3_dir)
         _string_namespace_is_per_rank(tp, l3_dir)

@@ -209,9 +209,9 @@ def test_second_model_tierkv_agrees_with_a_noop_connector_and_salts_stay_apart(t
 _MODEL_LOADING = ("Loading weights", "Model loading took", "Starting to load model")
 
 
-def _failed_start(model: str, extra: dict) -> str:
-    proc = _start([str(REPO / "tests" / "vllm_scenarios.py"),
-                   json.dumps({"model": model, "connector": extra, "phases": [{"prompts": "A"}]})], timeout_s=600)
+def _failed_start(model: str, extra: dict, module_path: str = "tierkv.integrations.vllm") -> str:
+    scenario = {"model": model, "connector": extra, "module_path": module_path, "phases": [{"prompts": "A"}]}
+    proc = _start([str(REPO / "tests" / "vllm_scenarios.py"), json.dumps(scenario)], timeout_s=600)
     assert proc.returncode != 0, proc.stdout[-2000:]
     return proc.stdout + proc.stderr
 
@@ -219,7 +219,7 @@ def _failed_start(model: str, extra: dict) -> str:
 def test_a_bad_extra_config_fails_before_the_model_loads_with_tierkvs_warnings_in_vllms_format(model_dir):
     page_key = "an-inline-page-key-of-32-bytes-or-more"
     log = _failed_start(model_dir, {"hicache_rato": 2.0, "storage_backend": "file:///tmp/tierkv-unused",
-                                    "page_key": page_key})
+                                    "page_key": page_key}, module_path="tierkv_hicache.vllm")
     assert "unknown kv_connector_extra_config key 'hicache_rato' (did you mean 'hicache_ratio'?)" in log
     assert "page_key_file" in log and "prefetch_threshold" in log and "dir" in log  # one list of every key
     assert not [line for line in log.splitlines() if any(m in line for m in _MODEL_LOADING)]

@@ -118,6 +118,29 @@ def test_l2_hit_copies_the_saved_blocks_into_new_ones():
     pair.close()
 
 
+def test_the_device_copy_path_moves_the_same_bytes(tmp_path):
+    """The torch copies used for device KV (vLLM on a GPU), run here on CPU tensors: saves, L2 loads and L3 loads."""
+    writer = Pair(tmp_path)
+    writer.worker._layer_arrays = None  # what register() sets for non-CPU KV tensors
+    writer.compute("r1", PROMPT, [0, 1, 2, 3])
+    assert writer.match("r2", PROMPT) == (HIT, False)
+    writer.scheduler.after_alloc("r2", PROMPT, [5, 6, 7, 8], HIT)
+    writer.step()
+    assert writer.blocks_equal([0, 1, 2], [5, 6, 7])
+    writer.scheduler.request_finished("r2")
+    writer.wait_backups()
+    reader = Pair(tmp_path)
+    reader.worker._layer_arrays = None
+    for layer, source in zip(reader.layers, writer.layers):
+        layer[:4] = source[:4]
+    assert reader.load_async("r3", PROMPT, [9, 10, 11, 12]) == "r3"
+    assert reader.worker.take_load_errors() == set()
+    assert reader.blocks_equal([0, 1, 2], [9, 10, 11])
+    reader.scheduler.request_finished("r3")
+    for pair in (writer, reader):
+        pair.close()
+
+
 def test_hit_beyond_vllms_own_prefix_loads_only_the_rest():
     pair = Pair()
     pair.compute("r1", PROMPT, [0, 1, 2, 3])
@@ -146,6 +169,25 @@ def test_l3_hit_in_a_fresh_pair_loads_asynchronously(tmp_path):
     assert reader.scheduler.state_summary()["tracked_requests"] == 0
     for pair in (writer, reader):
         pair.close()
+
+
+def test_wants_save_is_true_exactly_when_a_step_completes_an_unsaved_block():
+    """The connector skips copying a running request's tokens on steps where plan_save would do nothing."""
+    pair = Pair()
+    prompt = PROMPT + [7, 8]  # 16 tokens: 4 full blocks
+    assert pair.match("r", prompt) == (0, False)
+    pair.scheduler.after_alloc("r", prompt, [0, 1, 2, 3], 0)
+    assert not pair.scheduler.wants_save("r", BLOCK - 1) and pair.scheduler.wants_save("r", BLOCK)
+    pair.scheduler.plan_save("r", prompt, [0, 1, 2, 3], 2 * BLOCK)
+    for computed in range(2 * BLOCK, 4 * BLOCK + 1):
+        planned = len(pair.scheduler.plan.saves)
+        wants = pair.scheduler.wants_save("r", computed)
+        pair.scheduler.plan_save("r", prompt, [0, 1, 2, 3], computed)
+        assert wants == (len(pair.scheduler.plan.saves) > planned), computed
+    assert not pair.scheduler.wants_save("unknown", 4 * BLOCK)
+    pair.step()
+    pair.scheduler.request_finished("r")
+    pair.close()
 
 
 SALT_A, SALT_B = "salt='tenant-a'|lora=None", "salt='tenant-b'|lora=None"

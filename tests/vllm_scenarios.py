@@ -2,7 +2,8 @@
 
 Usage: ``python tests/vllm_scenarios.py '<scenario json>'`` with the vLLM venv's python. The scenario:
 ``{"model": dir, "connector": extra_config or "noop" or null, "max_tokens": n, "phases": [phase, ...]}``
-("noop": bench/noop_connector.py's connector that does nothing; null: no connector); a phase:
+("noop": bench/noop_connector.py's connector that does nothing; null: no connector; "module_path" may
+name tierkv's connector module as "tierkv_hicache.vllm"); a phase:
 ``{"prompts": name, "salt": cache_salt, "reset_prefix_cache": bool, "signal": [pid, "SIGSTOP"],
 "corrupt_l3": file L3 dir, "flush_backups": bool}`` (all but "prompts" optional).
 Prompt sets are seeded, so every process builds the same ones. The last stdout line is
@@ -84,7 +85,8 @@ def run(scenario: dict) -> dict:
         extra = None
     elif extra is not None:
         kwargs["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="TierKVConnector", kv_connector_module_path="tierkv.integrations.vllm",
+            kv_connector="TierKVConnector",
+            kv_connector_module_path=scenario.get("module_path", "tierkv.integrations.vllm"),
             kv_role="kv_both", kv_connector_extra_config=extra)
     llm = LLM(model=scenario["model"], dtype="bfloat16", max_model_len=2048, block_size=BLOCK_SIZE,
               enforce_eager=True, seed=0, **kwargs)

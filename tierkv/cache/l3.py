@@ -14,7 +14,8 @@ prefetch; every prefetch still in flight at a reset, and the backups then in fli
 TP contract: what asynchronous progress decides (retiring backups, revoking, stopping, freeing a
 drained prefetch's slots) is decided from counts agreed across ranks in the cache's one per-step
 collective. The MIN vector is ``[completed backups at the queue head] + [completed pages, finished,
-pages found] per prefetch`` and the MAX vector ``[terminated] per prefetch`` (see prefetch.py), both in
+pages found, timed out] per prefetch`` and the MAX vector ``[terminated] per prefetch`` (see
+l3_prefetch.py), both in
 the order prefetches started (running ones, then draining items), which is identical on every rank.
 
 MLA: the latent KV is the same on every rank, so its pages are named without the rank

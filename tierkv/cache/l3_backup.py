@@ -92,8 +92,8 @@ class DrainedBackups:
         return cls(backups, torch.unique(torch.cat([b.host_slots for b in backups])))
 
     def local_counts(self) -> tuple[list[int], list[int]]:
-        """In a prefetch's progress layout: MIN [0, finished, 0], MAX [0]."""
-        return [0, int(all(b.done.is_set() for b in self.backups)), 0], [0]
+        """In a prefetch's progress layout: MIN [0, finished, 0, 0], MAX [0]."""
+        return [0, int(all(b.done.is_set() for b in self.backups)), 0, 0], [0]
 
     def agree(self, min_counts: list[int], max_counts: list[int]) -> None:
         self.agreed_finished = self.agreed_finished or bool(min_counts[1])

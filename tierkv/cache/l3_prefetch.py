@@ -13,9 +13,11 @@ per-step agreement:
 
 - MIN fields: a rank inserts only the pages every rank has, a prefetch is finished when it is finished
   everywhere, and the pages to read are the leading run that *every* rank's L3 holds (and finds worth
-  reading): a rank whose L3 holds all 8 pages does not read 8 when another holds 3.
-- MAX fields: "terminated" (this rank's reads failed short, or its timeout passed). Terminated anywhere
-  means terminated everywhere: no rank waits for pages that another rank can never contribute.
+  reading): a rank whose L3 holds all 8 pages does not read 8 when another holds 3. "Timed out" is one
+  too: the budget stops a prefetch once it has passed on every rank (HiCache's rule: stop when every
+  rank can stop), not when the first rank's passes.
+- MAX fields: "terminated" (this rank's reads failed short). Terminated anywhere means terminated
+  everywhere: no rank waits for pages that another rank can never contribute.
 
 Every count only grows, so a step that agrees on zeros (a rank with no news) changes nothing.
 """
@@ -36,9 +38,10 @@ from tierkv.storage.base import PageStore, prefix_keys_arg
 
 log = logging.getLogger(__name__)
 
-# per prefetch in the progress vectors: MIN (completed pages, finished, 1 + pages found), MAX (terminated).
+# per prefetch in the progress vectors: MIN (completed pages, finished, 1 + pages found, timed out), MAX
+# (terminated).
 # "Found" travels as 1 + pages so that 0 stays the neutral "no news yet" of every field.
-NUM_MIN_COUNTS = 3
+NUM_MIN_COUNTS = 4
 NUM_MAX_COUNTS = 1
 _FOUND_UNKNOWN = -1
 _NO_SLOTS = torch.empty(0, dtype=torch.int64)
@@ -85,6 +88,7 @@ class Prefetch:
     agreed_finished: bool = False
     agreed_found: int = _FOUND_UNKNOWN
     agreed_terminated: bool = False
+    agreed_timed_out: bool = False
     granted: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -102,12 +106,12 @@ class Prefetch:
         self.granted.set()
 
     def local_counts(self) -> tuple[list[int], list[int]]:
-        """This rank's progress: MIN fields (completed pages, finished, 1 + pages found), MAX (terminated)."""
+        """This rank's progress: MIN fields (completed pages, finished, 1 + pages found, timed out), MAX
+        (terminated)."""
         finished = self.finished.is_set()  # read first: once set, completed_pages and failed are final
         found = 1 + self.found_pages if self.exists_done.is_set() else 0
         timed_out = time.monotonic() - self.started_s >= self.budget_s
-        terminated = (finished and self.failed) or timed_out
-        return [self.completed_pages, int(finished), found], [int(terminated)]
+        return [self.completed_pages, int(finished), found, int(timed_out)], [int(finished and self.failed)]
 
     @property
     def budget_s(self) -> float:
@@ -120,15 +124,17 @@ class Prefetch:
         self.agreed_finished = self.agreed_finished or bool(min_counts[1])
         if self.agreed_found == _FOUND_UNKNOWN and min_counts[2] > 0:
             self.agreed_found = min_counts[2] - 1  # the controller grants slots for it (awaits_grant)
+        self.agreed_timed_out = self.agreed_timed_out or bool(min_counts[3])
         self.agreed_terminated = self.agreed_terminated or bool(max_counts[0])
 
     def may_stop(self, policy: str) -> bool:
         """Whether the stop policy lets the request go now (from agreed state only).
 
-        Terminated anywhere (a rank's reads failed short, or its timeout passed) stops every policy:
-        the pages every rank holds can no longer grow past what the agreed count already says.
+        Terminated anywhere (a rank's reads failed short) stops every policy: the pages every rank
+        holds can no longer grow past what the agreed count already says. So does the budget, once it
+        has passed on every rank.
         """
-        if policy == "best_effort" or self.agreed_terminated:
+        if policy == "best_effort" or self.agreed_terminated or self.agreed_timed_out:
             return True
         return self.agreed_finished
 

@@ -18,6 +18,7 @@ imports vLLM.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import sys
 import time
@@ -277,7 +278,7 @@ class _TierKVConnector(KVConnectorBase_V1):
         if self.worker is not None:
             self.worker.close()
         if self.scheduler is not None:
-            self._write_stats()
+            self._write_stats(final=True)
             self.scheduler.close()
 
     # ==== scheduler side ===============================================================================
@@ -357,20 +358,23 @@ class _TierKVConnector(KVConnectorBase_V1):
         self._write_stats()
         return False, None
 
-    def _write_stats(self) -> None:
+    def _write_stats(self, final: bool = False) -> None:
         self.scheduler.stats.scheduler_busy_us = int(self.busy_s * 1e6)
         if self.config.stats_path:  # with the state tests check for leaks
             stats = asdict(self.scheduler.stats)
             stats.update(self.scheduler.state_summary())
             write_stats(self.config.stats_path, stats)
         now = time.monotonic()
-        if now - self._last_log_s >= _LOG_INTERVAL_S:
+        if final:  # one parseable line with every counter (bench/bench_vllm.py reads it)
+            log.info("tierkv: counters at shutdown: %s", json.dumps(asdict(self.scheduler.stats)))
+        elif now - self._last_log_s >= _LOG_INTERVAL_S:
             self._last_log_s = now
-            stats = asdict(self.scheduler.stats)
+            stats = self.scheduler.stats
+            busy_us = stats.scheduler_busy_us + stats.worker_busy_us
             log.info("tierkv: L2 hit %d, L3 hit %d, loaded L2 %d / L3 %d, failed %d, saved %d, backed up %d "
-                     "tokens", stats["l2_hit_tokens"], stats["l3_hit_tokens"], stats["loaded_l2_tokens"],
-                     stats["loaded_l3_tokens"], stats["failed_load_tokens"], stats["saved_tokens"],
-                     stats["backed_up_tokens"])
+                     "tokens; %.0f us per step in the connector", stats.l2_hit_tokens, stats.l3_hit_tokens,
+                     stats.loaded_l2_tokens, stats.loaded_l3_tokens, stats.failed_load_tokens, stats.saved_tokens,
+                     stats.backed_up_tokens, busy_us / max(1, stats.steps))
 
 
 def __getattr__(name: str) -> Any:
@@ -384,9 +388,14 @@ def __getattr__(name: str) -> Any:
     if name != "TierKVConnector":
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     caller = sys._getframe(1)
-    transfer_config = caller.f_locals.get("kv_transfer_config")
-    if caller.f_code.co_name == "get_connector_class" and hasattr(transfer_config, "kv_connector_extra_config"):
-        validate_extra_config(transfer_config.kv_connector_extra_config)
+    for _ in range(3):  # vLLM's caller, possibly through tierkv_hicache.vllm's own __getattr__
+        if caller is None:
+            break
+        transfer_config = caller.f_locals.get("kv_transfer_config")
+        if caller.f_code.co_name == "get_connector_class" and hasattr(transfer_config, "kv_connector_extra_config"):
+            validate_extra_config(transfer_config.kv_connector_extra_config)
+            break
+        caller = caller.f_back
     return _TierKVConnector
 
 

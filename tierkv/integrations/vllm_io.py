@@ -104,10 +104,12 @@ class WorkerTiers:
                 raise ValueError(f"KV layer {i}: {flat.shape[1]} bytes per block, expected {g.block_nbytes}")
             views.append(flat)
         self.layers = views
-        # Copies go through numpy: a few 4-64 KiB rows per op, where torch's threaded index kernels cost
-        # milliseconds on a busy 2-core host and numpy's single-threaded gather costs microseconds.
-        self._layer_arrays = [v.numpy() for v in views]
         self._host_pages = self.host.numpy().reshape(g.host_pages, g.num_layers, g.block_nbytes)
+        # On CPU, copies go through numpy: a few 4-64 KiB rows per op, where torch's threaded index kernels
+        # cost milliseconds on a busy 2-core host and numpy's single-threaded gather costs microseconds.
+        # Device KV (vLLM on a GPU) cannot be viewed by numpy: torch index copies to and from the device.
+        self._on_device = views[0].device.type != "cpu"
+        self._layer_arrays = None if self._on_device else [v.numpy() for v in views]
 
     # ---- per step ------------------------------------------------------------------------------------
     def start_step(self, plan: StepPlan) -> None:
@@ -140,11 +142,22 @@ class WorkerTiers:
 
     def _copy_in(self, layer: int, block_ids: list[int], rows: np.ndarray) -> None:
         """Write one layer's block bytes ``rows`` ([blocks, block bytes]) into vLLM's blocks."""
-        self._layer_arrays[layer][block_ids] = rows
+        if self._layer_arrays is not None:
+            self._layer_arrays[layer][block_ids] = rows
+            return
+        target = self.layers[layer]
+        index = torch.as_tensor(block_ids, dtype=torch.int64, device=target.device)
+        # synchronous: ``rows`` is a view of L2 (or of staging) that may be reused once this returns
+        target[index] = torch.from_numpy(np.ascontiguousarray(rows)).to(target.device)
 
     def _save(self, op: SaveOp) -> None:
-        blocks = np.asarray(op.block_ids, dtype=np.int64)
-        self._host_pages[op.host_pages] = np.stack([a[blocks] for a in self._layer_arrays], axis=1)
+        if self._layer_arrays is not None:
+            blocks = np.asarray(op.block_ids, dtype=np.int64)
+            self._host_pages[op.host_pages] = np.stack([a[blocks] for a in self._layer_arrays], axis=1)
+        else:  # one gather per layer on the device, one copy of the batch to the host
+            index = torch.as_tensor(op.block_ids, dtype=torch.int64, device=self.layers[0].device)
+            batch = torch.stack([layer[index] for layer in self.layers], dim=1).cpu()
+            self._host_pages[op.host_pages] = batch.numpy()
         if op.backup_id >= 0 and self._backup_worker is not None:
             self._backup_worker.submit(lambda op=op: self._run_backup(op))
 

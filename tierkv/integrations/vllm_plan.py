@@ -224,7 +224,8 @@ class SchedulerTiers:
                                f"{local_hit}, the plan was up to {l3_end}")
         base, l3_end = min(base, end), end  # vLLM may take less than offered, never more
         host_pages = self._host_pages(prompt, local_hit, base, req.extra_key)
-        keys = self._hashes(req, prompt[:l3_end])[base // self.page_size:]
+        # page hashes name L3 pages only: an L2-only plan does not pay for hashing the prompt
+        keys = self._hashes(req, prompt[:l3_end])[base // self.page_size:] if l3_end > base else []
         first, last = local_hit // self.page_size, l3_end // self.page_size
         is_async = bool(keys)
         self.plan.loads.append(LoadOp(req_id, list(block_ids[first:last]), host_pages, keys, is_async))
@@ -283,12 +284,12 @@ class SchedulerTiers:
                 return
             leaf = self.tree.add_leaf(parent, self.tree.elements(key)[start:], req.extra_key)
             leaf.host_value = slots
-            hashes = self._hashes(req, tokens[:end])
-            leaf.hash_values = hashes[start // self.page_size:]
+            if self.store is not None:  # the keys of the pages' L3 backup
+                leaf.hash_values = self._hashes(req, tokens[:end])[start // self.page_size:]
             self.priority.on_access(leaf)  # as HiRadixCache.insert: a new leaf is used, then inserted
             self.priority.on_insert(leaf)
             op = SaveOp(list(block_ids[start // self.page_size: end // self.page_size]),
-                        self.allocator.slots_to_pages(slots).tolist(), list(leaf.hash_values))
+                        self.allocator.slots_to_pages(slots).tolist(), list(leaf.hash_values or ()))
             self._maybe_backup(op, leaf)
             self.plan.saves.append(op)
             self.stats.saved_tokens += end - start

@@ -1,15 +1,15 @@
-"""Builds the optional native parts: the chunk copy (tierkv/_rowcopy.c), the radix tree's key comparison
+"""Builds the optional native parts: the chunk copy (tierkv/copy/_rowcopy.c), the radix tree's key comparison
 and eviction loop (tierkv/_radix.c, _radix_evict.c, _radix_node.c, _radix_heap.c) and the L3 page I/O (tierkv/_pageio.c);
 metadata lives in pyproject.toml.
 
 ``optional=True``: without a C compiler the package still installs; the CPU copies fall back to torch
-index ops (see tierkv/cpu_copy.py), the tree to its pure-Python comparison (see tierkv/radix.py) and the
+index ops (see tierkv/copy/cpu_copy.py), the tree to its pure-Python comparison (see tierkv/radix.py) and the
 page stores to their Python I/O loops (see tierkv/storage/native.py).
 """
 
 from setuptools import Extension, setup
 
-SOURCES = {"_rowcopy": ["tierkv/_rowcopy.c"],
+SOURCES = {"copy._rowcopy": ["tierkv/copy/_rowcopy.c"],
            "_radix": ["tierkv/_radix.c", "tierkv/_radix_evict.c", "tierkv/_radix_node.c", "tierkv/_radix_heap.c"],
            "_pageio": ["tierkv/_pageio.c"]}
 

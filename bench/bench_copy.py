@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from tierkv.pools import DeviceKVPool, HostKVPool, KVSpec  # noqa: E402
 from tierkv.pools.kv import paired_page_rows  # noqa: E402
-from tierkv.transfer import TransferController  # noqa: E402
+from tierkv.copy.transfer import TransferController  # noqa: E402
 
 
 def best_s(fn, min_time_s: float = 0.02, min_calls: int = 3) -> float:

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from tierkv.copy import triton_copy  # noqa: E402
 from tierkv.pools import DeviceKVPool, HostKVPool, KVSpec  # noqa: E402
-from tierkv.transfer import TransferController, resolve_host_layout  # noqa: E402
+from tierkv.copy.transfer import TransferController, resolve_host_layout  # noqa: E402
 
 # (io_backend, host layout, copy path): the kernel backend on both paths, the direct one (torch, per page)
 CASES = (("kernel", "layer_first", "triton"), ("kernel", "layer_first", "torch"),

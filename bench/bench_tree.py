@@ -23,9 +23,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from tierkv.config import CacheConfig
+from tierkv.cache.config import CacheConfig
 from tierkv.eviction import eviction_order
-from tierkv.hicache import HiRadixCache
+from tierkv.cache.hicache import HiRadixCache
 from tierkv.pools import DeviceKVPool, KVSpec
 from tierkv.radix import RadixKey
 
@@ -72,10 +72,10 @@ def run(num_requests: int, page_size: int, pool_tokens: int, policy: str,
     cache = HiRadixCache(DeviceKVPool(spec, pool_tokens, page_size, "cpu"),
                          CacheConfig(page_size=page_size, eviction_policy=policy, enable_host=False))
     if per_call_heap:  # the baseline: rank the whole leaf frontier on every evict()
-        heap = cache._device_heap
+        heap = cache.eviction._device_heap
         heap.victims = lambda: eviction_order(cache.tree.device_leaves(), heap.order, heap._next_leaf)
     timer = Timer()
-    cache.evict = timer.wrap("evict", cache.evict)
+    cache.eviction.evict = timer.wrap("evict", cache.eviction.evict)  # alloc_device evicts through it too
     match, insert = timer.wrap("match_prefix", cache.match_prefix), timer.wrap("insert", cache.insert)
     alloc = timer.wrap("alloc_device (incl. evict)", cache.alloc_device)
     start = time.thread_time()

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from tierkv.pools.kv import DeviceKVPool, HostKVPool  # noqa: E402
 from tierkv.pools.spec import KVSpec  # noqa: E402
-from tierkv.transfer import TransferController, resolve_host_layout  # noqa: E402
+from tierkv.copy.transfer import TransferController, resolve_host_layout  # noqa: E402
 
 CASES = (("kernel", "layer_first"), ("kernel", "page_first"), ("direct", "page_first_direct"))
 

@@ -19,8 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from tierkv.config import CacheConfig  # noqa: E402
-from tierkv.hicache import HiRadixCache  # noqa: E402
+from tierkv.cache.config import CacheConfig  # noqa: E402
+from tierkv.cache.hicache import HiRadixCache  # noqa: E402
 from tierkv.pools import DeviceKVPool, KVSpec  # noqa: E402
 from tierkv.radix import RadixKey  # noqa: E402
 

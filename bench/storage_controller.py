@@ -16,9 +16,9 @@ import uuid
 
 import torch
 
-from tierkv.config import CacheConfig
+from tierkv.cache.config import CacheConfig
 from tierkv.hashing import HashNamespace
-from tierkv.hicache import HiRadixCache
+from tierkv.cache.hicache import HiRadixCache
 from tierkv.pools.kv import DeviceKVPool
 from tierkv.pools.spec import KVSpec
 from tierkv.radix import RadixKey

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from tierkv import cpu_copy
+from tierkv.copy import cpu_copy
 from tierkv.pools import allocator
 from tests.servers import MooncakeMaster, RedisServer, running
 
@@ -36,17 +36,17 @@ def cpu_copy_impl(request, monkeypatch):
     if request.param == "torch":
         monkeypatch.setattr(cpu_copy, "native", None)
     elif not cpu_copy.native_available():
-        skip_without_native("tierkv._rowcopy is not built")
+        skip_without_native("tierkv.copy._rowcopy is not built")
     return request.param
 
 
 @pytest.fixture(params=["native", "numpy"])
 def allocator_impl(request, monkeypatch):
-    """Run a slot allocator test against its native checks (tierkv/_rowcopy.c) and its numpy reference."""
+    """Run a slot allocator test against its native checks (tierkv/copy/_rowcopy.c) and its numpy reference."""
     if request.param == "numpy":
         monkeypatch.setattr(allocator, "native", None)
     elif allocator.native is None:
-        skip_without_native("tierkv._rowcopy is not built")
+        skip_without_native("tierkv.copy._rowcopy is not built")
     return request.param
 
 

@@ -7,8 +7,8 @@ import time
 
 import torch
 
-from tierkv.config import CacheConfig
-from tierkv.hicache import HiRadixCache
+from tierkv.cache.config import CacheConfig
+from tierkv.cache.hicache import HiRadixCache
 from tierkv.pools.kv import DeviceKVPool
 from tierkv.pools.spec import KVSpec
 from tierkv.radix import RadixKey

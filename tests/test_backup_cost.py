@@ -1,9 +1,9 @@
-"""Backups the cost model refuses (tierkv.cache.cost_model.backup_worth_writing): queued as done like a
+"""Backups the cost model refuses (tierkv.cache.l3.cost_model.backup_worth_writing): queued as done like a
 rank that does not write, retired in order, nothing written, host pages released; every
 BACKUP_PROBE_EVERY-th refusal writes one get batch of its leading pages (a probe)."""
 
 from tests.storage_util import attach_fake, compute_and_insert, make_cache, random_tokens
-from tierkv.cache import cost_model
+from tierkv.cache.l3 import cost_model
 from tierkv.radix import RadixKey
 
 BACKUP_PROBE_EVERY = getattr(cost_model, "BACKUP_PROBE_EVERY", 32)

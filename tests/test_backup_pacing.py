@@ -5,7 +5,7 @@ import threading
 import pytest
 
 from tests.storage_util import attach_fake, compute_and_insert, make_cache, random_tokens
-from tierkv.cache.l3_pacing import BackupPacer
+from tierkv.cache.l3.pacing import BackupPacer
 from tierkv.radix import RadixKey
 
 PS = 16

@@ -450,7 +450,7 @@ def test_reset_drops_everything_in_all_tiers():
 
 
 def test_open_storage_from_spec_and_json(tmp_path):
-    from tierkv.cache.l3 import open_storage
+    from tierkv.cache.l3.controller import open_storage
     cache = make_cache(page_size=PS)
     controller = open_storage(cache, f"file://{tmp_path}", '{"prefetch_threshold": 32, "fsync": true}',
                               "spec-model")

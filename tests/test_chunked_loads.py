@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.test_hicache import caches, put, same_bits  # noqa: F401 (caches: a fixture)
-from tierkv.config import CacheConfig
+from tierkv.cache.config import CacheConfig
 from tierkv.radix import RadixKey
 
 A, B, C = list(range(16)), list(range(100, 116)), list(range(200, 216))

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from tierkv.config import CacheConfig
+from tierkv.cache.config import CacheConfig
 from tierkv.pools import DeviceKVPool, KVSpec
-from tierkv.hicache import HiRadixCache
+from tierkv.cache.hicache import HiRadixCache
 
 
 def test_defaults_are_valid():

@@ -9,7 +9,7 @@ import torch
 from tests.test_hicache import make_cache, put, same_bits
 from tierkv.pools import DeviceKVPool, HostKVPool, KVSpec
 from tierkv.radix import RadixKey
-from tierkv.transfer import TransferController
+from tierkv.copy.transfer import TransferController
 
 INTERRUPTS = [KeyboardInterrupt, SystemExit]
 

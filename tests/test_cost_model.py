@@ -5,9 +5,9 @@ import dataclasses
 
 import pytest
 
-from tierkv.cache.cost_model import (BACKUP_PROBE_EVERY, LOOKUP_PROBE_EVERY, PROBE_EVERY, READ_BACK_PRIOR_PAGES,
+from tierkv.cache.l3.cost_model import (BACKUP_PROBE_EVERY, LOOKUP_PROBE_EVERY, PROBE_EVERY, READ_BACK_PRIOR_PAGES,
                                      CostEstimates, CostModel, backup_worth_writing, pages_worth_fetching)
-from tierkv.config import CacheConfig
+from tierkv.cache.config import CacheConfig
 
 PAGE = 16
 

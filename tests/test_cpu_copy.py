@@ -1,4 +1,4 @@
-"""The native chunk copy (tierkv/_rowcopy.c): exact bytes for any mapping, and no byte written on bad input."""
+"""The native chunk copy (tierkv/copy/_rowcopy.c): exact bytes for any mapping, and no byte written on bad input."""
 
 import logging
 import types
@@ -9,11 +9,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierkv import cpu_copy
+from tierkv.copy import cpu_copy
 from tests.pool_helpers import random_pools
 from tierkv.pools import HOST_LAYOUTS, DeviceKVPool, KVSpec
 
-pytestmark = pytest.mark.skipif(not cpu_copy.native_available(), reason="tierkv._rowcopy is not built")
+pytestmark = pytest.mark.skipif(not cpu_copy.native_available(), reason="tierkv.copy._rowcopy is not built")
 
 SPECS = [KVSpec(num_layers=2, kv_heads=2, head_dim=4, dtype=torch.float16),
          KVSpec(num_layers=3, attention="mla", kv_lora_rank=5, rope_dim=2, dtype=torch.bfloat16)]
@@ -175,8 +175,8 @@ def test_slot_counts_that_differ_are_an_error_naming_the_copy():
 def test_a_native_build_of_another_api_version_is_ignored(caplog):
     """A stale _rowcopy found on the path (its functions take other arguments) leaves the torch fallback."""
     assert cpu_copy.usable_native(cpu_copy.native) is cpu_copy.native
-    stale = types.ModuleType("tierkv._rowcopy")  # a build from before API_VERSION existed
-    with caplog.at_level(logging.WARNING, logger="tierkv.cpu_copy"):
+    stale = types.ModuleType("tierkv.copy._rowcopy")  # a build from before API_VERSION existed
+    with caplog.at_level(logging.WARNING, logger="tierkv.copy.cpu_copy"):
         assert cpu_copy.usable_native(stale) is None
     assert f"API version 1, expected {cpu_copy.NATIVE_API_VERSION}" in caplog.text
     assert cpu_copy.usable_native(None) is None

@@ -4,7 +4,7 @@ both pools on the CPU: the index and segment logic is the same on any device."""
 import pytest
 import torch
 
-from tierkv.device_copy import staged_copy
+from tierkv.copy.device_copy import staged_copy
 from tests.pool_helpers import random_pools
 from tierkv.pools import HOST_LAYOUTS, KVSpec
 

@@ -71,7 +71,7 @@ def test_multi_turn_conversation_reuses_whole_history(model):
 
 def test_exclusive_tiers_load_back_in_chunks_exactly(model):
     """Exclusive tiers (L2 holds what L1 dropped): a prefix demoted to a full L2 comes back in chunks
-    (tierkv.chunked_load), and the outputs are those of no cache."""
+    (tierkv.cache.chunked_load), and the outputs are those of no cache."""
     prompt = prompts_with_shared_prefix(1, prefix_len=320, suffix_len=7, seed=5)
     fillers = prompts_with_shared_prefix(6, prefix_len=0, suffix_len=200, seed=6)
     want = reference(model, prompt, MAX_NEW)

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from tests.workload import WORK_PAGE, WORK_SPEC, make_cache, make_trace, open_work_store, run_workload, serve
-from tierkv.config import CacheConfig
-from tierkv.hicache import HiRadixCache
+from tierkv.cache.config import CacheConfig
+from tierkv.cache.hicache import HiRadixCache
 from tierkv.pools import DeviceKVPool
 from tierkv.storage.factory import open_store
 from tierkv.storage.faults import FAULT_KINDS, FaultConfig, FaultyStore, InjectedFault
@@ -254,7 +254,7 @@ def test_l1_l2_copy_failures_degrade_to_recompute():
 
 
 def test_faults_come_from_the_storage_extra_config_json():
-    from tierkv.cache.l3 import open_storage
+    from tierkv.cache.l3.controller import open_storage
 
     cache = HiRadixCache(DeviceKVPool(WORK_SPEC, 64, WORK_PAGE, "cpu"), CacheConfig(page_size=WORK_PAGE))
     with pytest.raises(ValueError, match="eror_rate"):
@@ -276,7 +276,7 @@ def test_real_replay_with_faults_keeps_exact_kv_and_accounting(tmp_path, monkeyp
     from tierkv.replay.trace import load_trace
     from tests.test_replay import reference_hits
 
-    from tierkv.cache.l3 import open_storage
+    from tierkv.cache.l3.controller import open_storage
 
     stores = []
 

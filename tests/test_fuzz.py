@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tierkv.config import CacheConfig
-from tierkv.hicache import HiRadixCache
+from tierkv.cache.config import CacheConfig
+from tierkv.cache.hicache import HiRadixCache
 from tierkv.pools import DeviceKVPool, KVSpec
 from tierkv.radix import RadixKey
 

@@ -5,8 +5,8 @@ import threading
 import pytest
 import torch
 
-from tierkv.config import CacheConfig
-from tierkv.hicache import HiRadixCache
+from tierkv.cache.config import CacheConfig
+from tierkv.cache.hicache import HiRadixCache
 from tierkv.pools import HOST_LAYOUTS, DeviceKVPool, KVSpec
 from tierkv.radix import RadixKey
 

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
                                  run_state_machine_as_test)
 
-from tierkv.config import CacheConfig
-from tierkv.hicache import HiRadixCache
+from tierkv.cache.config import CacheConfig
+from tierkv.cache.hicache import HiRadixCache
 from tierkv.pools import HOST_LAYOUTS, DeviceKVPool, KVSpec
 from tierkv.radix import RadixKey
 

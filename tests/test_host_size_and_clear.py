@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from tierkv.config import CacheConfig
+from tierkv.cache.config import CacheConfig
 from tierkv.pools import kv
 from tierkv.pools.kv import available_host_memory_bytes, host_pool_tokens
-from tierkv.cache.l3 import open_storage
+from tierkv.cache.l3.controller import open_storage
 from tierkv.radix import RadixKey
 from tests.servers import free_port
 

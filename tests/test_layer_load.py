@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from tierkv import transfer
+from tierkv.copy import transfer
 from tierkv.engine.engine import Engine, EngineConfig
 from tierkv.radix import RadixKey
 

@@ -17,13 +17,13 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tierkv.config import CacheConfig
+from tierkv.cache.config import CacheConfig
 from tierkv.hashing import HashNamespace
-from tierkv.hicache import HiRadixCache
+from tierkv.cache.hicache import HiRadixCache
 from tierkv.pools.kv import DeviceKVPool
 from tierkv.pools.spec import KVSpec
 from tierkv.radix import RadixKey
-from tierkv.cache.l3 import open_storage
+from tierkv.cache.l3.controller import open_storage
 from tierkv.storage.factory import open_store
 
 SPEC = KVSpec(num_layers=2, kv_heads=2, head_dim=64, dtype=torch.float16)
@@ -52,7 +52,7 @@ def shared_l3(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, str,
 
 def _start(fn, nprocs: int, *args) -> None:
     """Run ``fn(index, *args)`` in ``nprocs`` fresh processes (forkserver: torch is imported once)."""
-    mp.set_forkserver_preload(["torch", "torch.distributed", "tierkv.hicache", "tierkv.cache.l3"])
+    mp.set_forkserver_preload(["torch", "torch.distributed", "tierkv.cache.hicache", "tierkv.cache.l3.controller"])
     mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")
 
 

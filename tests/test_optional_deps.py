@@ -20,7 +20,7 @@ sys.meta_path.insert(0, NoRedis())
 """
 
 _BODY = """
-import tierkv, tierkv.hicache, tierkv.storage.factory as factory
+import tierkv, tierkv.cache.hicache, tierkv.storage.factory as factory
 from tierkv.cli import main
 assert main(["replay", FIXTURE, "--limit", "20", "--l1-tokens", "4k", "--l2-tokens", "8k",
              "--l3", "file:" + L3_DIR, "--no-baselines", "--serial"]) == 0

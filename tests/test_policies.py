@@ -7,11 +7,11 @@ import torch
 from tierkv.replay.replay import ReplayConfig, TraceReplayer, replay
 from tierkv.replay.sim import from_cache_config, simulate
 from tierkv.replay.trace import load_trace
-from tierkv.config import CacheConfig
+from tierkv.cache.config import CacheConfig
 from tierkv.eviction import POLICIES, eviction_order, fingerprint, get_policy
 from tierkv.eviction.hitdensity import HitDensity
 from tierkv.eviction.tiers import tier_orders
-from tierkv.hicache import HiRadixCache
+from tierkv.cache.hicache import HiRadixCache
 from tierkv.pools import DeviceKVPool, KVSpec
 from tierkv.radix import RadixKey, RadixTree
 

@@ -224,7 +224,7 @@ def test_misaligned_or_partial_pages_are_refused_by_every_check(allocator_impl):
     assert alloc.num_free_slots == 64
 
 
-@pytest.mark.skipif(allocator.native is None, reason="tierkv._rowcopy is not built")
+@pytest.mark.skipif(allocator.native is None, reason="tierkv.copy._rowcopy is not built")
 @settings(max_examples=200, deadline=None)
 @given(page_size=st.sampled_from([1, 2, 4]), held=st.lists(st.booleans(), min_size=8, max_size=8),
        picks=st.lists(st.integers(-1, 9), max_size=6), shift=st.integers(-1, 1), cut=st.integers(0, 2))
@@ -282,8 +282,8 @@ def test_plain_slot_slices_fall_back_to_plain_slicing_without_the_guard(monkeypa
 def test_the_caches_nodes_hold_plain_slices_of_the_inserted_slots():
     """HiRadixCache.insert and eviction's splits slice under plain_slot_slices: the tree's slices cost
     half as much to make and to free (bench/bench_tree_vs_sglang.py, evict all)."""
-    from tierkv.config import CacheConfig
-    from tierkv.hicache import HiRadixCache
+    from tierkv.cache.config import CacheConfig
+    from tierkv.cache.hicache import HiRadixCache
     from tierkv.pools.kv import DeviceKVPool
     from tierkv.pools.spec import KVSpec
     from tierkv.radix import RadixKey

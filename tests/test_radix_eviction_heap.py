@@ -197,8 +197,8 @@ def test_sets_nobody_reads_are_not_kept_and_start_full_when_read():
 def test_cache_eviction_checks_what_it_evicts_not_every_leaf(monkeypatch):
     """Regression: every L1 eviction used to scan and re-rank the whole leaf frontier to free a node."""
     import tierkv.radix as radix
-    from tierkv.config import CacheConfig
-    from tierkv.hicache import HiRadixCache
+    from tierkv.cache.config import CacheConfig
+    from tierkv.cache.hicache import HiRadixCache
     from tierkv.pools import DeviceKVPool, KVSpec
 
     checks = []

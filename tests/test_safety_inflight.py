@@ -12,7 +12,7 @@ import torch
 from tests.storage_util import (FakeStore, compute_and_insert, drop_l1_l2, fetch_and_load, load_hit,
                                 make_cache, random_tokens, storage_config)
 from tierkv.radix import RadixKey
-from tierkv.cache import l3 as controller_module
+from tierkv.cache.l3 import controller as controller_module
 
 PS = 16
 KEY_PAGES = 8

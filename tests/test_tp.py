@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tierkv.config import CacheConfig
+from tierkv.cache.config import CacheConfig
 from tierkv.hashing import HashNamespace
-from tierkv.hicache import HiRadixCache, MatchResult, PendingLoad
+from tierkv.cache.hicache import HiRadixCache, MatchResult, PendingLoad
 from tierkv.pools.kv import DeviceKVPool
 from tierkv.pools.spec import KVSpec
 from tierkv.radix import RadixKey, TreeNode
@@ -341,7 +341,7 @@ def _log_agreements(tp: TPGroup) -> list[tuple[list[int], list[int]]]:
 def _start_ranks(world_size: int, out_dir: Path, options: dict, num_steps: int,
                  skip_agreement: bool = False) -> None:
     # forkserver: children start as clean as with spawn, but torch is imported once, not once per rank.
-    mp.set_forkserver_preload(["torch", "torch.distributed", "tierkv.hicache", "tierkv.tp"])
+    mp.set_forkserver_preload(["torch", "torch.distributed", "tierkv.cache.hicache", "tierkv.tp"])
     mp.start_processes(_rank_main, args=(world_size, _free_port(), str(out_dir), options, num_steps,
                                          skip_agreement), nprocs=world_size, start_method="forkserver")
 

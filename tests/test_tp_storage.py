@@ -22,10 +22,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tierkv.config import CacheConfig
+from tierkv.cache.config import CacheConfig
 from tierkv.hashing import HashNamespace
-from tierkv.cache.l3 import open_storage
-from tierkv.hicache import HiRadixCache
+from tierkv.cache.hicache import HiRadixCache
+from tierkv.cache.l3.controller import open_storage
 from tierkv.pools.kv import DeviceKVPool
 from tierkv.pools.spec import KVSpec
 from tierkv.radix import RadixKey
@@ -229,7 +229,7 @@ def _free_port() -> int:
 
 
 def test_two_ranks_follow_hicache_storage_agreement(tmp_path: Path) -> None:
-    mp.set_forkserver_preload(["torch", "torch.distributed", "tierkv.hicache", "tierkv.tp"])
+    mp.set_forkserver_preload(["torch", "torch.distributed", "tierkv.cache.hicache", "tierkv.tp"])
     mp.start_processes(_rank_main, args=(2, _free_port(), str(tmp_path)), nprocs=2, start_method="forkserver")
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tierkv.pools import HOST_LAYOUTS, DeviceKVPool, HostKVPool, KVSpec
-from tierkv.transfer import (CopyHandle, TransferController, _CopyWorker, copy_layer, copy_pages, page_runs,
+from tierkv.copy.transfer import (CopyHandle, TransferController, _CopyWorker, copy_layer, copy_pages, page_runs,
                              resolve_host_layout)
 
 SPEC = KVSpec(num_layers=2, kv_heads=2, head_dim=3, dtype=torch.float32)
@@ -122,11 +122,11 @@ def test_mismatched_lengths_are_rejected():
 
 
 def test_direct_with_page_first_becomes_page_first_direct_with_a_warning(caplog):
-    with caplog.at_level(logging.WARNING, logger="tierkv.transfer"):
+    with caplog.at_level(logging.WARNING, logger="tierkv.copy.transfer"):
         assert resolve_host_layout("page_first", "direct") == "page_first_direct"
     assert any("page_first_direct" in r.getMessage() for r in caplog.records)
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="tierkv.transfer"):
+    with caplog.at_level(logging.WARNING, logger="tierkv.copy.transfer"):
         assert resolve_host_layout("page_first", "kernel") == "page_first"
         assert resolve_host_layout("layer_first", "direct") == "layer_first"
     assert not caplog.records

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from pool_helpers import random_pools
-from tierkv.config import CacheConfig
+from tierkv.cache.config import CacheConfig
 from tierkv.copy import triton_copy
-from tierkv.hicache import HiRadixCache
+from tierkv.cache.hicache import HiRadixCache
 from tierkv.pools import HOST_LAYOUTS, DeviceKVPool, HostKVPool, KVSpec
 from tierkv.radix import RadixKey
-from tierkv.transfer import TransferController
+from tierkv.copy.transfer import TransferController
 
 
 @pytest.fixture(autouse=True)
@@ -238,7 +238,7 @@ sys.modules["triton"] = None  # import triton -> ImportError
 sys.path.insert(0, "tests")
 from pool_helpers import random_pools
 from tierkv.pools import KVSpec
-from tierkv.transfer import TransferController
+from tierkv.copy.transfer import TransferController
 device, host = random_pools(KVSpec(2, kv_heads=1, head_dim=4, dtype=torch.float16), "layer_first", 2, 4, 6)
 os.environ["TIERKV_COPY_KERNEL"] = "auto"
 t = TransferController(device, host, "kernel")

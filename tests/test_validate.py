@@ -10,7 +10,7 @@ import math
 import pytest
 
 from tierkv.replay.replay import ReplayConfig
-from tierkv.config import CacheConfig
+from tierkv.cache.config import CacheConfig
 from tierkv.engine.config import ModelConfig
 from tierkv.engine.engine import EngineConfig
 from tierkv.hashing import HashNamespace
@@ -109,7 +109,7 @@ def test_bad_backend_options_are_refused_before_opening(backend, name, value, tm
 
 
 def test_backend_options_through_the_extra_config_json(tmp_path):
-    from tierkv.cache.l3 import open_storage
+    from tierkv.cache.l3.controller import open_storage
     from storage_util import make_cache
     cache = make_cache()
     with pytest.raises(ValueError, match="retry_backoff_s"):

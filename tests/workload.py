@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
-from tierkv.config import CacheConfig
+from tierkv.cache.config import CacheConfig
 from tierkv.hashing import HashNamespace
-from tierkv.hicache import HiRadixCache
+from tierkv.cache.hicache import HiRadixCache
 from tierkv.pools import DeviceKVPool, KVSpec
 from tierkv.radix import RadixKey
 from tierkv.storage.config import StorageConfig

@@ -13,7 +13,7 @@ import sys
 from rich.console import Console
 
 from tierkv.cli_args import HelpFormatter, token_count
-from tierkv.config import TIER_MODES, WRITE_POLICIES
+from tierkv.cache.config import TIER_MODES, WRITE_POLICIES
 from tierkv.eviction import POLICIES
 
 DEFAULT_L1_TOKENS = "500k"  # ~61 GiB of Llama-3-8B KV: what one 80 GB GPU keeps for KV

@@ -1,3 +1,3 @@
-"""The L3 policy of the hierarchical cache: what works on tree nodes (prefetch into L2, backup from L2,
-TP agreement on their progress). Page stores, the page format and the I/O workers live in
-:mod:`tierkv.storage`, which knows nothing of the tree."""
+"""The hierarchical cache: the :class:`~tierkv.cache.hicache.HiRadixCache` facade and its parts (eviction,
+loads, records, config) beside it, and the L3 policy in :mod:`tierkv.cache.l3`. The layers below (the tree,
+the pools, the copies in :mod:`tierkv.copy`, the page stores in :mod:`tierkv.storage`) know nothing of it."""

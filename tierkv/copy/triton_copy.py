@@ -15,7 +15,7 @@ block of words.
 
 Which path runs is :func:`kernel_choice`: ``TIERKV_COPY_KERNEL=triton`` (also on CPU pools, where the
 kernel needs Triton's interpreter, ``TRITON_INTERPRET=1``: the tests run that way), ``torch`` (the
-copies in :mod:`tierkv.device_copy` / :mod:`tierkv.cpu_copy`), or unset/``auto``: Triton for CUDA pools
+copies in :mod:`tierkv.copy.device_copy` / :mod:`tierkv.copy.cpu_copy`), or unset/``auto``: Triton for CUDA pools
 when it is installed, torch otherwise. Triton is imported on first use only: a CPU install needs none.
 """
 

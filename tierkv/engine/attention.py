@@ -63,7 +63,7 @@ class ForwardBatch:
     seqs: list[SeqSlice]
     decode: DecodeGroup | None
     sample_rows: torch.Tensor
-    layer_loads: Any = None  # tierkv.layer_load.LayerLoads: L2 -> L1 loads the layers must wait for
+    layer_loads: Any = None  # tierkv.cache.layer_load.LayerLoads: L2 -> L1 loads the layers must wait for
     _rope: dict = field(default_factory=dict, repr=False)
 
     def wait_kv(self, layer: int) -> None:

@@ -23,7 +23,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from tierkv.cli_args import HelpFormatter
-from tierkv.config import TIER_MODES
+from tierkv.cache.config import TIER_MODES
 from tierkv.engine.bench_crossover import main_crossover
 from tierkv.engine.bench_workload import (L2_FRACTION, ChatWorkload, ModeResult, engine_config,  # noqa: F401
                                           run_mode, warm_up)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tierkv.config import IO_BACKENDS, TIER_MODES, WRITE_POLICIES, CacheConfig
+from tierkv.cache.config import IO_BACKENDS, TIER_MODES, WRITE_POLICIES, CacheConfig
 from tierkv.engine.config import ModelConfig
 from tierkv.engine.loader import build_model, model_namespace
 from tierkv.engine.models import CausalLM
@@ -15,7 +15,7 @@ from tierkv.engine.request import Request
 from tierkv.engine.runner import ModelRunner
 from tierkv.engine.scheduler import Scheduler, SchedulerConfig
 from tierkv.eviction import POLICIES
-from tierkv.hicache import HiRadixCache
+from tierkv.cache.hicache import HiRadixCache
 from tierkv.pools.kv import HOST_LAYOUTS, DeviceKVPool
 from tierkv.pools.spec import parse_dtype
 from tierkv.validate import check_bool, check_choice, check_int, check_number, check_text
@@ -48,7 +48,7 @@ class EngineConfig:
     chunk_tokens: int = 256
     model_id: str | None = None
     layerwise_load: bool = True
-    cost_aware: bool = True  # fetch/load only what beats recomputing (tierkv.cache.cost_model)
+    cost_aware: bool = True  # fetch/load only what beats recomputing (tierkv.cache.l3.cost_model)
     prefill_tokens_per_s: float | None = None  # fixes the prefill rate the cost model otherwise measures
 
     def __post_init__(self) -> None:

@@ -88,7 +88,7 @@ def attach_l3(engine, spec: str, extra_config: dict) -> Prefetcher:
     """Open the store named by ``spec`` and attach it with ``extra_config`` (prefetch policy, backend keys;
     the stop policy is :data:`DEFAULT_STOP_POLICY` unless it names one)."""
     from tierkv.hashing import HashNamespace
-    from tierkv.cache.l3 import open_storage
+    from tierkv.cache.l3.controller import open_storage
     cache = engine.cache
     namespace = HashNamespace.for_spec(engine.namespace, cache.host_pool.spec, cache.host_pool.layout)
     extra_config = {"prefetch_stop_policy": DEFAULT_STOP_POLICY, **extra_config}

@@ -32,7 +32,7 @@ class Request:
     cached_len: int = 0
     num_computed: int = 0
     locked_node: TreeNode | None = None
-    pending_load: Any = None  # a deferred L2 -> L1 load of its prefix (tierkv.hicache.PendingLoad)
+    pending_load: Any = None  # a deferred L2 -> L1 load of its prefix (tierkv.cache.hicache.PendingLoad)
     restarts: int = 0  # times a failed prefix load made it start over
     device_hit_tokens: int = 0
     host_hit_tokens: int = 0

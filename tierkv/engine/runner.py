@@ -42,7 +42,7 @@ class ModelRunner:
         """One pass over all items; returns fp32 logits ``[num_sampling_items, vocab]`` in item order, on
         the host (its one wait for the device per pass).
 
-        ``layer_loads`` (a :class:`tierkv.layer_load.LayerLoads`): each layer waits for its own layer
+        ``layer_loads`` (a :class:`tierkv.cache.layer_load.LayerLoads`): each layer waits for its own layer
         of those L2 -> L1 loads before reading KV, so the copy of later layers overlaps this compute."""
         batch = ForwardBatch.build([t for it in items for t in it.new_token_ids],
                                    [(it.kv_slots, len(it.new_token_ids)) for it in items],

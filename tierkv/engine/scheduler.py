@@ -19,7 +19,7 @@ import torch
 from tierkv.engine.request import Request
 from tierkv.engine.runner import ModelRunner, WorkItem
 from tierkv.engine.step_costs import TimedLoads, report_step
-from tierkv.hicache import HiRadixCache
+from tierkv.cache.hicache import HiRadixCache
 from tierkv.radix import RadixKey
 from tierkv.validate import check_bool, check_int
 

@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 
 from tierkv.cli_args import token_count
-from tierkv.config import IO_BACKENDS, TIER_MODES, WRITE_POLICIES, CacheConfig
+from tierkv.cache.config import IO_BACKENDS, TIER_MODES, WRITE_POLICIES, CacheConfig
 from tierkv.engine.engine import CACHE_MODES, EngineConfig
 from tierkv.eviction import POLICIES
 from tierkv.pools.kv import HOST_LAYOUTS

@@ -8,11 +8,11 @@ from typing import Any
 
 import torch
 
-from tierkv.cache.cost_model import CostModel
+from tierkv.cache.l3.cost_model import CostModel
 
 
 class TimedLoads:
-    """Wraps a :class:`tierkv.layer_load.LayerLoads`, summing the time spent waiting in ``wait_layer``."""
+    """Wraps a :class:`tierkv.cache.layer_load.LayerLoads`, summing the time spent waiting in ``wait_layer``."""
 
     def __init__(self, loads: Any) -> None:
         self.loads = loads

@@ -1,6 +1,6 @@
 """Configuration and KV geometry of the vLLM connector (no vLLM import: the connector fills them in).
 
-``kv_connector_extra_config`` takes tierkv's own keys: the L2 keys of :class:`tierkv.config.CacheConfig`
+``kv_connector_extra_config`` takes tierkv's own keys: the L2 keys of :class:`tierkv.cache.config.CacheConfig`
 (``hicache_ratio``, ``hicache_size_gb``, ``write_policy``, ``eviction_policy``, ``load_back_threshold``),
 ``storage_backend`` (an L3 spec such as ``file:///dir`` or ``redis://host:port/0``) and the L3 keys of
 :class:`tierkv.storage.config.StorageConfig` plus the backend's keys, flat in the same object. Two keys
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Mapping
 from urllib.parse import urlsplit
 
-from tierkv.config import CacheConfig
+from tierkv.cache.config import CacheConfig
 from tierkv.eviction import get_policy
 from tierkv.hashing import HashNamespace
 from tierkv.pools.kv import available_host_memory_bytes

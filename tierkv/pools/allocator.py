@@ -8,10 +8,10 @@ import numpy as np
 import torch
 
 try:
-    from tierkv import _rowcopy
+    from tierkv.copy import _rowcopy
 except ImportError:  # no compiler at install time: the numpy checks below do it all
     _rowcopy = None
-# The native checks of free and check_allocated (tierkv/_rowcopy.c, API 4): one pass each, where numpy's
+# The native checks of free and check_allocated (tierkv/copy/_rowcopy.c, API 4): one pass each, where numpy's
 # take a dozen ops and a sort. None: the numpy reference alone (a build without them; tests set it).
 native = _rowcopy if getattr(_rowcopy, "API_VERSION", 0) == 4 else None
 _NATIVE_REFUSED = (ValueError, TypeError, BufferError, RuntimeError)

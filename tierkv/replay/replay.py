@@ -27,11 +27,11 @@ import numpy as np
 import torch
 
 from tierkv.replay.trace import TraceRequest
-from tierkv.config import CacheConfig
-from tierkv.hicache import HiRadixCache, MatchResult
+from tierkv.cache.config import CacheConfig
+from tierkv.cache.hicache import HiRadixCache, MatchResult
 from tierkv.pools import DeviceKVPool, HostKVPool, KVSpec
 from tierkv.radix import RadixKey
-from tierkv.cache.l3 import open_storage
+from tierkv.cache.l3.controller import open_storage
 from tierkv.storage.factory import redact_spec
 from tierkv.validate import check_bool, check_int, check_text
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tierkv.replay.trace import TraceRequest
-from tierkv.config import CacheConfig
+from tierkv.cache.config import CacheConfig
 from tierkv.eviction import get_policy
 from tierkv.eviction.heap import EvictionHeap
 from tierkv.eviction.tiers import chunk_segments, drop_host_subtree, promote_loaded, tier_orders
@@ -186,7 +186,7 @@ class PageSim:
         return host_part
 
     def _load_in_chunks(self, host_part: list[TreeNode], chunk_pages: int) -> list[TreeNode]:
-        """As :class:`tierkv.chunked_load.ChunkedLoad`: each chunk's L2 pages are freed once it is in L1;
+        """As :class:`tierkv.cache.chunked_load.ChunkedLoad`: each chunk's L2 pages are freed once it is in L1;
         a node takes its L1 pages when its last chunk lands; a load that stops inside a node splits it."""
         loaded: list[TreeNode] = []
         filled, free_host = 0, False  # of the node being filled

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tierkv.cache.cost_model import CostModel
+from tierkv.cache.l3.cost_model import CostModel
 from tierkv.pools.kv import HostKVPool
 from tierkv.radix import TreeNode
 from tierkv.storage.base import PageStore, prefix_keys_arg

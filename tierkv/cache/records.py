@@ -5,12 +5,12 @@ In-flight work is an object that owns its slots and its node locks (see each rec
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
 from tierkv.radix import TreeNode
-from tierkv.transfer import CopyHandle
+from tierkv.copy.transfer import CopyHandle
 
 
 @dataclass
@@ -34,6 +34,11 @@ class CacheStats:
     loaded_tokens: int = 0
     write_skipped_tokens: int = 0
     failed_copies: int = 0
+
+    def clear(self) -> None:
+        """Back to zero in place: the cache's parts hold this object."""
+        for f in fields(self):
+            setattr(self, f.name, f.default)
 
 
 @dataclass

@@ -3,7 +3,7 @@
 Order of work: the worker first asks the store which leading pages it holds (``exists``), cut to the
 pages worth reading (the cost model, ``min_found_pages``); that count is agreed; only then does the
 scheduler thread take host slots, for the agreed pages alone (evicting L2 only for those; see
-:meth:`tierkv.cache.l3.StorageController.apply_progress`), and hand them over (``granted``); the
+:meth:`tierkv.cache.l3.controller.StorageController.apply_progress`), and hand them over (``granted``); the
 worker then reads into them. A prefetch whose L3 holds nothing takes no host slot and evicts nothing.
 
 The worker fills host pages in order and only ever raises ``completed_pages``, then sets ``finished``.
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tierkv.cache.cost_model import CostModel
+from tierkv.cache.l3.cost_model import CostModel
 from tierkv.pools.kv import HostKVPool
 from tierkv.radix import RadixKey, TreeNode
 from tierkv.storage.base import PageStore, prefix_keys_arg

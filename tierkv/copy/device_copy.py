@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tierkv.cpu_copy import page_segments
+from tierkv.copy.cpu_copy import page_segments
 from tierkv.pools.kv import PagedKVBuffer, paired_page_rows
 
 if TYPE_CHECKING:
@@ -56,7 +56,7 @@ def staged_copy(device_pool: PagedKVBuffer, device_pages: torch.Tensor, host_poo
 def select_device_copy(src: PagedKVBuffer, dst: PagedKVBuffer, io_backend: str) -> "TritonPageCopy | None":
     """The one-launch Triton copy between these pools when the ``kernel`` backend should use it (on CUDA
     when triton is installed; anywhere with ``TIERKV_COPY_KERNEL=triton``), else None: the torch copies
-    here and in :mod:`tierkv.cpu_copy` run. Without triton on CUDA, one log line says how to get it."""
+    here and in :mod:`tierkv.copy.cpu_copy` run. Without triton on CUDA, one log line says how to get it."""
     if io_backend != "kernel":
         return None
     from tierkv.copy.triton_copy import copier_for  # imports no triton until a kernel runs

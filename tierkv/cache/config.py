@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from tierkv.eviction import POLICIES
 from tierkv.pools.kv import HOST_LAYOUTS
-from tierkv.transfer import IO_BACKENDS
+from tierkv.copy.transfer import IO_BACKENDS
 from tierkv.validate import check_bool, check_choice, check_int, check_number
 
 WRITE_POLICIES = {"write_through": 1, "write_through_selective": 2, "write_back": None}
@@ -42,9 +42,9 @@ class CacheConfig:
     # this many tokens (rounded down to whole pages, at least one), each copied, waited for and its L2
     # slots freed before the next makes room, so the demotions take the loaded pages' L2 slots instead
     # of L2 evicting as much as the load returns; L2 keeps one chunk free for the first chunk's
-    # demotions (staging_tokens; tierkv.chunked_load). 0: one asynchronous load, no staging
+    # demotions (staging_tokens; tierkv.cache.chunked_load). 0: one asynchronous load, no staging
     load_chunk_tokens: int = 256
-    # fetch from L3 / load from L2 only what is cheaper than recomputing it (tierkv.cache.cost_model);
+    # fetch from L3 / load from L2 only what is cheaper than recomputing it (tierkv.cache.l3.cost_model);
     # prefill_tokens_per_s fixes the prefill rate instead of measuring the engine's
     cost_aware: bool = True
     prefill_tokens_per_s: float | None = None
@@ -56,7 +56,7 @@ class CacheConfig:
     def staging_tokens(self) -> int:
         """L2 slots kept free at rest for exclusive chunked loads (one chunk): a chunk's L1 demotions go
         there while the chunk's own L2 slots still hold it, so L2 evicts nothing for them (a swap through
-        one chunk of staging; tierkv.chunked_load). 0 unless exclusive tiers load in chunks."""
+        one chunk of staging; tierkv.cache.chunked_load). 0 unless exclusive tiers load in chunks."""
         if self.tier_mode != "exclusive" or not self.load_chunk_tokens or not self.enable_host:
             return 0
         return max(self.page_size, self.load_chunk_tokens // self.page_size * self.page_size)

@@ -387,7 +387,7 @@ static PyMethodDef slot_copier_methods[] = {
 
 static PyTypeObject SlotCopierType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "tierkv._rowcopy.SlotCopier",
+    .tp_name = "tierkv.copy._rowcopy.SlotCopier",
     .tp_basicsize = sizeof(SlotCopier),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "SlotCopier(dst, src, dst_base, src_base, dst_page_nbytes, src_page_nbytes, inner, chunk_nbytes, "
@@ -552,7 +552,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_rowcopy", NULL, -1, methods};
 
-/* Bumped whenever a function's arguments change: tierkv/cpu_copy.py ignores a build of another version
+/* Bumped whenever a function's arguments change: tierkv/copy/cpu_copy.py ignores a build of another version
  * (say, one an editable install of another checkout left on the path) instead of calling it wrongly.
  * 3: SlotCopier. 4: the slot allocator's free_slots, check_allocated, pages_to_slots. */
 #define API_VERSION 4

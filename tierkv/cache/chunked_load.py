@@ -16,15 +16,13 @@ a failed copy, an interrupt), the node is split there: the head is loaded, the t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
+from tierkv.cache.eviction import Eviction
+from tierkv.copy.transfer import TransferController
 from tierkv.eviction.tiers import chunk_segments
 from tierkv.radix import TreeNode
-
-if TYPE_CHECKING:
-    from tierkv.hicache import HiRadixCache
 
 
 @dataclass
@@ -41,8 +39,10 @@ class ChunkedLoad:
     """One synchronous chunked load back of a host-only path. It owns the device slots of the node it
     is filling until the node takes them; :meth:`run` never leaves a slot unowned."""
 
-    def __init__(self, cache: "HiRadixCache", nodes: list[TreeNode], chunk_tokens: int) -> None:
-        self.cache, self.nodes, self.chunk_tokens = cache, nodes, chunk_tokens
+    def __init__(self, eviction: Eviction, transfer: TransferController, nodes: list[TreeNode],
+                 chunk_tokens: int) -> None:
+        # eviction: L1 room for each chunk, L2's staging reserve, and the tree, pools and stats it works on
+        self.eviction, self.transfer, self.nodes, self.chunk_tokens = eviction, transfer, nodes, chunk_tokens
         self.loaded: list[TreeNode] = []
         self.filling: _Filling | None = None
 
@@ -61,28 +61,28 @@ class ChunkedLoad:
     def _load(self, segments: list[tuple[TreeNode, int, int]]) -> bool:
         """Load one chunk; the demotions that make L1 room for it may take as many staging slots as it
         has tokens, which its own L2 slots, freed once it is in L1, give back."""
-        cache = self.cache
+        eviction = self.eviction
         num_tokens = sum(end - start for _, start, end in segments)
-        cache.host_reserve_tokens = max(0, cache.config.staging_tokens - num_tokens)
+        eviction.host_reserve_tokens = max(0, eviction.config.staging_tokens - num_tokens)
         try:
             return self._copy(segments, num_tokens)
         finally:
-            cache.restore_host_reserve()
+            eviction.restore_host_reserve()
 
     def _copy(self, segments: list[tuple[TreeNode, int, int]], num_tokens: int) -> bool:
-        cache = self.cache
-        device_slots = cache._alloc_device(num_tokens)
+        eviction = self.eviction
+        device_slots = eviction.alloc_device(num_tokens)
         if device_slots is None:
             return False
         host_slots = torch.cat([node.host_value[start:end] for node, start, end in segments])
         try:
-            error = cache.transfer.load_now(host_slots, device_slots)
+            error = self.transfer.load_now(host_slots, device_slots)
         except BaseException:
-            cache.device_pool.free(device_slots)
+            eviction.device_pool.free(device_slots)
             raise
         if error is not None:
-            cache.stats.failed_copies += 1
-            cache.device_pool.free(device_slots)
+            eviction.stats.failed_copies += 1
+            eviction.device_pool.free(device_slots)
             return False
         freed, offset = [], 0
         for node, start, end in segments:
@@ -96,13 +96,13 @@ class ChunkedLoad:
             if end == len(node):
                 self._hand_over(node, filling)
         if freed:  # the next chunk's demotions take these
-            cache.host_pool.free(torch.cat(freed))
-        cache.stats.loaded_tokens += num_tokens
+            eviction.host_pool.free(torch.cat(freed))
+        eviction.stats.loaded_tokens += num_tokens
         return True
 
     def _hand_over(self, node: TreeNode, filling: _Filling) -> None:
         """``node`` (all of it copied) takes its device slots; its freed L2 slots are forgotten."""
-        self.cache.tree.set_device_value(node, torch.cat(filling.device_parts))
+        self.eviction.tree.set_device_value(node, torch.cat(filling.device_parts))
         if filling.free_host:
             node.host_value = None
         self.loaded.append(node)
@@ -113,5 +113,5 @@ class ChunkedLoad:
         filling = self.filling
         if filling is None or filling.num_tokens == 0:
             return
-        head = self.cache.tree.split(filling.node, filling.num_tokens)
+        head = self.eviction.tree.split(filling.node, filling.num_tokens)
         self._hand_over(head, filling)

@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from tierkv import cpu_copy, device_copy
+from tierkv.copy import cpu_copy, device_copy
 from tierkv.pools.kv import (DeviceKVPool, HostKVPool, PagedKVBuffer, paired_page_rows,
                              rows_adjacent_per_page)
 
@@ -62,8 +62,8 @@ def copy_pages(src: PagedKVBuffer, src_pages: torch.Tensor, dst: PagedKVBuffer, 
     """Copy whole pages between two pools of any layouts.
 
     ``kernel``: between CPU pools, one native chunk copy per batch when the extension is built (see
-    :mod:`tierkv.cpu_copy`); between an accelerator and the host, a device-side gather or scatter and
-    a DMA per contiguous host stretch (:mod:`tierkv.device_copy`); otherwise runs of consecutive pages
+    :mod:`tierkv.copy.cpu_copy`); between an accelerator and the host, a device-side gather or scatter and
+    a DMA per contiguous host stretch (:mod:`tierkv.copy.device_copy`); otherwise runs of consecutive pages
     as single strided copies when there are few runs, and token rows with vectorised index copies when
     there are many. ``direct`` copies page by page.
     """

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from tierkv.transfer import CopyHandle, TransferController
+from tierkv.copy.transfer import CopyHandle, TransferController
 
 
 @dataclass

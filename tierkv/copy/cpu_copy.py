@@ -1,6 +1,6 @@
 """CPU <-> CPU page copies for the ``kernel`` io backend.
 
-With the native module (tierkv/_rowcopy.c, built at install when a C compiler is there) a batch is
+With the native module (tierkv/copy/_rowcopy.c, built at install when a C compiler is there) a batch is
 one call: the pools' per-layout chunk offsets of page 0 plus the page ids, copied chunk by chunk in
 the destination's memory order without the GIL, adjacent chunks merged. :class:`ChunkCopy` works the
 offsets out once per pair of pools and takes token slots straight from the allocator, checked in C.
@@ -22,7 +22,7 @@ from tierkv.pools.kv import PagedKVBuffer, rows_adjacent_per_page
 
 log = logging.getLogger(__name__)
 
-NATIVE_API_VERSION = 4  # the API_VERSION of tierkv/_rowcopy.c that this module calls
+NATIVE_API_VERSION = 4  # the API_VERSION of tierkv/copy/_rowcopy.c that this module calls
 
 
 def usable_native(module: ModuleType | None) -> ModuleType | None:
@@ -37,7 +37,7 @@ def usable_native(module: ModuleType | None) -> ModuleType | None:
 
 
 try:
-    from tierkv import _rowcopy  # type: ignore[attr-defined]
+    from tierkv.copy import _rowcopy  # type: ignore[attr-defined]
 except ImportError:  # no compiler at install time: the torch fallback is used
     _rowcopy = None
 native: ModuleType | None = usable_native(_rowcopy)
@@ -61,7 +61,7 @@ class ChunkCopy:
 
     def __init__(self, src: PagedKVBuffer, dst: PagedKVBuffer, layer: int | None = None, name: str = "copy") -> None:
         if native is None:
-            raise RuntimeError("tierkv._rowcopy is not built; use copy_rows")
+            raise RuntimeError("tierkv.copy._rowcopy is not built; use copy_rows")
         # a page's token rows are adjacent on both sides: one chunk per page and (kv, layer)
         whole_pages = rows_adjacent_per_page(src, dst)
         order = dst.row_dim_order

@@ -1,21 +1,81 @@
-"""The eviction half of :class:`tierkv.hicache.HiRadixCache`: L1 eviction (with write-back or exclusive
-demotion to L2) and L2 eviction. A mixin, as the L3 methods are: it reads the cache's tree, pools,
-policy, heaps, transfer controller and stats, and is not used on its own.
+"""Eviction, a part of :class:`tierkv.cache.hicache.HiRadixCache`: L1 eviction (with write-back or exclusive
+demotion to L2), L2 eviction, and the allocations that make room by them (with L2's staging reserve).
+
+The cache owns one :class:`Eviction` and hands it the tree, the pools, the policy, the transfer controller
+and the statistics; two callables stand for what only the cache can do: retire finished loads (a TP
+agreement) and back a written node up to L3 (the L3 tier comes and goes with ``attach_storage``).
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
-from tierkv.cache_records import _WriteBackBatch
-from tierkv.eviction.tiers import drop_host_subtree
+from tierkv.cache.config import CacheConfig
+from tierkv.cache.records import CacheStats, _WriteBackBatch
+from tierkv.copy.transfer import TransferController
+from tierkv.eviction.base import Policy
+from tierkv.eviction.heap import EvictionHeap
+from tierkv.eviction.tiers import drop_host_subtree, tier_orders
 from tierkv.pools.allocator import plain_slot_slices
-from tierkv.radix import TreeNode
+from tierkv.pools.kv import DeviceKVPool, HostKVPool
+from tierkv.radix import RadixTree, TreeNode
 
 
-class EvictionMethods:
-    """evict / evict_host and their write-back helpers; see the methods for lock contracts."""
+class Eviction:
+    """evict / evict_host, their write-back helpers and the allocations that call them; see each method's
+    lock contract. Scheduler thread only."""
 
+    def __init__(self, tree: RadixTree, config: CacheConfig, priority: Policy, device_pool: DeviceKVPool,
+                 host_pool: HostKVPool | None, transfer: TransferController | None, stats: CacheStats,
+                 retire_loads: Callable[[], None], backed_up: Callable[[TreeNode], None]) -> None:
+        self.tree, self.config, self.priority = tree, config, priority
+        self.device_pool, self.host_pool, self.transfer, self.stats = device_pool, host_pool, transfer, stats
+        self.retire_loads, self.backed_up = retire_loads, backed_up
+        device_order, host_order = tier_orders(priority, config.tier_mode)
+        self._device_heap = EvictionHeap(tree, "device", device_order)
+        self._host_heap = EvictionHeap(tree, "host", host_order)
+        # L2 slots kept free at rest: the staging of an exclusive chunked load (CacheConfig.staging_tokens);
+        # a chunk being loaded lowers it by its size while L1 demotes for it (tierkv.cache.chunked_load)
+        self.host_reserve_tokens = config.staging_tokens
+
+    def admit(self, node: TreeNode) -> bool:
+        """Whether L2 takes ``node`` (``l2_admission``: the policy decides)."""
+        return not self.config.l2_admission or self.priority.admit(node)
+
+    # ---- allocation ---------------------------------------------------------------------------
+    def alloc_device(self, num_tokens: int) -> torch.Tensor | None:
+        """L1 slots, evicting from L1 if needed; None when even that leaves too few. Lock contract: none."""
+        slots = self.device_pool.alloc(num_tokens)
+        if slots is None:
+            if self.config.tier_mode == "exclusive" and self.transfer is not None and self.transfer.loads:
+                self.retire_loads()  # promote finished loads first: the demotions take their L2 slots
+            self.evict(num_tokens - self.device_pool.num_free_slots)
+            slots = self.device_pool.alloc(num_tokens)
+        return slots
+
+    @property
+    def host_room(self) -> int:
+        """L2 slots free beyond the staging reserve."""
+        return self.host_pool.num_free_slots - self.host_reserve_tokens
+
+    def alloc_host(self, num_tokens: int) -> torch.Tensor | None:
+        """L2 slots beyond the reserve, evicting from L2 if needed; None when too few. Lock contract: none."""
+        if num_tokens > self.host_room:
+            self.evict_host(num_tokens - self.host_room)
+            if num_tokens > self.host_room:
+                return None
+        return self.host_pool.alloc(num_tokens)
+
+    def restore_host_reserve(self) -> None:
+        """Staging closed: evict from L2 until the reserve is free again (what a chunk's demotions took
+        beyond the L2 slots it freed). Lock contract: as :meth:`evict_host`."""
+        self.host_reserve_tokens = self.config.staging_tokens
+        if self.host_room < 0:
+            self.evict_host(-self.host_room)
+
+    # ---- eviction -----------------------------------------------------------------------------
     def evict(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` L1 slots if that many are evictable; returns the number freed (with
         ``split_victims``, the default, the last victim gives only the whole pages still needed).
@@ -30,7 +90,7 @@ class EvictionMethods:
         write_back = self.config.writes_on_evict and self.transfer is not None
         for node in self._device_heap.victims() if num_tokens > 0 else ():
             self._split_victim(node, num_tokens - freed)
-            if write_back and node.host_value is None and self._admit(node):
+            if write_back and node.host_value is None and self.admit(node):
                 self._reserve_write_back(node, batch)
             if node.host_value is None and node.host_ref:
                 kept.append(node)  # deleting it would delete L2 pages in use
@@ -76,7 +136,7 @@ class EvictionMethods:
         (an L1 victim is a leaf of the device subtree), so its path stays loadable."""
         num_tokens = len(node)
         self.tree.inc_host_ref(node)
-        host_slots = self._alloc_host(num_tokens)
+        host_slots = self.alloc_host(num_tokens)
         if host_slots is None:
             self.tree.dec_host_ref(node)
             self.stats.write_skipped_tokens += num_tokens
@@ -99,9 +159,8 @@ class EvictionMethods:
             self.tree.dec_host_ref(n)
         if error is None:
             self.stats.written_tokens += len(device_slots)
-            if self.storage is not None:
-                for n in batch.protected:
-                    self.storage.backup(n)
+            for n in batch.protected:
+                self.backed_up(n)
             return 0
         self.stats.failed_copies += 1
         self.host_pool.free(torch.cat(batch.host_slots))

@@ -1,4 +1,5 @@
-"""The hierarchical cache: ties the radix tree, the L1/L2 pools and the transfer controller.
+"""The hierarchical cache's facade: ties the radix tree, the pools, the transfer controller and the parts
+beside it in :mod:`tierkv.cache` (eviction, loads, failed loads, the L3 controller).
 
 Thread contract: every public method runs on the scheduler thread. Background threads (copies, storage
 I/O) never touch the tree; their results arrive through ack queues drained by :meth:`step`.
@@ -18,35 +19,36 @@ import logging
 import numpy as np
 import torch
 
-from tierkv.cache.cost_model import CostModel
-from tierkv.cache.l3 import StorageController
-from tierkv.cache.l3_methods import StorageTierMethods
-from tierkv.cache_eviction import EvictionMethods
-from tierkv.cache_records import CacheStats, LoadResult, MatchResult, PendingLoad, PendingWrite  # noqa: F401
-from tierkv.chunked_load import ChunkedLoad
-from tierkv.config import CacheConfig
+from tierkv.cache.config import CacheConfig
+from tierkv.cache.eviction import Eviction
+from tierkv.cache.failed_loads import FailedLoads
+from tierkv.cache.l3.controller import CacheParts, StorageController
+from tierkv.cache.l3.cost_model import CostModel
+from tierkv.cache.layer_load import LayerLoads
+from tierkv.cache.loads import LoadBack, path_indices
+from tierkv.cache.records import CacheStats, LoadResult, MatchResult, PendingLoad, PendingWrite  # noqa: F401
+from tierkv.cache.retire import Retirements
+from tierkv.copy.transfer import CopyHandle, TransferController, resolve_host_layout
 from tierkv.eviction import get_policy
-from tierkv.eviction.heap import EvictionHeap
-from tierkv.eviction.tiers import promote_loaded, tier_orders
-from tierkv.failed_loads import FailedLoads
-from tierkv.layer_load import DeferredLoads, LayerLoads
+from tierkv.hashing import HashNamespace
 from tierkv.pools.allocator import plain_slot_slices
 from tierkv.pools.kv import DeviceKVPool, HostKVPool, host_pool_tokens
 from tierkv.radix import MatchPath, RadixKey, RadixTree, TreeNode
-from tierkv.retire import Retirements
+from tierkv.storage.base import PageStore
+from tierkv.storage.config import StorageConfig
 from tierkv.tp import TPGroup
-from tierkv.transfer import CopyHandle, TransferController, resolve_host_layout
 
 log = logging.getLogger(__name__)
 
-_EMPTY = torch.empty(0, dtype=torch.int64)
 
+class HiRadixCache:
+    """Prefix cache over L1 (device), L2 (host) and optionally L3 (storage) tiers; see the module docstring
+    for contracts.
 
-class HiRadixCache(StorageTierMethods, EvictionMethods):
-    """Prefix cache over L1 (device) and L2 (host) tiers; see the module docstring for contracts.
-
-    The L3 tier's methods (attach_storage, prefetch_from_storage, ...) come from :mod:`tierkv.cache.l3_methods`,
-    eviction (evict, evict_host) from :mod:`tierkv.cache_eviction`.
+    A facade over its parts, each handed what it needs and none aware of the cache: the tree, the pools,
+    the transfer controller (:mod:`tierkv.copy.transfer`), eviction and room-making (:attr:`eviction`,
+    :mod:`tierkv.cache.eviction`), L2 -> L1 loads (:attr:`loads`, :mod:`tierkv.cache.loads`), failed loads
+    (:mod:`tierkv.cache.failed_loads`) and the L3 controller (:attr:`storage`, :mod:`tierkv.cache.l3.controller`).
     """
 
     def __init__(self, device_pool: DeviceKVPool, config: CacheConfig | None = None,
@@ -59,23 +61,20 @@ class HiRadixCache(StorageTierMethods, EvictionMethods):
         self.tree = RadixTree(self.config.page_size, bigram=self.config.bigram)
         self.priority = get_policy(self.config.eviction_policy)
         self.tree.split_hook = self.priority.on_split  # a split node's halves keep its rank
-        device_order, host_order = tier_orders(self.priority, self.config.tier_mode)
-        self._device_heap = EvictionHeap(self.tree, "device", device_order)
-        self._host_heap = EvictionHeap(self.tree, "host", host_order)
         self.tp = tp or TPGroup.single()
         self.stats = CacheStats()
         self.host_pool = host_pool
-        # L2 slots kept free at rest: the staging of an exclusive chunked load (CacheConfig.staging_tokens);
-        # a chunk being loaded lowers it by its size while L1 demotes for it (tierkv.chunked_load)
-        self.host_reserve_tokens = self.config.staging_tokens
         self.transfer: TransferController | None = None
         if self.config.enable_host:
             self.host_pool = host_pool or self._make_host_pool()
             self.transfer = TransferController(device_pool, self.host_pool, self.config.io_backend,
                                                self.config.overlap_cpu_writes)
-            self.deferred_loads = DeferredLoads(self.transfer)
         self.storage: StorageController | None = None  # the L3 tier: see attach_storage
+        self.eviction = Eviction(self.tree, self.config, self.priority, device_pool, self.host_pool, self.transfer,
+                                 self.stats, retire_loads=self.loading_check, backed_up=self._back_up_to_storage)
         self.failed_loads = FailedLoads(self.tree, device_pool)
+        self.loads = LoadBack(self.tree, self.config, self.eviction, self.transfer, self.failed_loads, self.stats,
+                              retire_loads=self.loading_check)
         # fetch-or-recompute estimates: the engine reports its prefill passes, L3 and loads their timings.
         # Off under TP: decisions from each rank's own timings could differ, and the trees with them
         self.cost_model = CostModel(self.config.prefill_tokens_per_s,
@@ -109,7 +108,7 @@ class HiRadixCache(StorageTierMethods, EvictionMethods):
             if node.device_value is None:
                 break
             device_nodes.append(node)
-        usable = self._wait_for_loads(device_nodes)
+        usable = self.loads.wait_for(device_nodes)
         if usable < len(device_nodes):  # a failed load: its nodes are garbage until dropped
             device_nodes = device_nodes[:usable]
             _cut(path, usable)
@@ -118,29 +117,8 @@ class HiRadixCache(StorageTierMethods, EvictionMethods):
         host_hit = path.num_tokens - device_hit
         self.stats.device_hit_tokens += device_hit
         self.stats.host_hit_tokens += host_hit
-        return MatchResult(self._path_indices(device_nodes), last_device, path.last_node or self.tree.root,
+        return MatchResult(path_indices(device_nodes), last_device, path.last_node or self.tree.root,
                            host_hit)
-
-    def _wait_for_loads(self, device_nodes: list[TreeNode]) -> int:
-        """Wait for in-flight loads into these nodes; how many leading nodes hold valid KV."""
-        if self.transfer is None or not device_nodes:
-            return len(device_nodes)
-        if self.deferred_loads.queued and self.deferred_loads.touches(self._path_indices(device_nodes)):
-            self.deferred_loads.start()  # a caller may read this KV now: start the queued copy and wait
-        if not self.transfer.loads:
-            return len(device_nodes)
-        usable = len(device_nodes)
-        for item in list(self.transfer.loads):
-            if item.handle.done() and item.handle.error is None:
-                continue
-            slots = item.payload.device_slots
-            hit = [i for i, n in enumerate(device_nodes) if torch.isin(n.device_value, slots).any()]
-            if hit:
-                item.handle.wait_on_current_stream()
-                if item.handle.error is not None:
-                    self.failed_loads.mark(item.payload)
-                    usable = min(usable, hit[0])
-        return usable
 
     def inc_lock_ref(self, node: TreeNode) -> None:
         """Lock contract: locks ``node``'s path in L1 (never evicted) until :meth:`dec_lock_ref`."""
@@ -195,7 +173,7 @@ class HiRadixCache(StorageTierMethods, EvictionMethods):
             self.priority.on_insert(result.new_node)
         if self.transfer is not None and threshold is not None:
             hot = [n for n in result.path if n.host_value is None and n.hit_count >= threshold]
-            if hot and self._admit(hot[-1]):
+            if hot and self.eviction.admit(hot[-1]):
                 self.write_backup(hot[-1])
         return owned
 
@@ -226,7 +204,7 @@ class HiRadixCache(StorageTierMethods, EvictionMethods):
             return True
         num_tokens = sum(len(n) for n in path)
         self.tree.inc_host_ref(node)  # making room in L2 must not drop the backup this path extends
-        host_slots = self._alloc_host(num_tokens)
+        host_slots = self.eviction.alloc_host(num_tokens)
         if host_slots is None:
             self.tree.dec_host_ref(node)
             self.stats.write_skipped_tokens += num_tokens
@@ -277,7 +255,7 @@ class HiRadixCache(StorageTierMethods, EvictionMethods):
         for handle, pending in self.transfer.pop_done(self.transfer.writes, min_counts[0]):
             retirements.run(self._finish_write, pending, handle)
         for handle, pending in self.transfer.pop_done(self.transfer.loads, min_counts[1]):
-            retirements.run(self._finish_load, pending, handle)
+            retirements.run(self.loads.finish, pending, handle)
         if self.storage is not None:
             retirements.run(self.storage.apply_progress, list(min_counts[2:]), list(max_counts))
         if self.failed_loads:
@@ -306,8 +284,12 @@ class HiRadixCache(StorageTierMethods, EvictionMethods):
             self._drop_host_slots(pending.node, pending.host_slots)
             return
         self.stats.written_tokens += pending.num_tokens
+        self._back_up_to_storage(pending.node)
+
+    def _back_up_to_storage(self, node: TreeNode) -> None:
+        """``node``'s path was just written to L2: back it up to L3, if attached (see StorageController.backup)."""
         if self.storage is not None:
-            self.storage.backup(pending.node)
+            self.storage.backup(node)
 
     def _drop_host_slots(self, node: TreeNode, host_slots: torch.Tensor) -> None:
         """Forget host values that point into ``host_slots`` (a failed write) on ``node``'s path."""
@@ -317,20 +299,6 @@ class HiRadixCache(StorageTierMethods, EvictionMethods):
                 if n.device_value is None:
                     raise AssertionError(f"node {n.id} lost both tiers after a failed write")
         self.host_pool.free(host_slots)
-
-    def _finish_load(self, pending: PendingLoad, handle: CopyHandle) -> None:
-        self.tree.dec_lock_ref(pending.node)
-        self.tree.dec_host_ref(pending.node)
-        if handle.error is not None:
-            self.stats.failed_copies += 1
-            self.failed_loads.mark(pending)
-        elif self.config.tier_mode == "exclusive":  # promote: L1 has it now, so L2 need not
-            freed = promote_loaded(self.tree, pending.node, len(pending.device_slots))
-            if freed:
-                self.host_pool.free(torch.cat(freed))
-
-    def _admit(self, node: TreeNode) -> bool:
-        return not self.config.l2_admission or self.priority.admit(node)
 
     def _note_failed_loads(self) -> None:
         """Mark the nodes of loads seen failed invalid at once, before their retirement."""
@@ -350,7 +318,7 @@ class HiRadixCache(StorageTierMethods, EvictionMethods):
     def _finish_copies(self) -> None:
         """Start the deferred loads, wait for every L1<->L2 copy and retire what finished."""
         if self.transfer is not None:
-            self.deferred_loads.start()
+            self.loads.start()
             self.transfer.synchronize()
         self.step()
 
@@ -364,123 +332,80 @@ class HiRadixCache(StorageTierMethods, EvictionMethods):
         acknowledged; the caller must :meth:`PendingLoad.wait` before reading the KV. ``defer`` queues
         the copy for :meth:`start_loading` (one layer-wise batch with the rest of the scheduler step's).
         """
-        path = self.tree.path_to_root(last_node)
-        if any(n.invalid for n in path):  # a failed load's nodes: not reloadable until dropped
-            path = path[:next(i for i, n in enumerate(path) if n.invalid)]
-            last_node = path[-1] if path else self.tree.root
-        host_only = [n for n in path if n.device_value is None]
-        device_part = path[: len(path) - len(host_only)]
-        last_device = device_part[-1] if device_part else self.tree.root
-        num_tokens = sum(len(n) for n in host_only)
-        if num_tokens == 0 or self.transfer is None:
-            return LoadResult(self._path_indices(device_part), last_device)
-        if num_tokens < self.config.load_back_threshold:
-            return LoadResult(self._path_indices(device_part), last_device)
-        # Locked from here to the ack: making room in L1 must not evict the prefix we extend, and the
-        # write-backs that eviction may cause must not evict from L2 the nodes we load.
-        evictable_before = self.tree.evictable_size
-        self.tree.inc_lock_ref(last_node)
-        newly_locked = evictable_before - self.tree.evictable_size
-        if mem_quota is not None and num_tokens > mem_quota - newly_locked:
-            self.tree.dec_lock_ref(last_node)
-            return LoadResult(self._path_indices(device_part), last_device)
-        if self._loads_in_chunks(num_tokens):
-            return self._load_in_chunks(host_only, last_node, device_part, last_device)
-        device_slots = self._alloc_device(num_tokens)
-        if device_slots is None:
-            self.tree.dec_lock_ref(last_node)
-            return LoadResult(self._path_indices(device_part), last_device)
-        host_slots = torch.cat([n.host_value for n in host_only])
-        offset = 0
-        for n in host_only:
-            self.tree.set_device_value(n, device_slots[offset:offset + len(n)])
-            offset += len(n)
-        self.tree.inc_host_ref(last_node)
-        pending = PendingLoad(last_node, device_slots, handle=None)
-        if defer:
-            self.deferred_loads.queue(pending, host_slots)
-        else:
-            pending.handle = self.transfer.load(host_slots, device_slots, pending)
-        self.stats.loaded_tokens += num_tokens
-        return LoadResult(self._path_indices(path), last_node, pending, num_tokens)
-
-    def _loads_in_chunks(self, num_tokens: int) -> bool:
-        """Exclusive tiers load in chunks (:mod:`tierkv.chunked_load`, synchronously, one chunk or more)
-        when L1's demotions for the load would not fit in L2's free room (the staging reserve apart)."""
-        if self.config.tier_mode != "exclusive" or not self.config.load_chunk_tokens:
-            return False
-        if self.transfer.loads:
-            self.loading_check()  # finished loads promoted first: their L2 slots are free room too
-        return num_tokens - self.device_pool.num_free_slots > self._host_room
-
-    @property
-    def _chunk_tokens(self) -> int:
-        page = self.config.page_size
-        return max(page, self.config.load_chunk_tokens // page * page)
-
-    def _load_in_chunks(self, host_only: list[TreeNode], last_node: TreeNode, device_part: list[TreeNode],
-                        last_device: TreeNode) -> LoadResult:
-        """Load the host-only path synchronously, chunk by chunk; what loaded is served even if a chunk
-        does not load. Lock contract: releases the caller's lock on ``last_node`` (the KV is in L1)."""
-        try:
-            loaded = ChunkedLoad(self, host_only, self._chunk_tokens).run()
-        finally:
-            self.tree.dec_lock_ref(last_node)
-        if not loaded:
-            return LoadResult(self._path_indices(device_part), last_device)
-        return LoadResult(self._path_indices(self.tree.path_to_root(loaded[-1])), loaded[-1], None,
-                          sum(len(n) for n in loaded))
+        return self.loads.load(last_node, mem_quota, defer)
 
     def start_loading(self) -> LayerLoads:
         """Start the deferred loads as one layer-wise batch; the forward pass calls ``wait_layer(i)`` on
         the result before layer ``i`` reads KV. Lock contract: takes none (each load holds its own)."""
-        if self.transfer is None:
-            return LayerLoads()
-        return self.deferred_loads.start()
-
-    @staticmethod
-    def _path_indices(nodes: list[TreeNode]) -> torch.Tensor:
-        return torch.cat([n.device_value for n in nodes]) if nodes else _EMPTY
-
-    def _alloc_device(self, num_tokens: int) -> torch.Tensor | None:
-        slots = self.device_pool.alloc(num_tokens)
-        if slots is None:
-            if self.config.tier_mode == "exclusive" and self.transfer is not None and self.transfer.loads:
-                self.loading_check()  # promote finished loads first: the demotions take their L2 slots
-            self.evict(num_tokens - self.device_pool.num_free_slots)
-            slots = self.device_pool.alloc(num_tokens)
-        return slots
-
-    @property
-    def _host_room(self) -> int:
-        """L2 slots free beyond the staging reserve."""
-        return self.host_pool.num_free_slots - self.host_reserve_tokens
-
-    def _alloc_host(self, num_tokens: int) -> torch.Tensor | None:
-        if num_tokens > self._host_room:
-            self.evict_host(num_tokens - self._host_room)
-            if num_tokens > self._host_room:
-                return None
-        return self.host_pool.alloc(num_tokens)
+        return self.loads.start()
 
     def restore_host_reserve(self) -> None:
         """Staging closed: evict from L2 until the reserve is free again (what a chunk's demotions took
         beyond the L2 slots it freed). Lock contract: as :meth:`evict_host`."""
-        self.host_reserve_tokens = self.config.staging_tokens
-        if self._host_room < 0:
-            self.evict_host(-self._host_room)
+        self.eviction.restore_host_reserve()
 
     def alloc_device(self, num_tokens: int) -> torch.Tensor | None:
         """Slots for a request's new tokens, evicting from L1 if needed. Lock contract: takes no lock."""
         self.device_pool.allocator.check_num_tokens(num_tokens)  # before evicting anything
-        return self._alloc_device(num_tokens)
+        return self.eviction.alloc_device(num_tokens)
 
     def alloc_host(self, num_tokens: int) -> torch.Tensor | None:
         """L2 slots, evicting from L2 if needed (for the L3 tier). Lock contract: takes no lock."""
         if self.host_pool is None:
             raise ValueError("this cache has no host (L2) tier")
         self.host_pool.allocator.check_num_tokens(num_tokens)
-        return self._alloc_host(num_tokens)
+        return self.eviction.alloc_host(num_tokens)
+
+    def evict(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` L1 slots if that many are evictable; returns the number freed (see
+        :meth:`Eviction.evict`). Lock contract: skips locked nodes and nodes whose L2-only descendants
+        are protected (host_ref)."""
+        return self.eviction.evict(num_tokens)
+
+    def evict_host(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` L2 slots if possible; returns the number freed (see
+        :meth:`Eviction.evict_host`). Lock contract: skips nodes with host_ref and locked host-only nodes."""
+        return self.eviction.evict_host(num_tokens)
+
+    @property
+    def host_reserve_tokens(self) -> int:
+        """L2 slots kept free at rest for an exclusive chunked load's staging (CacheConfig.staging_tokens)."""
+        return self.eviction.host_reserve_tokens
+
+    # ---- the L3 tier -------------------------------------------------------------------------
+    def attach_storage(self, store: PageStore, config: StorageConfig, namespace: HashNamespace | str) -> None:
+        """Add the L3 tier: prefetch into L2 and backup from L2 against ``store``. Lock contract: none."""
+        if self.storage is not None:
+            raise ValueError("this cache already has a storage tier")
+        if self.transfer is None:
+            raise ValueError("an L3 tier needs the host (L2) tier: enable_host=True")
+        parts = CacheParts(self.tree, self.config, self.device_pool, self.host_pool, self.tp, self.cost_model,
+                           self.stats, self.alloc_host)
+        self.storage = StorageController(parts, store, config, namespace)
+
+    def prefetch_from_storage(self, request_id: str, last_host_node: TreeNode, key: RadixKey) -> bool:
+        """Start fetching the part of ``key`` beyond ``last_host_node`` from L3 into L2; True if started.
+
+        Lock contract: protects the L2 path it extends (host_ref) until the prefetch ends or is revoked.
+        """
+        return self.storage is not None and self.storage.prefetch(request_id, last_host_node, key)
+
+    def check_prefetch_progress(self, request_id: str) -> bool:
+        """True when the request may be scheduled; then its prefetch has ended and its pages are in the tree.
+
+        Lock contract: on ending, releases the prefetch's host_ref; new nodes are host-only and unlocked.
+        """
+        return self.storage is None or self.storage.check_prefetch(request_id)
+
+    def release_prefetch(self, request_id: str) -> None:
+        """Abort the request's prefetch, inserting nothing. Lock contract: releases its host_ref."""
+        if self.storage is not None:
+            self.storage.release(request_id)
+
+    def clear_storage_backend(self) -> bool:
+        """Empty L3 (this namespace's pages), keeping L1 and L2; False when no L3 is attached or its
+        backend cannot clear. Lock contract: takes no lock."""
+        return self.storage is not None and self.storage.clear_store()
 
     # ---- maintenance -------------------------------------------------------------------------
     @property
@@ -508,7 +433,7 @@ class HiRadixCache(StorageTierMethods, EvictionMethods):
             owned = self.storage.owned_host_slots() if self.storage is not None else []
             self.host_pool.allocator.reset(keep=torch.cat(owned) if owned else None)
             self.step()  # frees at once what drained but is already finished on every rank
-        self.stats = CacheStats()
+        self.stats.clear()  # in place: the parts count into it
 
     def close(self) -> None:
         """Finish in-flight copies and stop background threads; L3 workers get one ``io_wait_timeout_s``
@@ -535,7 +460,7 @@ class HiRadixCache(StorageTierMethods, EvictionMethods):
             if caller_host_slots is not None:
                 host_owned.append(caller_host_slots)
             self.host_pool.allocator.check_ownership("host", host_owned)
-            if self.host_reserve_tokens != self.config.staging_tokens or self._host_room < 0:
+            if self.host_reserve_tokens != self.config.staging_tokens or self.eviction.host_room < 0:
                 raise AssertionError(f"staging reserve not free at rest: {self.host_pool.num_free_slots} L2 slots "
                                      f"free, {self.host_reserve_tokens} reserved of {self.config.staging_tokens}")
 

@@ -18,7 +18,7 @@ from tierkv.pools.kv import DeviceKVPool
 from tierkv.radix import RadixKey, RadixTree, TreeNode
 
 if TYPE_CHECKING:
-    from tierkv.cache_records import PendingLoad
+    from tierkv.cache.records import PendingLoad
 
 
 class FailedLoads:

@@ -1,4 +1,4 @@
-"""The L3 tier of a :class:`tierkv.hicache.HiRadixCache`: prefetch into L2 and backup from L2.
+"""The L3 tier of a :class:`tierkv.cache.hicache.HiRadixCache`: prefetch into L2 and backup from L2.
 
 Thread contract: every method runs on the scheduler thread and is the only code touching the tree;
 the two worker threads (prefetch, backup) only read/write host pages the in-flight object owns or
@@ -31,23 +31,25 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import Callable, Protocol
 
 import torch
 
+from tierkv.cache.config import CacheConfig
+from tierkv.cache.l3.cost_model import CostModel
+from tierkv.cache.records import CacheStats
 from tierkv.hashing import HashNamespace, page_hashes
-from tierkv.radix import RadixKey, TreeNode
-from tierkv.retire import Retirements
-from tierkv.cache.l3_backup import Backup, DrainedBackups
+from tierkv.pools.kv import DeviceKVPool, HostKVPool
+from tierkv.radix import RadixKey, RadixTree, TreeNode
+from tierkv.cache.retire import Retirements
+from tierkv.cache.l3.backup import Backup, DrainedBackups
 from tierkv.storage.base import PageStore
 from tierkv.storage.config import StorageConfig
 from tierkv.storage.factory import BACKEND_OPTIONS, open_store, parse_spec
-from tierkv.cache.l3_pacing import BackupPacer
-from tierkv.cache.l3_prefetch import NUM_MAX_COUNTS, NUM_MIN_COUNTS, Prefetch
+from tierkv.cache.l3.pacing import BackupPacer
+from tierkv.cache.l3.prefetch import NUM_MAX_COUNTS, NUM_MIN_COUNTS, Prefetch
 from tierkv.storage.worker import IOWorker, stop_workers
-
-if TYPE_CHECKING:
-    from tierkv.hicache import HiRadixCache
+from tierkv.tp import TPGroup
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +76,7 @@ class StorageStats:
     backup_not_worth_tokens: int = 0  # the cost model judged writing them costlier than their reads save
 
 
-def resolve_namespace(cache: "HiRadixCache", namespace: HashNamespace | str,
+def resolve_namespace(cache: "CacheParts | StorageAttachable", namespace: HashNamespace | str,
                       algorithm: str | None) -> HashNamespace:
     """The namespace of this cache's pages: a string names the model, the rest (KV layout, dtype, shape,
     TP shard) comes from the cache; an explicit namespace must name the cache's own TP shard (MLA: none).
@@ -95,7 +97,32 @@ def resolve_namespace(cache: "HiRadixCache", namespace: HashNamespace | str,
     return namespace if algorithm is None else dataclasses.replace(namespace, algorithm=algorithm)
 
 
-def open_storage(cache: "HiRadixCache", spec: str, extra_config: str | None,
+@dataclass(frozen=True)
+class CacheParts:
+    """What the L3 tier works with, handed over by its cache (the controller never sees the cache itself)."""
+
+    tree: RadixTree
+    config: CacheConfig
+    device_pool: DeviceKVPool
+    host_pool: HostKVPool
+    tp: TPGroup
+    cost_model: CostModel
+    stats: CacheStats  # the cache's: L3 hits are counted in storage_hit_tokens
+    alloc_host: Callable[[int], torch.Tensor | None]  # L2 slots, evicting from L2 for them
+
+
+class StorageAttachable(Protocol):
+    """A cache that :func:`open_storage` attaches a store to (:class:`tierkv.cache.hicache.HiRadixCache`)."""
+
+    device_pool: DeviceKVPool
+    host_pool: HostKVPool | None
+    tp: TPGroup
+    storage: "StorageController | None"
+
+    def attach_storage(self, store: PageStore, config: StorageConfig, namespace: HashNamespace | str) -> None: ...
+
+
+def open_storage(cache: StorageAttachable, spec: str, extra_config: str | None,
                  namespace: HashNamespace | str) -> "StorageController":
     """Open the backend ``spec`` names (``file:///dir``, ``redis://host:port/db``, ...) with the backend keys
     of the extra-config JSON, and attach it to ``cache`` with the rest of that JSON as its StorageConfig."""
@@ -111,7 +138,7 @@ def open_storage(cache: "HiRadixCache", spec: str, extra_config: str | None,
 class StorageController:
     """Prefetches and backups of one cache against one page store (see the module docstring)."""
 
-    def __init__(self, cache: "HiRadixCache", store: PageStore, config: StorageConfig,
+    def __init__(self, cache: CacheParts, store: PageStore, config: StorageConfig,
                  namespace: HashNamespace | str) -> None:
         if cache.host_pool is None:
             raise ValueError("an L3 tier needs the host (L2) tier: enable_host=True")

@@ -6,7 +6,7 @@ L1; off, HiCache: only host-only leaves) and ``write_back_ancestors`` (on, tierk
 copies the node's un-backed ancestors with it; off, HiCache and tierkv now: only the node, an ancestor
 when it is evicted in turn). Prints hit ratio, L2 hit ratio and tokens copied L1 -> L2 for both.
 
-Run:  python bench/hicache_rules.py data/traces/conversation_trace.jsonl.gz ../shared/data/traces/synthetic_trace.jsonl
+Run:  python bench/hicache_rules.py data/traces/conversation_trace.jsonl.gz data/traces/synthetic_trace.jsonl.gz
           [--l1-tokens 500k] [--ratios 1,2,8] [--policies lru,gdsf]
 """
 

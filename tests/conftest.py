@@ -66,3 +66,16 @@ def tree_impl(request, monkeypatch):
             pytest.fail("tierkv._radix is not built (TIERKV_REQUIRE_NATIVE=1)")
         pytest.skip("tierkv._radix is not built, or TIERKV_PURE_PYTHON_TREE=1")
     return request.param
+
+
+REAL_VLLM_MODULES = ("test_vllm_connector.py",)
+
+
+def pytest_collection_modifyitems(config, items):
+    """TIERKV_SKIP_VLLM=1 (scripts/test.sh's opt-out of the 3.5 GB vLLM venv) skips the real-vLLM tests, by name."""
+    if os.environ.get("TIERKV_SKIP_VLLM") != "1":
+        return
+    marker = pytest.mark.skip(reason="TIERKV_SKIP_VLLM=1: the real-vLLM connector tests are skipped")
+    for item in items:
+        if item.path.name in REAL_VLLM_MODULES:
+            item.add_marker(marker)

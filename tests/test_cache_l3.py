@@ -66,6 +66,18 @@ def _stored_cache(num_pages: int = 8, **overrides):
     return cache, store, key, kv
 
 
+def test_an_l3_hit_counts_once_as_a_storage_hit_not_also_as_a_host_hit():
+    """The match after a prefetch finds the fetched tokens in L2: they were an L3 hit (992 + 992 before)."""
+    cache, _store, key, _kv = _stored_cache()
+    fetch_and_load(cache, key)
+    assert cache.stats.storage_hit_tokens == len(key)
+    assert cache.stats.host_hit_tokens == 0 and cache.stats.device_hit_tokens == 0
+    load_hit(cache, key)  # a later request: now an L1 hit, and nothing is claimed twice
+    assert cache.stats.device_hit_tokens == len(key) and cache.stats.host_hit_tokens == 0
+    assert not cache.storage.fetched_unmatched
+    cache.close()
+
+
 def test_prefetch_round_trip_inserts_host_only_nodes():
     cache, store, key, kv = _stored_cache()
     started, got = fetch_and_load(cache, key)

@@ -66,3 +66,22 @@ def test_demo_runs_from_the_clone_on_a_slice_of_its_trace(clone, tmp_path):
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["requests"] == 60 and report["trace"].endswith(".gz")
     assert (tmp_path / "r.png").stat().st_size > 0
+
+
+def test_demo_writes_each_run_to_its_own_folder_and_says_where(clone, tmp_path):
+    """Two runs without TIERKV_DEMO_* never share a report file, and each names its report and plot."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "TIERKV_REQUIRE_NATIVE") and not k.startswith("TIERKV_DEMO")}
+    env.update(TIERKV_VENV=sys.prefix, TIERKV_SKIP_INSTALL="1", TMPDIR=str(tmp_path))
+    reports = []
+    for _ in range(2):
+        proc = subprocess.run(["bash", str(clone / "scripts/demo.sh"), "data/traces/conversation_trace.jsonl.gz",
+                               "--limit", "20", "--no-baselines", "--serial"],
+                              cwd=clone, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        report = Path(re.search(r"\[demo\] report: (\S+)", proc.stderr).group(1))
+        plot = Path(re.search(r"\[demo\] plot: +(\S+)", proc.stderr).group(1))
+        assert report.is_file() and plot.is_file() and tmp_path in report.parents
+        assert json.loads(report.read_text())["requests"] == 20
+        reports.append(report)
+    assert reports[0].parent != reports[1].parent

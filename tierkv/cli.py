@@ -130,7 +130,7 @@ def replay_main(args: argparse.Namespace) -> int:
 
     from tierkv.replay.replay import ReplayConfig
     from tierkv.replay.report import (build_report, parse_size, parse_sizes, plot_report, plot_sweep,
-                                     print_report, run_all, run_sweep, write_json)
+                                     print_report, run_all, run_sweep, sweep_title, write_json)
     from tierkv.replay.trace import load_trace
 
     l2 = parse_size(args.l2_tokens)
@@ -139,13 +139,19 @@ def replay_main(args: argparse.Namespace) -> int:
                           include_output=args.include_output, verify=args.verify, tier_mode=args.tier_mode,
                           l2_admission=args.l2_admission, load_chunk_tokens=args.load_chunk_tokens,
                           l3_tokens=None if args.l3_tokens is None else parse_size(args.l3_tokens))
-    if args.l3 != "none":
-        from tierkv.storage.factory import parse_spec
+    # Everything that would fail after the replay fails now: outputs, the L3, the trace.
+    from tierkv.replay import preflight
 
-        parse_spec(args.l3)  # a bad spec fails now, not after the baseline process has started
+    preflight.check_limit(args.limit)
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path:
+            preflight.check_output_path(flag, path)
+    if args.l3 != "none":
+        preflight.check_l3(args.l3)
     model = _model_from_args(args)
     sizes = parse_sizes(args.sweep) if args.sweep else None
     trace = load_trace(args.trace, limit=args.limit, skip_bad=args.skip_bad)
+    preflight.check_requests(args.trace, len(trace.requests), len(trace.bad_lines))
     # The replay's ops are tiny: intra-op threads only add hand-offs, and with the baselines in a second
     # process they oversubscribe the cores (~25% of the wall time on 2 cores).
     torch.set_num_threads(1)
@@ -161,7 +167,7 @@ def replay_main(args: argparse.Namespace) -> int:
     if args.json:
         write_json(report, args.json)
     if args.plot:
-        (plot_sweep(report["sweep"], args.plot) if sizes else plot_report(report, args.plot))
+        (plot_sweep(report["sweep"], args.plot, sweep_title(report)) if sizes else plot_report(report, args.plot))
     return 0
 
 

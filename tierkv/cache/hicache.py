@@ -116,7 +116,9 @@ class HiRadixCache:
         device_hit = sum(len(n) for n in device_nodes)
         host_hit = path.num_tokens - device_hit
         self.stats.device_hit_tokens += device_hit
-        self.stats.host_hit_tokens += host_hit
+        # Tokens a prefetch just brought into L2 were counted as L3 hits when it ended: not again as L2 hits.
+        fetched = self.storage.claim_fetched(path.nodes[len(device_nodes):]) if self.storage is not None else 0
+        self.stats.host_hit_tokens += host_hit - fetched
         return MatchResult(path_indices(device_nodes), last_device, path.last_node or self.tree.root,
                            host_hit)
 

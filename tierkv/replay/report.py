@@ -25,9 +25,12 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
+from rich import box
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn,
+                           TimeElapsedColumn, TimeRemainingColumn)
 from rich.table import Table
+from rich.text import Text
 
 from tierkv.replay.optimal import OptimalResult, belady_min
 from tierkv.replay.replay import ReplayConfig, ReplayResult, replay
@@ -134,8 +137,7 @@ def run_all(trace: Trace, config: ReplayConfig, baselines: bool = True, console:
     """
     start = time.perf_counter()
     requests = trace.requests
-    with Progress(TextColumn("{task.description:<10}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=console or Console(stderr=True), transient=True) as bar:
+    with progress_bars(console, 10) as bar:
         tiered_task = bar.add_task("tiered", total=len(requests))
         flat_task = bar.add_task("L1-only", total=len(requests)) if baselines else None
         if not parallel:
@@ -159,6 +161,66 @@ def run_all(trace: Trace, config: ReplayConfig, baselines: bool = True, console:
                 time.sleep(0.1)
             l1_only, optimal, ideal, l1_l2 = future.result()
     return RunOutcome(trace, tiered, l1_only, optimal, ideal, time.perf_counter() - start, l1_l2)
+
+
+class LineProgress:
+    """Progress for a console that is not a terminal (a CI log, a pipe): rich draws nothing there, so this
+    prints one plain line per task at most every ``interval_s`` seconds, with its rate and time left."""
+
+    def __init__(self, console: Console, interval_s: float = 10.0) -> None:
+        self.console, self.interval_s = console, interval_s
+        self._tasks: dict[int, dict] = {}
+
+    def __enter__(self) -> "LineProgress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for task in self._tasks.values():
+            if task["completed"] < task["total"] and exc[0] is None:
+                self._print(task)
+
+    def add_task(self, description: str, total: int) -> int:
+        task_id = len(self._tasks)
+        now = time.monotonic()
+        self._tasks[task_id] = {"description": description, "total": total, "completed": 0, "start": now,
+                                "printed": now}
+        return task_id
+
+    def advance(self, task_id: int, advance: int = 1) -> None:
+        self.update(task_id, completed=self._tasks[task_id]["completed"] + advance)
+
+    def update(self, task_id: int, completed: int) -> None:
+        task = self._tasks[task_id]
+        task["completed"] = completed
+        now = time.monotonic()
+        if now - task["printed"] >= self.interval_s or completed == task["total"]:
+            task["printed"] = now
+            self._print(task)
+
+    def _print(self, task: dict) -> None:
+        elapsed_s = max(time.monotonic() - task["start"], 1e-9)
+        rate = task["completed"] / elapsed_s
+        left = f", {(task['total'] - task['completed']) / rate:.0f} s left" if rate > 0 else ""
+        self.console.print(f"{task['description']}: {task['completed']:,}/{task['total']:,} requests "
+                           f"({rate:,.0f}/s, {elapsed_s:.0f} s{left})", highlight=False, soft_wrap=True)
+
+
+class RateColumn(ProgressColumn):
+    """Requests per second over the task so far."""
+
+    def render(self, task) -> Text:
+        speed = task.finished_speed or task.speed
+        return Text("" if speed is None else f"{speed:,.0f}/s", style="progress.data.speed")
+
+
+def progress_bars(console: Console | None, description_width: int):
+    """Rich bars with rate and time left on a terminal; plain periodic lines elsewhere."""
+    console = console or Console(stderr=True)
+    if not console.is_terminal:
+        return LineProgress(console)
+    return Progress(TextColumn(f"{{task.description:<{description_width}}}"), BarColumn(), MofNCompleteColumn(),
+                    RateColumn(), TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn(),
+                    console=console, transient=True)
 
 
 def _ttfts(model: TTFTModel, result: ReplayResult) -> list[float]:
@@ -224,40 +286,77 @@ def _ms(x: float) -> str:
     return f"{1000 * x:.1f}"
 
 
-def print_report(report: dict, console: Console | None = None) -> None:
-    """A table with one row per configuration: hits per tier, hit ratio, modelled TTFT."""
-    console = console or _stdout_console()
-    cfg = report["config"]
-    l3 = cfg["l3"]
-    title = (f"{report['requests']} requests, {report['prompt_tokens']:,} prompt tokens; "
-             f"L1 {cfg['l1_tokens']:,} + L2 {cfg['l2_tokens'] or 0:,} tokens, L3 {l3}; page {cfg['page_size']}, "
-             f"{cfg['eviction_policy']}, {cfg['write_policy']}; model {report['model']['name']}")
-    table = Table(title=title, title_justify="left")
-    for col in ("cache", "capacity (tokens)", "L1 hit", "L2 hit", "L3 hit", "hit ratio",
-                "TTFT mean ms", "p50 ms", "p99 ms"):
-        table.add_column(col, justify="left" if col == "cache" else "right")
-    base = report["baselines"]
+REPORT_COLUMNS = ("cache", "capacity (tokens)", "L1 hit", "L2 hit", "L3 hit", "hit ratio", "TTFT mean ms", "p50 ms",
+                  "p99 ms")
+# Below this many columns the report is printed one row per figure (one column per cache), so that no
+# number is ever cut short on an 80-column terminal.
+WIDE_REPORT_COLUMNS = 130
+
+
+def _report_rows(report: dict) -> list[list[str]]:
+    """One row per configuration, cells in REPORT_COLUMNS order."""
+    cfg, base = report["config"], report["baselines"]
     nc = base["no_cache"]["ttft_s"]
-    table.add_row("no cache", "0", "", "", "", _pct(0), _ms(nc["mean"]), _ms(nc["p50"]), _ms(nc["p99"]))
+    rows = [["no cache", "0", "", "", "", _pct(0), _ms(nc["mean"]), _ms(nc["p50"]), _ms(nc["p99"])]]
     if "l1_only" in base:
-        b = base["l1_only"]
-        t = b["ttft_s"]
-        table.add_row("L1-only radix", f"{b['capacity_tokens']:,}", f"{b['hit_tokens']:,}", "", "",
-                      _pct(b["hit_ratio"]), _ms(t["mean"]), _ms(t["p50"]), _ms(t["p99"]))
+        b, t = base["l1_only"], base["l1_only"]["ttft_s"]
+        rows.append(["L1-only radix", f"{b['capacity_tokens']:,}", f"{b['hit_tokens']:,}", "", "",
+                     _pct(b["hit_ratio"]), _ms(t["mean"]), _ms(t["p50"]), _ms(t["p99"])])
     h, t = report["hit_tokens"], report["ttft_s"]
-    cap = f"{cfg['l1_tokens'] + (cfg['l2_tokens'] or 0):,}" + (" + L3" if l3 != "none" else "")
-    table.add_row("tiered (tierkv)", cap, f"{h['l1']:,}", f"{h['l2']:,}", f"{h['l3']:,}",
-                  _pct(report["hit_ratio"]), _ms(t["mean"]), _ms(t["p50"]), _ms(t["p99"]), style="bold")
+    cap = f"{cfg['l1_tokens'] + (cfg['l2_tokens'] or 0):,}" + (" + L3" if cfg["l3"] != "none" else "")
+    rows.append(["tiered (tierkv)", cap, f"{h['l1']:,}", f"{h['l2']:,}", f"{h['l3']:,}", _pct(report["hit_ratio"]),
+                 _ms(t["mean"]), _ms(t["p50"]), _ms(t["p99"])])
     o = base["optimal"]
     ocap = "unbounded" if o["capacity_tokens"] is None else f"{o['capacity_tokens']:,}"
-    table.add_row("optimal (MIN)", ocap, f"{o['hit_tokens']:,}", "", "", _pct(o["hit_ratio"]),
-                  _ms(o["ttft_s"]["mean"]), _ms(o["ttft_s"]["p50"]), _ms(o["ttft_s"]["p99"]))
-    console.print(table)
+    rows.append(["optimal (MIN)", ocap, f"{o['hit_tokens']:,}", "", "", _pct(o["hit_ratio"]),
+                 _ms(o["ttft_s"]["mean"]), _ms(o["ttft_s"]["p50"]), _ms(o["ttft_s"]["p99"])])
+    return rows
+
+
+def _report_table(rows: list[list[str]], wide: bool) -> Table:
+    if wide:
+        table = Table()
+        for col in REPORT_COLUMNS:
+            table.add_column(col, justify="left" if col == "cache" else "right", no_wrap=True)
+        for row in rows:
+            table.add_row(*row, style="bold" if row[0].startswith("tiered") else None)
+        return table
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)  # no side borders: five columns fit in 80
+    table.add_column("", no_wrap=True)
+    for row in rows:
+        # Numbers never wrap (min_width holds the longest); a long header wraps at its spaces instead.
+        table.add_column(row[0], justify="right", min_width=max(len(cell) for cell in row[1:]),
+                         style="bold" if row[0].startswith("tiered") else None)
+    for i, name in enumerate(REPORT_COLUMNS[1:], start=1):
+        table.add_row(name, *(row[i] for row in rows))
+    return table
+
+
+def _print_unpadded(console: Console, renderable) -> None:
+    """Print ``renderable``; off a terminal (a file, a CI log) without the spaces rich pads lines with."""
+    if console.is_terminal:
+        console.print(renderable)
+        return
+    with console.capture() as captured:
+        console.print(renderable)
+    console.out("\n".join(line.rstrip() for line in captured.get().splitlines()), highlight=False)
+
+
+def print_report(report: dict, console: Console | None = None) -> None:
+    """A table with one row per configuration: hits per tier, hit ratio, modelled TTFT (one column per
+    configuration instead when the console is narrower than WIDE_REPORT_COLUMNS)."""
+    console = console or _stdout_console()
+    cfg = report["config"]
+    _print_unpadded(console, Text(f"{report['requests']:,} requests, {report['prompt_tokens']:,} prompt tokens; "
+                  f"L1 {cfg['l1_tokens']:,} + L2 {cfg['l2_tokens'] or 0:,} tokens, L3 {cfg['l3']}; "
+                  f"page {cfg['page_size']}, {cfg['eviction_policy']}, {cfg['write_policy']}; "
+                  f"model {report['model']['name']}"))
+    _print_unpadded(console, _report_table(_report_rows(report), wide=console.width >= WIDE_REPORT_COLUMNS))
     moved = report["bytes_moved"]
-    console.print(f"bytes moved: L1<->L2 {moved['l1_l2'] / 2**30:,.1f} GiB, L2<->L3 {moved['l2_l3'] / 2**30:,.1f} GiB "
+    _print_unpadded(console, Text(f"bytes moved: L1<->L2 {moved['l1_l2'] / 2**30:,.1f} GiB, L2<->L3 {moved['l2_l3'] / 2**30:,.1f} GiB "
                   f"(at {report['model']['kv_bytes_per_token']:,} B/token); ideal (infinite cache) hit ratio "
                   f"{_pct(report['ideal_hit_ratio'])}; requests too large for L1: {report['uncached_requests']}; "
-                  f"bad lines skipped: {report['bad_lines']}; wall {report['wall_s']:.1f} s")
+                  f"bad lines skipped: {report['bad_lines']}; wall {report['wall_s']:.1f} s"))
     if "sweep" in report:
         print_sweep(report["sweep"], console)
 
@@ -312,8 +411,7 @@ def run_sweep(trace: Trace, config: ReplayConfig, sizes: list[int], console: Con
     names = list(dict.fromkeys([config.eviction_policy] + list(policies or [])))
     points = []
     requests = trace.requests
-    with Progress(TextColumn("{task.description:<16}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=console or Console(stderr=True), transient=True) as bar:
+    with progress_bars(console, 16) as bar:
         for total in sizes:
             tiered_cfg = sweep_config(config, total, longest_prompt_tokens(requests))
             opt = belady_min(requests, tiered_cfg.total_tokens, config.page_size).hit_ratio
@@ -348,7 +446,7 @@ def print_sweep(points: list[dict], console: Console | None = None) -> None:
             cells += [f"{_pct(q['tiered_hit_ratio'])} ({q['fraction_of_min']:.2f})",
                       f"{_pct(q['l1_only_hit_ratio'])} ({q['l1_only_fraction_of_min']:.2f})"]
         table.add_row(*cells)
-    (console or _stdout_console()).print(table)
+    _print_unpadded(console or _stdout_console(), table)
 
 
 # ---- plots ------------------------------------------------------------------------------------------------
@@ -361,8 +459,17 @@ def _pyplot():
     return plt
 
 
-def plot_sweep(points: list[dict], path: str | Path) -> None:
-    """Hit ratio against capacity (log x): MIN, and tiered and L1-only for each policy swept."""
+def plot_sweep(points: list[dict], path: str | Path, title: str = "") -> None:
+    """Save :func:`sweep_figure` to ``path``."""
+    plt = _pyplot()
+    fig = sweep_figure(points, title)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def sweep_figure(points: list[dict], title: str = ""):
+    """Hit ratio against capacity (log x, a tick at each size swept, y from 0): MIN, and tiered and L1-only
+    for each policy swept; ``title`` (the trace and the configuration) heads the figure."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     xs = [p["capacity_tokens"] for p in points]
@@ -372,13 +479,33 @@ def plot_sweep(points: list[dict], path: str | Path) -> None:
             ax.plot(xs, [100 * p["policies"][name][key] for p in points], style, color=f"C{i}",
                     label=f"{name} {label}")
     ax.set_xscale("log")
+    ax.set_xticks(xs, [_size_label(x) for x in xs])
+    ax.minorticks_off()
+    ax.set_ylim(bottom=0)
     ax.set_xlabel("total cache capacity (tokens)")
     ax.set_ylabel("hit ratio (% of prompt tokens)")
-    ax.grid(True, which="both", alpha=0.3)
+    ax.grid(True, alpha=0.3)
     ax.legend()
+    if points:
+        split = f"L1:L2 {points[0]['l1_tokens']:,}:{points[0]['l2_tokens'] or 0:,} at the smallest size"
+        ax.set_title("\n".join(t for t in (title, f"{split}; engine {points[0].get('engine', 'replay')}") if t),
+                     fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
+
+
+def _size_label(num_tokens: int) -> str:
+    for unit, scale in (("G", 10**9), ("M", 10**6), ("k", 10**3)):
+        if num_tokens >= scale:
+            return f"{num_tokens / scale:g}{unit}"
+    return str(num_tokens)
+
+
+def sweep_title(report: dict) -> str:
+    """The sweep plot's title: requests and trace, page size, policies."""
+    cfg = report["config"]
+    return (f"{report['requests']:,} requests of {Path(report['trace']).name}; page {cfg['page_size']}, "
+            f"{cfg['write_policy']}, tiers {cfg.get('tier_mode', 'inclusive')}")
 
 
 _TIER_COLOURS = {"L1": "#1f77b4", "L2": "#ff7f0e", "L3": "#2ca02c", "MIN (no tiers)": "#9467bd"}

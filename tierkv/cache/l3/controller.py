@@ -28,7 +28,7 @@ import dataclasses
 import functools
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Protocol
@@ -56,6 +56,8 @@ log = logging.getLogger(__name__)
 # Seeds kept per tenant (extra key), least recently used dropped first: one entry per tenant ever
 # seen would grow without bound on a multi-tenant server; a dropped seed is recomputed alike.
 MAX_CACHED_SEEDS = 4096
+# Nodes whose fetched tokens await their first match (see claim_fetched); a bound for nodes never matched.
+MAX_FETCHED_UNMATCHED = 4096
 MIN_PREFETCH_WAIT_S = 0.002  # an admission wait for a prefetch (before L3 was ever timed): an exists' worth
 
 
@@ -151,6 +153,7 @@ class StorageController:
         self.page_size = cache.config.page_size
         self.stats = StorageStats()
         self.prefetches: dict[str, Prefetch] = {}  # by request id, in start order: running or revoked
+        self.fetched_unmatched: OrderedDict[int, int] = OrderedDict()  # node id -> tokens a prefetch added
         # let go while their worker may still touch their slots
         self.draining: list[Prefetch | DrainedBackups] = []
         self.backups: deque[Backup] = deque()
@@ -285,6 +288,13 @@ class StorageController:
         finally:  # even if the insert failed: the anchor must not stay protected, nor the rest be lost
             self._release_rest(prefetch, keep_tokens)
 
+    def claim_fetched(self, nodes: list[TreeNode]) -> int:
+        """How many tokens of ``nodes`` (a match's host part) a prefetch added since they were last matched;
+        forgets them, so each fetched token counts as one hit, in L3. Lock contract: takes no lock."""
+        if not self.fetched_unmatched:
+            return 0
+        return sum(self.fetched_unmatched.pop(node.id, 0) for node in nodes)
+
     def _free_unadopted(self, slots: torch.Tensor) -> None:
         """After a failed insert: free the pages of ``slots`` that no node took and that are not freed
         yet (a full scan of the tree, on this failure path only)."""
@@ -332,6 +342,10 @@ class StorageController:
             leaf = self.tree.add_leaf(parent, elems[path.num_tokens:], key.extra_key)
             leaf.host_value = slots[offset:]
             leaf.hash_values = prefetch.hashes[offset // ps: num_tokens // ps]
+            # counted as L3 hits now; the next match must not count them as L2 hits too (claim_fetched)
+            self.fetched_unmatched[leaf.id] = num_tokens - offset
+            while len(self.fetched_unmatched) > MAX_FETCHED_UNMATCHED:  # never matched: forget the oldest
+                self.fetched_unmatched.popitem(last=False)
             return num_tokens - offset
         return 0
 

@@ -49,8 +49,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from tierkv.config import CacheConfig  # noqa: E402
-from tierkv.hicache import HiRadixCache  # noqa: E402
+from tierkv.cache.config import CacheConfig  # noqa: E402
+from tierkv.cache.hicache import HiRadixCache  # noqa: E402
 from tierkv.pools import DeviceKVPool, HostKVPool, KVSpec  # noqa: E402
 from tierkv.radix import RadixKey  # noqa: E402
 from tierkv.replay.trace import load_trace  # noqa: E402

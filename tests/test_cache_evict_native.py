@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 
-from tierkv.config import CacheConfig
+from tierkv.cache.config import CacheConfig
 from tierkv.eviction import heap as heap_module
-from tierkv.hicache import HiRadixCache
+from tierkv.cache.hicache import HiRadixCache
 from tierkv.pools import DeviceKVPool, KVSpec
 from tierkv.radix import RadixKey
 

@@ -11,8 +11,8 @@ from array import array
 import pytest
 import torch
 
-from tierkv.config import CacheConfig
-from tierkv.hicache import HiRadixCache
+from tierkv.cache.config import CacheConfig
+from tierkv.cache.hicache import HiRadixCache
 from tierkv.pools import DeviceKVPool, KVSpec
 from tierkv.pools.allocator import slack_bytes
 from tierkv.radix import RadixKey, RadixTree

@@ -50,6 +50,7 @@ def check_l3(spec: str) -> None:
     as a run with no L3 hits."""
     store = open_store(spec, PROBE_NAMESPACE, PROBE_PAGE_NBYTES)
     try:
+        store.check_config()  # a setting the backend refuses (a Redis db index) has its own message
         page = torch.arange(PROBE_PAGE_NBYTES, dtype=torch.uint8)
         key = "0" * 32
         if store.batch_set([key], [page]) != [True]:

@@ -70,7 +70,8 @@ if [ "${TIERKV_SKIP_INSTALL:-0}" = 1 ]; then
 else
     python -c "import torch" 2>/dev/null || _tierkv_install_torch
     _tierkv_say "installing tierkv from this checkout (editable) with extras [$EXTRAS]: numpy, xxhash, rich, safetensors;"
-    _tierkv_say "  plot: matplotlib for the replay plot; test: pytest, hypothesis, openai, the serve and redis extras"
+    _tierkv_say "  plot: matplotlib for the replay plot; test: pytest, hypothesis, openai, triton (its kernels run on the CPU
+    under its interpreter), the serve and redis extras"
     pip install -e ".[$EXTRAS]" | { grep -v "^Requirement already satisfied" || true; }
 fi
 

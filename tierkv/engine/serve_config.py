@@ -5,7 +5,7 @@ A HiCache user's command line works as it is: each ``--hicache-*`` flag (and ``-
 engine or cache field as tierkv's own flag; a value SGLang accepts and tierkv does not implement is
 refused naming what is supported. Every flag given takes effect or is refused: a tier flag without its
 tier (``--l3`` with ``--mode l1+l2``, ``--hicache-ratio`` with ``--mode l1``) is an error, not ignored.
-The table of names is in docs/notes-serve-cli.md.
+The table of names is in docs/serve.md ("SGLang HiCache flags on `tierkv serve`").
 """
 
 from __future__ import annotations
@@ -208,7 +208,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                   hicache_ratio=ratio, hicache_size_gb=size_gb, l3=args.l3, storage_extra=extra,
                   max_running_requests=args.max_running, chunk_tokens=chunk_tokens, model_id=args.model_id,
                   prefill_tokens_per_s=args.prefill_tokens_per_s, eviction_policy=args.eviction_policy,
-                  tier_mode=args.tier_mode or "inclusive",
+                  tier_mode=args.tier_mode or CacheConfig.tier_mode,
                   write_policy=args.hicache_write_policy or "write_through",
                   host_layout=args.hicache_mem_layout or "layer_first", io_backend=args.hicache_io_backend or "kernel")
     try:

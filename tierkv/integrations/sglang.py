@@ -1,6 +1,6 @@
 """tierkv's L3 page stores (file, Redis, Redis Cluster, Mooncake) as an SGLang HiCache storage backend.
 
-SGLang 0.5.23 loads it as a ``dynamic`` backend (see docs/notes-sglang.md for a whole command line)::
+SGLang 0.5.23 loads it as a ``dynamic`` backend (see docs/sglang.md for a whole command line)::
 
     --enable-hierarchical-cache --hicache-storage-backend dynamic --hicache-storage-backend-extra-config
     '{"backend_name": "tierkv", "module_path": "tierkv.integrations.sglang", "class_name": "TierkvStorage",

@@ -69,9 +69,12 @@ if [ "${TIERKV_SKIP_INSTALL:-0}" = 1 ]; then
     _tierkv_say "TIERKV_SKIP_INSTALL=1: installing nothing"
 else
     python -c "import torch" 2>/dev/null || _tierkv_install_torch
-    _tierkv_say "installing tierkv from this checkout (editable) with extras [$EXTRAS]: numpy, xxhash, rich, safetensors;"
-    _tierkv_say "  plot: matplotlib for the replay plot; test: pytest, hypothesis, openai, triton (its kernels run on the CPU
-    under its interpreter), the serve and redis extras"
+    _tierkv_say "installing tierkv (the distribution tierkv-hicache) from this checkout, editable, with extras [$EXTRAS]:"
+    _tierkv_say "  numpy, xxhash, rich, safetensors; plot: matplotlib for the replay plot"
+    if [ "${TIERKV_SETUP_FOR:-test}" != demo ]; then
+        _tierkv_say "  test: pytest, hypothesis, openai, triton (its kernels run on the CPU under its interpreter),"
+        _tierkv_say "  and the serve, redis and hf extras"
+    fi
     pip install -e ".[$EXTRAS]" | { grep -v "^Requirement already satisfied" || true; }
 fi
 

@@ -8,10 +8,8 @@ Each process's own LRU index bounds only the pages it knows; the directory's sha
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 from pathlib import Path
 
-import pytest
 
 from tests.test_storage_backends import BLOB_NBYTES, PAGE_NBYTES, make_keys, make_pages
 from tierkv.storage.factory import open_store

@@ -29,7 +29,7 @@ fi
 
 SECONDS=0
 timeout 90 "$PY" -m pytest -q -p no:cacheprovider --junitxml="$WORK/exact.xml" \
-    tests/test_engine_exact.py tests/test_engine_attention.py "${TRITON_TESTS[@]}" > "$WORK/exact.log" 2>&1
+    tests/test_engine_exact.py tests/test_engine_attention.py tests/test_step_costs.py "${TRITON_TESTS[@]}" > "$WORK/exact.log" 2>&1
 tests_rc=$?
 echo "tests ($DEVICE): $(tail -1 "$WORK/exact.log")  [${SECONDS}s]"
 timeout 90 "$PY" bench/bench_gpu_copy.py "${SIZE_ARGS[@]}" --json "$WORK/copy.json" > "$WORK/copy.log" 2>&1

@@ -133,7 +133,8 @@ class Scheduler:
                 time.sleep(IDLE_WAIT_S)
             return []
         items, sampled = self._plan()
-        loads = TimedLoads(self.cache.start_loading()) if self.config.layerwise_load else None
+        on_cuda = self.cache.device_pool.device.type == "cuda"
+        loads = TimedLoads(self.cache.start_loading(), on_cuda) if self.config.layerwise_load else None
         started_s = time.perf_counter()
         storage = self.cache.storage
         with storage.pacer.busy() if storage is not None else nullcontext():  # backups wait for a gap

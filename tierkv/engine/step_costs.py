@@ -4,7 +4,7 @@ the forward pass waited for L2 -> L1 loads (the part of the loads the layer-wise
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -12,16 +12,41 @@ from tierkv.cache.l3.cost_model import CostModel
 
 
 class TimedLoads:
-    """Wraps a :class:`tierkv.cache.layer_load.LayerLoads`, summing the time spent waiting in ``wait_layer``."""
+    """Wraps a :class:`tierkv.cache.layer_load.LayerLoads`, summing the time the forward waited in ``wait_layer``.
 
-    def __init__(self, loads: Any) -> None:
+    On CPU a wait blocks the host, so the host clock measures it. On CUDA ``wait_layer`` only enqueues a
+    stream wait and returns at once: the host clock would read ~0 s and the cost model would see loads as
+    free. There a timing event is recorded on the compute stream before and after each wait; the time
+    between them is how long the stream stalled on the copy. ``waited_s`` reads them, so call it after the
+    forward's kernels are done (``report_step`` synchronizes first).
+    """
+
+    def __init__(self, loads: Any, on_cuda: bool = False,
+                 new_event: Callable[[], Any] | None = None) -> None:
         self.loads = loads
-        self.waited_s = 0.0
+        self.on_cuda = on_cuda
+        self._new_event = new_event or (lambda: torch.cuda.Event(enable_timing=True))
+        self._host_waited_s = 0.0
+        self._stream_waits: list[tuple[Any, Any]] = []
 
     def wait_layer(self, layer: int) -> None:
+        if self.on_cuda:
+            before = self._new_event()
+            before.record()
+            self.loads.wait_layer(layer)
+            after = self._new_event()
+            after.record()
+            self._stream_waits.append((before, after))
+            return
         started_s = time.perf_counter()
         self.loads.wait_layer(layer)
-        self.waited_s += time.perf_counter() - started_s
+        self._host_waited_s += time.perf_counter() - started_s
+
+    @property
+    def waited_s(self) -> float:
+        """Seconds the forward waited for loads (on CUDA: read once the recorded events completed)."""
+        stalled_ms = sum(before.elapsed_time(after) for before, after in self._stream_waits)
+        return self._host_waited_s + stalled_ms / 1000.0
 
 
 def step_work(items: list) -> tuple[int, float]:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import time
+from typing import ClassVar
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ class _SleepyLoads:
 class _FakeEvent:
     """Records when it was recorded relative to the wrapped wait; elapsed_time as a CUDA event gives it (ms)."""
 
-    log: list[str] = []
+    log: ClassVar[list[str]] = []
 
     def __init__(self, stamp_ms: float) -> None:
         self.stamp_ms = stamp_ms
@@ -32,7 +33,7 @@ class _FakeEvent:
     def record(self) -> None:
         _FakeEvent.log.append("record")
 
-    def elapsed_time(self, later: "_FakeEvent") -> float:
+    def elapsed_time(self, later: _FakeEvent) -> float:
         return later.stamp_ms - self.stamp_ms
 
 
@@ -67,8 +68,8 @@ def test_report_step_charges_the_event_measured_wait_to_loads_not_to_compute():
     timed.wait_layer(0)
 
     class _Item:
-        new_token_ids = list(range(100))
-        kv_slots = list(range(100))
+        def __init__(self) -> None:
+            self.new_token_ids = self.kv_slots = list(range(100))
 
     report_step(costs, [_Item()], torch.zeros(1), time.perf_counter() - 0.05, timed, loaded_tokens=1000)
     assert costs.load_s_per_token == pytest.approx(0.020 / 1000)

@@ -4,7 +4,8 @@ the forward pass waited for L2 -> L1 loads (the part of the loads the layer-wise
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

@@ -84,3 +84,21 @@ def test_last_host_node_is_the_deepest_match_whatever_tier_holds_it():
     m = cache.match_prefix(key)
     assert m.last_host_node.host_value is not None and m.host_hit_length == 3 * PS
     cache.close()
+
+
+@pytest.mark.parametrize("policy", ["lfu", "slru"])
+@pytest.mark.parametrize("write_policy, evicted", [("write_back", "a"), ("write_through", "b")])
+def test_lfu_and_slru_stay_lru_ordered_under_write_back(policy: str, write_policy: str, evicted: str):
+    """a is inserted three times, then b once: under write_back no use is counted (HiCache's hit_count),
+    so a, used longest ago, goes first; under write_through b, used once, goes first."""
+    cache = make_cache(page_size=PS, write_policy=write_policy, eviction_policy=policy)
+    keys = {name: RadixKey(random_tokens(2 * PS, seed=70 + i)) for i, name in enumerate("ab")}
+    for name in "aaab":
+        compute_and_insert(cache, keys[name], seed=71)
+    cache.flush()
+    cache.evict(2 * PS)
+    cache.flush()
+    gone = [name for name, key in keys.items() if len(cache.match_prefix(key).device_indices) == 0]
+    assert gone == [evicted]
+    cache.check_integrity()
+    cache.close()

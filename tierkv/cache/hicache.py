@@ -166,9 +166,11 @@ class HiRadixCache:
             return owned
         revived = {id(n) for n in result.revived}
         threshold = self.config.write_threshold
+        counts_uses = threshold is not None or self.priority.counts_uses_under_write_back
         for node in result.path:
             if id(node) not in revived:
-                self.priority.on_access(node)  # the policy counts uses itself (Policy.uses)
+                if counts_uses:  # the policy counts uses itself (Policy.uses); LFU's not under write_back
+                    self.priority.on_access(node)
                 if threshold is not None:  # the seed's hit_count counts for write-through only
                     node.hit_count += 1
         if result.new_node is not None:

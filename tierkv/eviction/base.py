@@ -44,6 +44,8 @@ class Policy:
     element_tokens = 1  # tokens per key element (the page simulator keys by page)
     # attributes holding per-node state keyed by node id (dicts or sets): a split copies it to the new node
     per_node_state: tuple[str, ...] = ("_uses",)
+    # False: a cache under write_back reports no use (:meth:`on_access`), as HiCache's hit_count there
+    counts_uses_under_write_back = True
 
     def __init__(self) -> None:
         self._uses: dict[int, int] = {}

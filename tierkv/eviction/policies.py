@@ -49,9 +49,11 @@ class FILO(Policy):
 
 
 class LFU(Policy):
-    """Fewest uses first; ties by recency."""
+    """Fewest uses first; ties by recency. Under write_back no use is counted: it is LRU there, as
+    HiCache's LFU (whose ``hit_count`` write_back never raises)."""
 
     name = "lfu"
+    counts_uses_under_write_back = False
 
     def key(self, node: PolicyNode) -> tuple:
         return (self.uses(node), node.last_access_time, node.id)
@@ -68,9 +70,11 @@ class CallerPriority(Policy):
 
 class SLRU(Policy):
     """Segmented LRU (the LRU-2 idea): nodes used once (probation) go before nodes used twice or more
-    (protected); LRU within each segment. A scan of one-shot prompts cannot flush reused prefixes."""
+    (protected); LRU within each segment. A scan of one-shot prompts cannot flush reused prefixes.
+    Under write_back it is LRU, as :class:`LFU`."""
 
     name = "slru"
+    counts_uses_under_write_back = False
 
     def key(self, node: PolicyNode) -> tuple:
         return (self.uses(node) >= 2, node.last_access_time, node.id)

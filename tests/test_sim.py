@@ -105,3 +105,36 @@ def test_split_victims_evicts_only_the_pages_it_needs():
     for split, kept in ((False, 0), (True, PAGE)):
         sim = _sim(l1_tokens=2 * PAGE, split_victims=split)
         assert _serve(sim, (1, 2), (3,), (1, 2)) == [0, 0, kept]
+
+
+def test_evict_whole_length_on_an_l2_write_drops_what_the_shortfall_keeps():
+    """L2 four blocks holding A and B, two free; writing C (3 blocks) through needs one more: tierkv
+    evicts A alone (the shortfall), HiCache's rule three blocks' worth (A and B), so B then misses."""
+    hits = []
+    for whole in (False, True):
+        sim = _sim(l1_tokens=3 * PAGE, l2_tokens=4 * PAGE, evict_whole_length=whole)
+        hits.append(_serve(sim, (1,), (2,), (3, 4, 5), (2,)))
+        assert sim.l2_used <= sim.l2_pages
+    assert hits == [[0, 0, 0, PAGE], [0, 0, 0, 0]]
+
+
+def test_refresh_split_tail_keeps_the_unmatched_tail_of_a_split_node():
+    """L1 three blocks. Matching the head of (1, 2) splits it: tierkv leaves the tail (2) its old time,
+    so it goes before (3); HiCache's rule refreshes the tail too, so (3) goes and (1, 2) hits whole."""
+    hits = []
+    for refresh in (False, True):
+        sim = _sim(l1_tokens=3 * PAGE, refresh_split_tail=refresh)
+        hits.append(_serve(sim, (1, 2), (3,), (1,), (4,), (1, 2)))
+    assert hits == [[0, 0, PAGE, 0, PAGE], [0, 0, PAGE, 0, 2 * PAGE]]
+
+
+@pytest.mark.parametrize("policy", ["lfu", "slru"])
+def test_lfu_under_write_back_is_lru_unless_it_counts_uses(policy):
+    """L1 two blocks, write_back: (1) is used twice, then (2), (3). Counting uses (tierkv before) keeps
+    (1) and evicts (2); HiCache's rule counts none there, so LRU order evicts (1)."""
+    hits = []
+    for counts in (False, True):
+        sim = PageSim(SimConfig(l1_tokens=2 * PAGE, page_size=1, eviction_policy=policy, write_threshold=None,
+                                write_back_counts_uses=counts))
+        hits.append(_serve(sim, (1,), (1,), (2,), (3,), (1,)))
+    assert hits == [[0, PAGE, 0, 0, 0], [0, PAGE, 0, 0, PAGE]]

@@ -60,6 +60,13 @@ class SimConfig:
     # them, the first chunk's taking one chunk of staging L2 keeps free (as CacheConfig.load_chunk_tokens
     # and staging_tokens); 0: one load, L2 evicting for the demotions
     load_chunk_tokens: int = 256
+    # HiCache's rules the cache does not follow, to measure them (docs/differences.md):
+    # a load back or an L2 write short of room evicts the whole length it needs, not the shortfall
+    evict_whole_length: bool = False
+    # a match or insert that splits a node refreshes its tail too, not only the matched head
+    refresh_split_tail: bool = False
+    # under write_back LFU and SLRU count uses (tierkv's rule before; HiCache's LFU stays LRU there)
+    write_back_counts_uses: bool = False
 
     def __post_init__(self) -> None:
         if self.tier_mode not in TIER_MODES:
@@ -89,7 +96,8 @@ class PageSim:
         self.tree = RadixTree(1)
         self.policy = get_policy(config.eviction_policy)
         self.policy.element_tokens = self.page
-        self.tree.split_hook = self.policy.on_split
+        self.tree.split_hook = self._on_split if config.refresh_split_tail else self.policy.on_split
+        self._splits: list[tuple[TreeNode, TreeNode]] = []  # (head, tail) of the walk running
         self.l1_pages = config.l1_tokens // self.page
         self.l2_pages = (config.l2_tokens or 0) // self.page
         self.l2_used = 0
@@ -108,7 +116,7 @@ class PageSim:
         """Replay one request; returns its hit tokens."""
         pages = req.prompt_tokens()[: req.input_length // self.page * self.page: self.page]
         key = RadixKey(pages)
-        path = self.tree.match(key).nodes
+        path = self._walk(self.tree.match, key).nodes
         device = 0
         while device < len(path) and path[device].device_value is not None:
             device += 1
@@ -133,12 +141,15 @@ class PageSim:
         return hit * self.page
 
     def _insert(self, key: RadixKey) -> None:
-        result = self.tree.insert(key, range(len(key)))
+        result = self._walk(lambda k: self.tree.insert(k, range(len(k))), key)
         revived = {id(n) for n in result.revived}  # recomputed, not hit: no use counted (as the cache)
+        write_through = self.config.write_threshold is not None
+        counts_uses = write_through or self.policy.counts_uses_under_write_back or self.config.write_back_counts_uses
         for node in result.path:
             if id(node) not in revived:
-                self.policy.on_access(node)
-                if self.config.write_threshold is not None:
+                if counts_uses:
+                    self.policy.on_access(node)
+                if write_through:
                     node.hit_count += 1
         if result.new_node is not None:
             self.policy.on_insert(result.new_node)
@@ -146,6 +157,25 @@ class PageSim:
             hot = [n for n in result.path if n.host_value is None and n.hit_count >= self.config.write_threshold]
             if hot and (not self.config.admission or self.policy.admit(hot[-1])):
                 self._copy_to_l2(hot[-1])
+
+    def _on_split(self, head: TreeNode, tail: TreeNode) -> None:
+        self.policy.on_split(head, tail)
+        self._splits.append((head, tail))
+
+    def _walk(self, walk, key: RadixKey):
+        """``walk(key)`` (a match or insert); under ``refresh_split_tail`` the tail of a node it split
+        takes the head's new access time, as HiCache's walk refreshes the node before splitting it."""
+        if not self.config.refresh_split_tail:
+            return walk(key)
+        self._splits = []
+        result = walk(key)
+        tails = [tail for _, tail in self._splits]
+        for head, tail in self._splits:
+            tail.last_access_time = head.last_access_time
+        self._splits = []
+        for tier in ("device", "host"):  # their eviction heaps rank the tails again
+            self.tree.mark_changed(tier, tails)
+        return result
 
     def _load_back(self, host_part: list[TreeNode]) -> list[TreeNode]:
         """Load ``host_part`` into L1 (in chunks when the cache would); returns the nodes loaded, a prefix
@@ -173,7 +203,7 @@ class PageSim:
         swap = self.config.tier_mode == "exclusive" and self.config.swap_loads
         if swap:  # the loaded pages' L2 slots take the pages L1 demotes to make room for them
             self.l2_used -= sum(len(n) for n in host_part if not n.host_ref)
-        ok = self._make_room_l1(num)
+        ok = self._make_room_l1(num, whole_length=self.config.evict_whole_length)
         if swap:
             self.l2_used += sum(len(n) for n in host_part if not n.host_ref)
         if not ok:
@@ -221,21 +251,24 @@ class PageSim:
             node.host_value = None  # its pages were freed as they were copied
         return node
 
-    def _make_room_l1(self, num_pages: int) -> bool:
+    def _make_room_l1(self, num_pages: int, whole_length: bool = False) -> bool:
+        """Evict from L1 until ``num_pages`` more fit: the shortfall (the cache's rule), or with
+        ``whole_length`` ``num_pages`` more than now (HiCache's load back: ``evict(len(host_indices))``)."""
         if self.l1_used + num_pages <= self.l1_pages:
             return True
+        target_used = (self.l1_used if whole_length else self.l1_pages) - num_pages
         demoted: list[TreeNode] = []  # protected in L2 until the room is made, as the cache's batch copy
         try:
             for victim in self.l1_heap.victims():
-                need = self.l1_used + num_pages - self.l1_pages
+                need = self.l1_used - target_used
                 if self.config.split_victims and len(victim) > need:
                     self.tree.split(victim, len(victim) - need)  # the head stays in L1, ranked as before
                 if self._evict_l1(victim):
                     self.tree.inc_host_ref(victim)
                     demoted.append(victim)
-                if self.l1_used + num_pages <= self.l1_pages:
-                    return True
-            return False
+                if self.l1_used <= target_used:
+                    break
+            return self.l1_used + num_pages <= self.l1_pages
         finally:
             for node in demoted:
                 self.tree.dec_host_ref(node)
@@ -264,7 +297,7 @@ class PageSim:
             n = n.parent
         num = sum(len(n) for n in path)
         self.tree.inc_host_ref(node)
-        self._evict_l2_for(num)
+        self._evict_l2_for(num, whole_length=self.config.evict_whole_length)
         self.tree.dec_host_ref(node)
         if self.l2_used + num > self.l2_pages + self.l2_staging:
             return False
@@ -274,19 +307,21 @@ class PageSim:
         self.result.written_tokens += num * self.page
         return True
 
-    def _evict_l2_for(self, num: int) -> None:
-        """Evict from L2 until ``num`` more pages fit (the staging pages of a chunk being loaded count)."""
+    def _evict_l2_for(self, num: int, whole_length: bool = False) -> None:
+        """Evict from L2 until ``num`` more pages fit (the staging pages of a chunk being loaded count):
+        the shortfall, or with ``whole_length`` ``num`` pages (HiCache's ``evict_host(len(node.value))``)."""
         limit = self.l2_pages + self.l2_staging
         if self.l2_used + num <= limit:
             return
+        target_used = (self.l2_used if whole_length else limit) - num
         for victim in self.l2_heap.victims():
             if victim.device_value is not None and not self.config.l2_evicts_l1_resident:
                 continue  # HiCache's rule: only host-only leaves leave L2 (re-marked when L1 drops it)
-            need = self.l2_used + num - limit
+            need = self.l2_used - target_used
             if self.config.split_victims and len(victim) > need:
                 self.tree.split(victim, len(victim) - need)
             self._evict_l2(victim)
-            if self.l2_used + num <= limit:
+            if self.l2_used <= target_used:
                 break
 
     def _drop_host(self, node: TreeNode) -> None:

@@ -376,8 +376,8 @@ def test_progress_counts_layout_and_zero_is_no_news():
 
 
 def test_prefetch_under_a_device_only_prefix():
-    """write_back keeps a recomputed prefix L1-only: the prefetch starts at the root and that node
-    adopts the fetched pages as its L2 backup."""
+    """write_back keeps a recomputed prefix L1-only: the prefetch starts at the root; that node keeps
+    no L2 copy from it (HiCache's rule), the rest is host-only below it."""
     cache = make_cache(page_size=PS, write_policy="write_back")
     attach_fake(cache)
     key = RadixKey(random_tokens(6 * PS, seed=15))
@@ -391,7 +391,7 @@ def test_prefetch_under_a_device_only_prefix():
     assert cache.prefetch_from_storage("r", m.last_host_node, key)
     cache.flush()
     assert cache.check_prefetch_progress("r")
-    assert all(n.host_value is not None for n in cache.tree.nodes())
+    assert [n.host_value is not None for n in cache.tree.match(key, touch=False).nodes] == [False, True]
     cache.check_integrity()
     assert torch.equal(load_hit(cache, key), kv)
     cache.close()

@@ -1,13 +1,15 @@
 """HiCache's rules where tierkv once deviated: hit counting (write_back, chunked inserts, revived
-nodes), the load-back quota's delta, and what ``last_host_node`` promises."""
+nodes), the load-back quota's delta, what ``last_host_node`` promises, what a finished prefetch refreshes
+and keeps, and LFU under write_back."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tierkv.radix import RadixKey
 
-from storage_util import compute_and_insert, make_cache, random_tokens
+from storage_util import attach_fake, compute_and_insert, load_hit, make_cache, random_tokens
 
 PS = 16
 
@@ -101,4 +103,77 @@ def test_lfu_and_slru_stay_lru_ordered_under_write_back(policy: str, write_polic
     gone = [name for name, key in keys.items() if len(cache.match_prefix(key).device_indices) == 0]
     assert gone == [evicted]
     cache.check_integrity()
+    cache.close()
+
+
+def _in_l3(key: RadixKey, seed: int) -> tuple[dict, object]:
+    """A store holding all of ``key``'s pages (written through by another cache), and their KV."""
+    writer = make_cache(page_size=PS, write_policy="write_through")
+    blobs: dict = {}
+    attach_fake(writer, blobs)
+    kv = compute_and_insert(writer, key, seed=seed)
+    writer.flush()
+    writer.close()
+    return blobs, kv
+
+
+def _prefetch(cache, key: RadixKey, m=None) -> None:
+    m = m or cache.match_prefix(key)
+    assert cache.prefetch_from_storage("r", m.last_host_node, key)
+    cache.flush()
+    assert cache.check_prefetch_progress("r")
+
+
+def test_a_finished_prefetch_refreshes_the_anchor_not_its_ancestors():
+    """A (2 pages) and B (2 pages under A) in L1 and L2, C only in L3: the prefetch anchors at B; its
+    insert walk refreshes B, as HiCache's insert_host touches the node it starts from, but not A."""
+    key = RadixKey(random_tokens(6 * PS, seed=72))
+    blobs, kv = _in_l3(key, seed=73)
+    cache = make_cache(page_size=PS, write_policy="write_through")
+    attach_fake(cache, blobs)
+    for num_pages in (2, 4):
+        compute_and_insert(cache, RadixKey(key.token_ids[: num_pages * PS]), seed=0, kv=kv[:, :, : num_pages * PS])
+    cache.flush()
+    m = cache.match_prefix(key)
+    a, b = cache.tree.match(key, touch=False).nodes
+    assert len(a) == len(b) == 2 * PS and b.host_value is not None and m.last_host_node is b
+    matched_at = b.last_access_time
+    assert a.last_access_time == matched_at
+    _prefetch(cache, key, m)
+    assert b.last_access_time > matched_at and a.last_access_time == matched_at
+    cache.check_integrity()
+    cache.close()
+
+
+def _prefetched_through_an_l1_prefix(seed: int, **config):
+    """A cache holding the first 2 of 6 pages in L1 only, after a prefetch of all 6 from L3 (the root
+    its anchor); (cache, key, KV of the key)."""
+    key = RadixKey(random_tokens(6 * PS, seed=seed))
+    blobs, kv = _in_l3(key, seed=seed + 1)
+    cache = make_cache(page_size=PS, **config)
+    attach_fake(cache, blobs)
+    compute_and_insert(cache, RadixKey(key.token_ids[: 2 * PS]), seed=0, kv=kv[:, :, : 2 * PS])
+    _prefetch(cache, key)
+    return cache, key, kv
+
+
+def test_fetched_pages_of_a_device_only_node_are_freed_as_hicache():
+    """write_back keeps a recomputed prefix L1-only: the prefetch starts at the root; the fetched pages
+    of that prefix are freed (the node keeps no L2 copy from it), the rest hangs below as host-only."""
+    cache, key, kv = _prefetched_through_an_l1_prefix(74, write_policy="write_back")
+    head, tail = cache.tree.match(key, touch=False).nodes
+    assert head.host_value is None and head.device_value is not None
+    assert tail.host_value is not None and len(tail) == 4 * PS
+    assert cache.host_pool.num_slots - cache.host_pool.num_free_slots == 4 * PS
+    cache.check_integrity()
+    assert torch.equal(load_hit(cache, key), kv)
+    cache.close()
+
+
+def test_exclusive_tiers_hold_no_fetched_page_twice():
+    """Exclusive tiers: an L1 node never has an L2 copy, so a prefetch through it must not give it one."""
+    cache, key, kv = _prefetched_through_an_l1_prefix(76, tier_mode="exclusive")
+    assert not [n for n in cache.tree.nodes() if n.device_value is not None and n.host_value is not None]
+    cache.check_integrity()
+    assert torch.equal(load_hit(cache, key), kv)
     cache.close()

@@ -333,6 +333,14 @@ class RadixTree:
         parent.children[child_key] = leaf
         return leaf
 
+    def touch(self, nodes: list[TreeNode]) -> None:
+        """Refresh ``nodes``' recency with one new tick, as a match would, without touching their
+        ancestors (an L3 prefetch's insert walk). Lock contract: takes no lock."""
+        tick = self._touch()
+        for node in nodes:
+            node.last_access_time = tick
+        self.root._frontiers.touched(nodes)  # re-ranked by eviction heaps
+
     def split(self, node: TreeNode, num_elements: int) -> TreeNode:
         """Split ``node`` so its first ``num_elements`` (whole pages) become a new parent; returns that parent.
 

@@ -316,8 +316,9 @@ class StorageController:
     def _insert(self, prefetch: Prefetch, num_tokens: int) -> int:
         """Hang the fetched pages under the anchor as host-only nodes; the tokens new to the tree.
 
-        Parts the tree already holds in L2 (another request got there first) free our copy; nodes on
-        the way that hold only device slots adopt ours as their backup (not new: the tree had them).
+        As HiCache: pages of nodes the tree already has below the anchor are freed, whichever tier holds
+        them (a node only in L1 keeps no L2 copy from a prefetch: exclusive tiers never hold a page
+        twice); the walk refreshes the anchor and the nodes below it, not the anchor's ancestors.
         """
         end = prefetch.anchor_len + num_tokens
         key = prefetch.key
@@ -325,18 +326,16 @@ class StorageController:
         path = self.tree.match(cut, touch=False)
         slots = prefetch.host_slots[:num_tokens]
         ps, start, parent = self.page_size, 0, self.tree.root
+        walked = [] if prefetch.anchor is self.tree.root else [prefetch.anchor]
         for node in path.nodes:
-            offset, start = start - prefetch.anchor_len, start + len(node)
+            if start >= prefetch.anchor_len:
+                walked.append(node)
+            start += len(node)
             parent = node
-            if offset < 0:
-                continue
-            mine = slots[offset: offset + len(node)]
-            if node.host_value is None:
-                node.host_value = mine
-                node.hash_values = node.hash_values or prefetch.hashes[offset // ps: (offset + len(node)) // ps]
-            else:
-                self.host_pool.free(mine)
+        self.tree.touch(walked)
         offset = path.num_tokens - prefetch.anchor_len
+        if offset > 0:
+            self.host_pool.free(slots[:offset])
         if offset < num_tokens:
             elems = self.tree.elements(cut)
             leaf = self.tree.add_leaf(parent, elems[path.num_tokens:], key.extra_key)

@@ -376,8 +376,8 @@ def test_progress_counts_layout_and_zero_is_no_news():
 
 
 def test_prefetch_under_a_device_only_prefix():
-    """write_back keeps a recomputed prefix L1-only: the prefetch starts at the root; that node keeps
-    no L2 copy from it (HiCache's rule), the rest is host-only below it."""
+    """write_back keeps a recomputed prefix L1-only: the prefetch reads past it; that node keeps no L2
+    copy, the rest is host-only below it."""
     cache = make_cache(page_size=PS, write_policy="write_back")
     attach_fake(cache)
     key = RadixKey(random_tokens(6 * PS, seed=15))
@@ -394,6 +394,31 @@ def test_prefetch_under_a_device_only_prefix():
     assert [n.host_value is not None for n in cache.tree.match(key, touch=False).nodes] == [False, True]
     cache.check_integrity()
     assert torch.equal(load_hit(cache, key), kv)
+    cache.close()
+
+
+def test_write_back_prefetch_reads_past_an_l1_only_prefix():
+    """write_back: prefix A stays in L1 only, so neither L2 nor L3 ever gets its pages; its child B was
+    written back and backed up. The prefetch must look L3 up past the match (A), not from the deepest
+    L2 node (the root), whose first page L3 never held (0 % L3 hits under write_back)."""
+    cache = make_cache(page_size=PS, write_policy="write_back")
+    store = attach_fake(cache)
+    key = RadixKey(random_tokens(6 * PS, seed=19))
+    kv = compute_and_insert(cache, RadixKey(key.token_ids[: 2 * PS]), seed=0)
+    kv = torch.cat([kv, compute_and_insert(cache, key, seed=20)[:, :, 2 * PS:]], dim=2)
+    cache.match_prefix(RadixKey(key.token_ids[: 2 * PS]))  # A used last: B is L1's victim
+    assert cache.evict(4 * PS) == 4 * PS
+    cache.flush()
+    cache.evict_host(cache.host_pool.num_slots)
+    assert len(store.blobs) == 4  # B's pages, named by the whole prefix
+    m = cache.match_prefix(key)
+    assert len(m.device_indices) == 2 * PS and m.last_host_node.host_value is None
+    assert cache.prefetch_from_storage("r", m.last_host_node, key)
+    cache.flush()
+    assert cache.check_prefetch_progress("r")
+    assert cache.storage.stats.prefetched_tokens == 4 * PS
+    assert torch.equal(load_hit(cache, key), kv)
+    cache.check_integrity()
     cache.close()
 
 

@@ -146,20 +146,23 @@ def test_a_finished_prefetch_refreshes_the_anchor_not_its_ancestors():
 
 
 def _prefetched_through_an_l1_prefix(seed: int, **config):
-    """A cache holding the first 2 of 6 pages in L1 only, after a prefetch of all 6 from L3 (the root
-    its anchor); (cache, key, KV of the key)."""
+    """A prefetch of 6 pages from L3 into an empty cache (the root its anchor), during which another
+    request computes the first 2 into L1 only; (cache, key, KV of the key) once it has ended."""
     key = RadixKey(random_tokens(6 * PS, seed=seed))
     blobs, kv = _in_l3(key, seed=seed + 1)
     cache = make_cache(page_size=PS, **config)
     attach_fake(cache, blobs)
+    m = cache.match_prefix(key)
+    assert cache.prefetch_from_storage("r", m.last_host_node, key)
     compute_and_insert(cache, RadixKey(key.token_ids[: 2 * PS]), seed=0, kv=kv[:, :, : 2 * PS])
-    _prefetch(cache, key)
+    cache.flush()
+    assert cache.check_prefetch_progress("r")
     return cache, key, kv
 
 
 def test_fetched_pages_of_a_device_only_node_are_freed_as_hicache():
-    """write_back keeps a recomputed prefix L1-only: the prefetch starts at the root; the fetched pages
-    of that prefix are freed (the node keeps no L2 copy from it), the rest hangs below as host-only."""
+    """write_back keeps the recomputed prefix L1-only: the fetched pages of that prefix are freed (the
+    node keeps no L2 copy from the prefetch), the rest hangs below it as host-only."""
     cache, key, kv = _prefetched_through_an_l1_prefix(74, write_policy="write_back")
     head, tail = cache.tree.match(key, touch=False).nodes
     assert head.host_value is None and head.device_value is not None

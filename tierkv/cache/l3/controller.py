@@ -188,7 +188,7 @@ class StorageController:
     def prefetch(self, request_id: str, last_host_node: TreeNode, key: RadixKey) -> bool:
         """Start prefetching ``key`` beyond ``last_host_node``; see HiRadixCache.prefetch_from_storage.
 
-        Lock contract: one host_ref on the deepest L2-backed node of the path, held until the prefetch ends.
+        Lock contract: one host_ref on ``last_host_node`` (its path), held until the prefetch ends.
         """
         earlier = self.prefetches.get(request_id)
         if earlier is not None and earlier.state == "revoked":  # never checked: nothing left to hand over
@@ -197,14 +197,15 @@ class StorageController:
             raise ValueError(f"request {request_id!r} already has a prefetch")
         elems = self.tree.elements(key)
         path = self.tree.path_to_root(last_host_node)
-        beyond = len(elems) - sum(len(n) for n in path)
-        if beyond <= 0 or beyond < self.config.prefetch_threshold:
-            return False
-        # New host-only nodes need a parent in L2: fetch from the deepest node backed up there.
-        anchor_index = max((i + 1 for i, n in enumerate(path) if n.host_value is not None), default=0)
-        anchor = path[anchor_index - 1] if anchor_index else self.tree.root
-        anchor_len = sum(len(n) for n in path[:anchor_index])
+        anchor_len = sum(len(n) for n in path)
         num_tokens = len(elems) - anchor_len
+        if num_tokens <= 0 or num_tokens < self.config.prefetch_threshold:
+            return False
+        # Fetch past the whole match, whichever tier holds its end (HiCache: from the deepest L2 node).
+        # Pages of L1-only nodes are freed on arrival anyway, and under write_back (or selective
+        # write-through) they never reached L3: a lookup from the L2 node missed its first page and
+        # found nothing. A host-only leaf under an L1-only parent is a valid tree (check_integrity).
+        anchor = last_host_node
         if self.tokens_in_flight >= self.max_tokens_in_flight:  # HiCache: full already, whatever this one's size
             self.stats.prefetch_rate_limited += 1
             return False
@@ -212,7 +213,7 @@ class StorageController:
             self.stats.prefetch_not_worth += 1
             return False
         # hashed before anything is taken: a key that cannot be hashed leaves no slot or ref behind
-        anchor_hashes = self.path_hashes(anchor) if anchor_index else []
+        anchor_hashes = self.path_hashes(anchor) if path else []
         prior = anchor_hashes[-1] if anchor_hashes else self._seed(key.extra_key)
         hashes = page_hashes(elems[anchor_len:], self.page_size, prior, self.namespace)
         # host slots come later (_grant), for the pages L3 holds: L2 eviction must not take the anchor meanwhile

@@ -23,7 +23,7 @@ count); ratios are baseline time over tierkv time per repeat (above 1: tierkv is
 min/median over the interleaved repeats.
 
     python bench/bench_copy.py [--repeats 5] [--tokens 64,256,1024,8192] [--page-sizes 1,16]
-                               [--cases mha:layer_first,mha:page_first,mla:page_first]
+                               [--cases mha:layer_first,mha:page_first,mla:page_first] [--pool-tokens N]
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from tierkv.pools import DeviceKVPool, HostKVPool, KVSpec  # noqa: E402
-from tierkv.pools.kv import paired_page_rows  # noqa: E402
-from tierkv.copy.transfer import TransferController  # noqa: E402
+from tierkv.copy.transfer import TransferController
+from tierkv.pools import DeviceKVPool, HostKVPool, KVSpec
+from tierkv.pools.kv import paired_page_rows
 
 
 def best_s(fn, min_time_s: float = 0.02, min_calls: int = 3) -> float:
@@ -128,10 +128,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--pattern", default="fragmented", choices=["fragmented", "shuffled", "both-fragmented"])
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser.add_argument("--pool-tokens", type=int, default=0,
+                        help="L1 tokens (L2 twice that); 0: twice the largest batch. A pool far larger than the "
+                             "caches, as an engine's, makes each scattered page a cache miss")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     sizes = [int(s) for s in args.tokens.split(",")]
-    pool_tokens = 2 * max(sizes)
+    pool_tokens = args.pool_tokens or 2 * max(sizes)
     print(f"{args.layers} layers bf16, pattern {args.pattern}, {torch.get_num_threads()} torch threads, "
           f"L1 {pool_tokens} tokens, L2 twice that, {args.repeats} interleaved repeats; "
           f"ratios = baseline time / tierkv time, min/median")

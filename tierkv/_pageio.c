@@ -539,8 +539,9 @@ static PyMethodDef methods[] = {
      "status 0 ok (value: checksum), 1 absent, 2 wrong size (value: size), 3 header mismatch (value: checksum), "
      "4 short read (value: bytes), 5 directory unusable, -errno"},
     {"copy_blobs_xxh3", copy_blobs_xxh3, METH_VARARGS,
-     "copy_blobs_xxh3(src_addresses, payloads, headers, expected, payload_nbytes, checksum_offset) -> "
-     "[(status, checksum)]: copy each blob (payload then 48-byte header) at src_addresses[i] (an int64 array) "
+     "copy_blobs_xxh3(sources, payloads, headers, expected, payload_nbytes, checksum_offset) -> "
+     "[(status, checksum)]: copy each blob (payload then 48-byte header), sources[i] (a list of buffers, or an "
+     "int64 array of addresses) "
      "into payloads[i] and headers[i*48:], hashing each payload chunk as it lands, and compare the header with "
      "template expected[i*48:] holding that checksum; status 0 ok, 3 mismatch"},
     {"write_pages", write_pages, METH_VARARGS,

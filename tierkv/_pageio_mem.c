@@ -1,11 +1,11 @@
 /* Blobs read straight out of memory the process already maps (a Mooncake replica in this client's own
- * mounted segment): each payload copied into its page and hashed in the same pass, chunk by chunk, each
+ * mounted segment, a Redis reply): each payload copied into its page and hashed in the same pass, chunk by chunk, each
  * chunk hashed right after it lands while it is in the core's L1 cache. The transfer engine's own copy
  * cannot carry the hash, so a get through it costs its copy plus a second pass over memory for the
  * checksum; this costs one copy.
  *
- * The source addresses are trusted (the store's replica descriptors give them); the destinations are
- * checked buffers. A header is compared whole with its template holding the checksum, as read_pages
+ * Source addresses, when given as such, are trusted (the store's replica descriptors give them); buffers
+ * and destinations are checked. A header is compared whole with its template holding the checksum, as read_pages
  * does; explaining a mismatch is the caller's.
  */
 #include "_pageio.h"
@@ -59,22 +59,45 @@ static uint64_t copy_hashed(char *dst, const char *src, Py_ssize_t nbytes, void 
     return xxh3.digest(state);
 }
 
-static int get_addresses(PyObject *obj, Py_buffer *view, Py_ssize_t count) {
-    if (PyObject_GetBuffer(obj, view, PyBUF_RECORDS_RO) < 0) return -1;
-    if (view->itemsize != 8 || view->format == NULL || strchr("ql", view->format[0]) == NULL
-        || view->format[1] != '\0' || !PyBuffer_IsContiguous(view, 'C') || view->len != count * 8) {
-        PyErr_Format(PyExc_ValueError, "src_addresses must be a contiguous int64 array of %zd addresses", count);
-        PyBuffer_Release(view);
-        return -1;
+/* The blobs' first bytes: an int64 array of addresses (memory the caller vouches for), or a list of
+ * buffers of one blob each (then ``held`` keeps them acquired until the copy is done). */
+static const char **get_sources(PyObject *obj, Py_ssize_t count, Py_ssize_t blob_nbytes, Buffers *held) {
+    const char **sources = PyMem_Calloc(count ? count : 1, sizeof(char *));
+    if (sources == NULL) {
+        PyErr_NoMemory();
+        return NULL;
     }
-    return 0;
+    if (PyList_Check(obj)) {
+        if (get_buffers(obj, PyBUF_SIMPLE, count, "sources", held) < 0) goto fail;
+        for (Py_ssize_t i = 0; i < count; i++) {
+            if (held->views[i].len != blob_nbytes) {
+                PyErr_Format(PyExc_ValueError, "source %zd has %zd bytes, expected %zd", i, held->views[i].len,
+                             blob_nbytes);
+                goto fail;
+            }
+            sources[i] = held->views[i].buf;
+        }
+        return sources;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(obj, &view, PyBUF_RECORDS_RO) < 0) goto fail;
+    int ok = view.itemsize == 8 && view.format != NULL && strchr("ql", view.format[0]) != NULL
+             && view.format[1] == '\0' && PyBuffer_IsContiguous(&view, 'C') && view.len == count * 8;
+    for (Py_ssize_t i = 0; ok && i < count; i++) sources[i] = (const char *)(intptr_t)((const int64_t *)view.buf)[i];
+    PyBuffer_Release(&view);
+    if (ok) return sources;
+    PyErr_Format(PyExc_ValueError, "sources must be a list of %zd buffers or an int64 array of %zd addresses", count,
+                 count);
+fail:
+    PyMem_Free(sources);
+    return NULL;
 }
 
 PyObject *copy_blobs_xxh3(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *addresses_obj, *payloads_obj, *headers_obj, *expected_obj;
+    PyObject *sources_obj, *payloads_obj, *headers_obj, *expected_obj;
     Py_ssize_t payload_nbytes, checksum_offset;
-    if (!PyArg_ParseTuple(args, "OOOOnn:copy_blobs_xxh3", &addresses_obj, &payloads_obj, &headers_obj,
+    if (!PyArg_ParseTuple(args, "OOOOnn:copy_blobs_xxh3", &sources_obj, &payloads_obj, &headers_obj,
                           &expected_obj, &payload_nbytes, &checksum_offset) || require_xxh3() < 0) return NULL;
     if (payload_nbytes < 0 || checksum_offset < 0 || checksum_offset > HEADER_NBYTES - 8) {
         return PyErr_Format(PyExc_ValueError, "payload_nbytes %zd or checksum_offset %zd out of range", payload_nbytes,
@@ -83,11 +106,13 @@ PyObject *copy_blobs_xxh3(PyObject *self, PyObject *args) {
     Buffers payloads;
     if (get_buffers(payloads_obj, PyBUF_WRITABLE, -1, "payloads", &payloads) < 0) return NULL;
     Py_ssize_t n = payloads.count;
-    Py_buffer addresses = {0}, headers = {0}, expected = {0};
+    Buffers held = {NULL, 0};
+    Py_buffer headers = {0}, expected = {0};
     PyObject *out = NULL;
     PageResult *results = NULL;
     void *state = NULL;
-    if (get_addresses(addresses_obj, &addresses, n) < 0) goto done;
+    const char **src = get_sources(sources_obj, n, payload_nbytes + HEADER_NBYTES, &held);
+    if (src == NULL) goto done;
     if (PyObject_GetBuffer(headers_obj, &headers, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto done;
     if (PyObject_GetBuffer(expected_obj, &expected, PyBUF_C_CONTIGUOUS) < 0) goto done;
     if (headers.len != n * HEADER_NBYTES || expected.len != n * HEADER_NBYTES) {
@@ -106,10 +131,9 @@ PyObject *copy_blobs_xxh3(PyObject *self, PyObject *args) {
         PyErr_NoMemory();
         goto done;
     }
-    const int64_t *src = addresses.buf;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++) {
-        const char *blob = (const char *)(intptr_t)src[i];
+        const char *blob = src[i];
         unsigned char *header = (unsigned char *)headers.buf + i * HEADER_NBYTES;
         unsigned char want[HEADER_NBYTES];
         uint64_t digest = copy_hashed(payloads.views[i].buf, blob, payload_nbytes, state);
@@ -124,7 +148,8 @@ PyObject *copy_blobs_xxh3(PyObject *self, PyObject *args) {
 done:
     if (state != NULL) xxh3.free_state(state);
     PyMem_Free(results);
-    if (addresses.obj) PyBuffer_Release(&addresses);
+    PyMem_Free(src);
+    release_buffers(&held);
     if (headers.obj) PyBuffer_Release(&headers);
     if (expected.obj) PyBuffer_Release(&expected);
     release_buffers(&payloads);

@@ -36,11 +36,15 @@ import torch
 
 from tierkv.storage import native
 from tierkv.storage.base import Backoff, PageStore, check_key
-from tierkv.storage.overlap import PageCheck, checked_group, run_ranges, verify_group
+from tierkv.storage.overlap import (
+    PageCheck,
+    checked_group,
+    copied_group,
+    run_ranges,
+    verify_group,
+)
 from tierkv.storage.page_format import (
-    CHECKSUM_OFFSET,
     HEADER_SIZE,
-    Digest,
     PageFormatError,
 )
 
@@ -55,7 +59,6 @@ RANGE_NBYTES = 16 << 20
 IO_THREADS = 2
 _MAX_CALL_PAGES = 1024
 _TRANSPORT_ERROR = -1
-_UINT64_MASK = (1 << 64) - 1  # the native results carry digests as signed 64-bit values
 _CONNECT_TIMEOUT_S = 2.0
 
 
@@ -263,21 +266,11 @@ class MooncakeStore(PageStore):
         local = np.flatnonzero(addresses).tolist()
         if not local:
             return list(range(len(names)))
-        local_keys = [keys[i] for i in local]
-        headers = np.empty((len(local), HEADER_SIZE), dtype=np.uint8)
-        results = self._native.copy_blobs_xxh3(addresses[local], [views[i] for i in local], headers,
-                                               self.format.header_templates(local_keys), self.page_nbytes,
-                                               CHECKSUM_OFFSET)
-        for j, (i, (status, digest)) in enumerate(zip(local, results)):
-            if status == 0:
-                found[i] = True
-                continue
-            try:
-                self.format.verify(keys[i], headers[j].tobytes(), views[i], Digest(digest & _UINT64_MASK))
-                error = PageFormatError(f"page {keys[i]}: header differs from its expected bytes")
-            except PageFormatError as err:
-                error = err
-            failures.append((i, error))
+        for j, error in copied_group(self._native, self.format, addresses[local], [keys[i] for i in local],
+                                     [views[i] for i in local]):
+            failures.append((local[j], error))
+        for i in local:
+            found[i] = True  # those failing are turned to misses with the batch's failures
         return np.flatnonzero(addresses == 0).tolist()
 
     def _get_remote(self, client, thread: int, names: list[str], keys: list[str], targets: list[torch.Tensor],

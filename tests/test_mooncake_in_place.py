@@ -42,6 +42,25 @@ def test_copy_blobs_xxh3_copies_hashes_and_checks_each_header(payload_nbytes):
     assert np.array_equal(got, np.stack([b[payload_nbytes:] for b in blobs]))
 
 
+@pytest.mark.parametrize("shift", [1, 8, 15])
+def test_copy_blobs_xxh3_lands_exact_bytes_at_any_alignment(shift):
+    """Streaming stores need 16-byte aligned destinations: the unaligned head and tail of a page (and of
+    each chunk) go by plain copies, so every byte lands, none around the page is touched."""
+    fmt, keys, payload_nbytes = PageFormat("ns", (16 << 10) + 100), make_keys(2), (16 << 10) + 100
+    rng = np.random.default_rng(shift)
+    payloads = [rng.integers(0, 256, payload_nbytes, dtype=np.uint8) for _ in keys]
+    digests = [xxhash.xxh3_64_intdigest(p.tobytes()) for p in payloads]
+    sources = [np.concatenate([p, h]).tobytes() for p, h in zip(payloads, fmt.filled_headers(keys, digests))]
+    arena = np.full(2 * payload_nbytes + 64, 7, dtype=np.uint8)
+    pages = [arena[shift:shift + payload_nbytes], arena[shift + payload_nbytes + 3:shift + 2 * payload_nbytes + 3]]
+    results = native.pageio.copy_blobs_xxh3(sources, pages, np.zeros((2, HEADER_SIZE), dtype=np.uint8),
+                                            fmt.header_templates(keys), payload_nbytes, CHECKSUM_OFFSET)
+    assert [status for status, _ in results] == [0, 0]
+    assert all(np.array_equal(p, q) for p, q in zip(pages, payloads))
+    assert (arena[:shift] == 7).all() and (arena[shift + payload_nbytes:shift + payload_nbytes + 3] == 7).all()
+    assert (arena[shift + 2 * payload_nbytes + 3:] == 7).all()
+
+
 def test_copy_blobs_xxh3_refuses_wrong_sizes():
     fmt, keys = PageFormat("ns", 100), make_keys(2)
     blob = np.zeros(148, dtype=np.uint8)

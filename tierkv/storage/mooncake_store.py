@@ -13,7 +13,7 @@ make (the transfer engine's copy cannot carry it), hidden only by a spare core. 
 put-if-absent: a page's key names its whole prefix, so its bytes never change, and a repeated put keeps
 the first copy. A page that fails verification is removed so a later backup can write it again.
 
-A get first asks the master where each page's replica lies (the query a get makes anyway, leasing it):
+A get first asks the master where each page's replica lies (the query a get makes anyway):
 a replica in this client's own mounted segment is memory this process maps, so the native module copies
 it into the page and hashes each chunk as it lands (:func:`tierkv.storage.native` ``copy_blobs_xxh3``),
 one pass where the transfer engine's copy and the checksum make two; the other pages go through the
@@ -241,7 +241,8 @@ class MooncakeStore(PageStore):
 
     def _local_blobs(self, client, names: list[str]) -> np.ndarray:
         """Each object's blob address where a whole replica of it lies in this client's own mounted segment
-        (memory this process maps: read in place), else 0. The query leases the objects as a get does."""
+        (memory this process maps: read in place), else 0. A replica removed and its memory reused before
+        the copy fails its checksum (the copy hashes what it stores): a miss, never a wrong hit."""
         addresses = np.zeros(len(names), dtype=np.int64)
         try:
             replicas = client.batch_get_replica_desc(names)

@@ -83,6 +83,18 @@ def gather_rows(device: DeviceKVPool, device_pages: torch.Tensor, host: HostKVPo
     return table, rows.permute(host.row_dim_order).reshape(-1).contiguous()
 
 
+_FLAT: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def flat_buffers(nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The contiguous baseline's source and destination, made once per size for the whole run: buffers made
+    anew per case land wherever the allocator has room after the pools (one run measured the page-16
+    case's copy_ at 8 GB/s against 12 in the page-1 case), and a baseline must not move between cases."""
+    if nbytes not in _FLAT:
+        _FLAT[nbytes] = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
+    return _FLAT[nbytes]
+
+
 def measure_case(transfer: TransferController, num_tokens: int, pattern: str, repeats: int) -> dict:
     """Seconds per call of tierkv and both baselines, per direction and repeat."""
     device, host = transfer.device_pool, transfer.host_pool
@@ -92,7 +104,7 @@ def measure_case(transfer: TransferController, num_tokens: int, pattern: str, re
     nbytes = num_tokens * device.spec.bytes_per_token
     table, index = gather_rows(device, device_pages, host, host_pages)
     gathered = torch.zeros((len(index), table.shape[1]), dtype=torch.uint8)
-    flat_src, flat_dst = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
+    flat_src, flat_dst = flat_buffers(nbytes)
 
     def write() -> None:
         if transfer.write_now(device_slots, host_slots) is not None:
@@ -134,6 +146,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     sizes = [int(s) for s in args.tokens.split(",")]
+    for attention in {case.split(":")[0] for case in args.cases.split(",")}:  # before any pool
+        for num_tokens in sizes:
+            flat_buffers(num_tokens * make_spec(attention, args.layers).bytes_per_token)
     pool_tokens = args.pool_tokens or 2 * max(sizes)
     print(f"{args.layers} layers bf16, pattern {args.pattern}, {torch.get_num_threads()} torch threads, "
           f"L1 {pool_tokens} tokens, L2 twice that, {args.repeats} interleaved repeats; "

@@ -8,6 +8,13 @@
 
 #define HEADER_NBYTES 48
 
+/* Shared between this module's objects only: kept out of the .so's exported symbols. */
+#if defined(__GNUC__) || defined(__clang__)
+#define PAGEIO_INTERNAL __attribute__((visibility("hidden")))
+#else
+#define PAGEIO_INTERNAL
+#endif
+
 /* Read results (the first item of each (status, value) pair). */
 enum { READ_OK = 0, READ_ABSENT = 1, READ_BAD_SIZE = 2, READ_MISMATCH = 3, READ_SHORT = 4, READ_NO_DIR = 5 };
 
@@ -28,8 +35,8 @@ typedef struct {
     free_fn free_state;
 } Xxh3Functions;
 
-extern Xxh3Functions xxh3;
-int require_xxh3(void);
+PAGEIO_INTERNAL extern Xxh3Functions xxh3;
+PAGEIO_INTERNAL int require_xxh3(void);
 
 /* Buffers of a sequence, all acquired or none (then an exception is set). */
 typedef struct {
@@ -37,17 +44,17 @@ typedef struct {
     Py_ssize_t count;
 } Buffers;
 
-int get_buffers(PyObject *seq, int flags, Py_ssize_t expect_len, const char *name, Buffers *b);
-void release_buffers(Buffers *b);
+PAGEIO_INTERNAL int get_buffers(PyObject *seq, int flags, Py_ssize_t expect_len, const char *name, Buffers *b);
+PAGEIO_INTERNAL void release_buffers(Buffers *b);
 
 typedef struct {
     int status;
     int64_t value;
 } PageResult;
 
-PyObject *results_list(const PageResult *results, Py_ssize_t n);
-void put_le64(unsigned char *p, uint64_t v);
+PAGEIO_INTERNAL PyObject *results_list(const PageResult *results, Py_ssize_t n);
+PAGEIO_INTERNAL void put_le64(unsigned char *p, uint64_t v);
 
-PyObject *copy_blobs_xxh3(PyObject *self, PyObject *args);
+PAGEIO_INTERNAL PyObject *copy_blobs_xxh3(PyObject *self, PyObject *args);
 
 #endif

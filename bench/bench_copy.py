@@ -23,7 +23,7 @@ count); ratios are baseline time over tierkv time per repeat (above 1: tierkv is
 min/median over the interleaved repeats.
 
     python bench/bench_copy.py [--repeats 5] [--tokens 64,256,1024,8192] [--page-sizes 1,16]
-                               [--cases mha:layer_first,mha:page_first,mla:page_first]
+                               [--cases mha:layer_first,mha:page_first,mla:page_first] [--pool-tokens N]
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from tierkv.pools import DeviceKVPool, HostKVPool, KVSpec  # noqa: E402
-from tierkv.pools.kv import paired_page_rows  # noqa: E402
-from tierkv.copy.transfer import TransferController  # noqa: E402
+from tierkv.copy.transfer import TransferController
+from tierkv.pools import DeviceKVPool, HostKVPool, KVSpec
+from tierkv.pools.kv import paired_page_rows
 
 
 def best_s(fn, min_time_s: float = 0.02, min_calls: int = 3) -> float:
@@ -83,6 +83,18 @@ def gather_rows(device: DeviceKVPool, device_pages: torch.Tensor, host: HostKVPo
     return table, rows.permute(host.row_dim_order).reshape(-1).contiguous()
 
 
+_FLAT: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def flat_buffers(nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The contiguous baseline's source and destination, made once per size for the whole run: buffers made
+    anew per case land wherever the allocator has room after the pools (one run measured the page-16
+    case's copy_ at 8 GB/s against 12 in the page-1 case), and a baseline must not move between cases."""
+    if nbytes not in _FLAT:
+        _FLAT[nbytes] = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
+    return _FLAT[nbytes]
+
+
 def measure_case(transfer: TransferController, num_tokens: int, pattern: str, repeats: int) -> dict:
     """Seconds per call of tierkv and both baselines, per direction and repeat."""
     device, host = transfer.device_pool, transfer.host_pool
@@ -92,7 +104,7 @@ def measure_case(transfer: TransferController, num_tokens: int, pattern: str, re
     nbytes = num_tokens * device.spec.bytes_per_token
     table, index = gather_rows(device, device_pages, host, host_pages)
     gathered = torch.zeros((len(index), table.shape[1]), dtype=torch.uint8)
-    flat_src, flat_dst = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
+    flat_src, flat_dst = flat_buffers(nbytes)
 
     def write() -> None:
         if transfer.write_now(device_slots, host_slots) is not None:
@@ -128,10 +140,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--pattern", default="fragmented", choices=["fragmented", "shuffled", "both-fragmented"])
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser.add_argument("--pool-tokens", type=int, default=0,
+                        help="L1 tokens (L2 twice that); 0: twice the largest batch. A pool far larger than the "
+                             "caches, as an engine's, makes each scattered page a cache miss")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     sizes = [int(s) for s in args.tokens.split(",")]
-    pool_tokens = 2 * max(sizes)
+    for attention in {case.split(":")[0] for case in args.cases.split(",")}:  # before any pool
+        for num_tokens in sizes:
+            flat_buffers(num_tokens * make_spec(attention, args.layers).bytes_per_token)
+    pool_tokens = args.pool_tokens or 2 * max(sizes)
     print(f"{args.layers} layers bf16, pattern {args.pattern}, {torch.get_num_threads()} torch threads, "
           f"L1 {pool_tokens} tokens, L2 twice that, {args.repeats} interleaved repeats; "
           f"ratios = baseline time / tierkv time, min/median")

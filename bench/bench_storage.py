@@ -20,6 +20,7 @@ subprocess per page size (target <= 1.2). ``--digests`` adds a table of the dige
 
     python bench/bench_storage.py [--page-sizes 131072,8388608] [--batch-mib 128] [--repeats 5]
                                   [--backends memory,file,redis,mooncake] [--fsync] [--page-key SECRET]
+                                  [--busy-cores 1]
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -42,10 +43,12 @@ import xxhash
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tierkv.hashing import HashNamespace, page_hashes  # noqa: E402
-from tierkv.storage import file as file_backend, mooncake_store, native  # noqa: E402
-from tierkv.storage.factory import open_store  # noqa: E402
-from tierkv.storage.page_format import CHUNK_NBYTES  # noqa: E402
+from tierkv.hashing import HashNamespace, page_hashes
+from tierkv.storage import file as file_backend
+from tierkv.storage import mooncake_store, native
+from tierkv.storage.factory import open_store
+from tierkv.storage.page_format import CHUNK_NBYTES
+
 
 def best_seconds(fn: Callable[[], object], repeats: int, before: Callable[[], object] | None = None) -> float:
     """The digest table's timer: best wall seconds of ``repeats`` calls."""
@@ -127,6 +130,7 @@ def file_case(ns: str, page_nbytes: int, keys, pages, targets, args) -> Case:
 
 def redis_case(ns: str, page_nbytes: int, keys, pages, targets, args) -> Case:
     import redis
+
     from tests.servers import RedisServer
     server = RedisServer.start()
     store = open_store(server.url, ns, page_nbytes, {"batch_pages": args.batch_pages, "timeout_s": 60.0,
@@ -305,7 +309,7 @@ def digest_rows(pages, repeats: int) -> list[tuple[str, float, float]]:
     for rep in range(repeats):
         names = list(DIGESTS) if rep % 2 == 0 else list(DIGESTS)[::-1]
         for name in names:
-            best[name] = min(best[name], best_seconds(lambda: run(DIGESTS[name]), 1))
+            best[name] = min(best[name], best_seconds(lambda name=name: run(DIGESTS[name]), 1))
     nbytes = sum(len(v) for v in views)
     return [(name, nbytes / best[name] / 1e9, best["xxh3-64"] / best[name]) for name in DIGESTS]
 
@@ -345,7 +349,7 @@ def bench_page_size(page_nbytes: int, args) -> list[tuple]:
     for name in args.backends.split(","):
         try:
             case = CASES[name](ns.name(), page_nbytes, keys, pages, targets, args)
-        except Exception as err:  # a missing server skips the row, the table still prints
+        except Exception as err:  # noqa: BLE001 (a missing server skips the row, the table still prints)
             print(f"{name}: skipped ({type(err).__name__}: {err})")
             continue
         try:
@@ -368,6 +372,14 @@ def print_rows(rows: list[tuple]) -> None:
               f"{ratio_median:>7.2f} {cpu_ratio:>9.2f} {flag}")
 
 
+def start_spinners(num_cores: int) -> None:
+    """Processes that spin for the whole run (ended at exit): the machine of a loaded server, where tierkv's
+    extra work cannot hide in a spare core."""
+    for _ in range(num_cores):
+        spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        atexit.register(spinner.kill)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--page-sizes", default="131072,8388608", help="page sizes in bytes, comma-separated")
@@ -381,6 +393,8 @@ def main() -> None:
                         help="file: drop both sides' pages from the page cache before each read run")
     parser.add_argument("--page-key", default=None, help="authenticate pages with this secret (a MAC)")
     parser.add_argument("--digests", action="store_true", help="also a table of the digests alone")
+    parser.add_argument("--busy-cores", type=int, default=0,
+                        help="keep this many cores busy with spinning processes while timing (as a loaded server)")
     parser.add_argument("--rss-pages", type=int, default=1 << 30, help="bytes the RSS check stores per size")
     parser.add_argument("--rss-child", nargs=2, type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -388,7 +402,8 @@ def main() -> None:
         memory_rss_child(*args.rss_child)
         return
     page_sizes = [int(size) for size in args.page_sizes.split(",")]
-    print(f"fsync={args.fsync}, cold={args.cold}, page_key={bool(args.page_key)}, "
+    start_spinners(args.busy_cores)
+    print(f"busy cores {args.busy_cores}, fsync={args.fsync}, cold={args.cold}, page_key={bool(args.page_key)}, "
           f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; tierkv moves a batch on up to "
           f"{min(file_backend.MAX_READ_THREADS, file_backend.usable_cores())} threads (file reads) or "
           f"{mooncake_store.IO_THREADS} (mooncake), each page hashed by the thread that moves it; raw sides use one")

@@ -758,6 +758,7 @@ def test_mooncake_batches_move_in_ranges_not_a_call_per_page(mooncake_master):
         g = torch.Generator().manual_seed(1)
         pages = [torch.randint(0, 256, (page_nbytes,), dtype=torch.uint8, generator=g) for _ in keys]
         assert store.batch_exists(keys[:1]) == 0 and store.client is not None
+        store.read_in_place = False  # every page through the transfer engine (in place: test_mooncake_in_place)
         calls = []
 
         class CountingClient:
@@ -808,6 +809,7 @@ def test_mooncake_a_failed_get_range_costs_hits_only(mooncake_master, monkeypatc
     from tierkv.storage import mooncake_store
     monkeypatch.setattr(mooncake_store, "RANGE_NBYTES", 4 * PAGE_NBYTES)
     store = open_store(mooncake_master.url, f"ns-failed-{fault}", PAGE_NBYTES, mooncake_master.client_config())
+    store.read_in_place = False  # the transfer engine's path (a get in place has no transfer to fail)
     try:
         keys, pages = make_keys(24), make_pages(24)
         assert store.batch_set(keys, pages) == [True] * 24

@@ -383,3 +383,32 @@ def test_an_empty_batch_writes_and_reads_nothing(tmp_path, parallel_min_nbytes):
     assert store.batch_set([], []) == []
     assert store.batch_get([], []) == []
     assert store.stats.errors == 0
+
+
+@pytest.mark.parametrize("page_nbytes", [PAGE_NBYTES, 1 << 20], ids=["in-line", "helpers"])
+def test_redis_gets_copy_and_hash_replies_natively(redis_server, monkeypatch, page_nbytes):
+    """Each round trip's replies are copied into their pages and hashed in one native call (no Python
+    hasher a page); a corrupt page and a reply of another length are counted misses, the rest exact."""
+    store = open_store(redis_server.url, f"ns-native-get-{page_nbytes}", page_nbytes, {"batch_pages": 4})
+    try:
+        keys = make_keys(10)
+        pages = [torch.randint(0, 256, (page_nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(i))
+                 for i in range(10)]
+        assert store.batch_set(keys, pages) == [True] * 10
+        blob = bytearray(store.client.get(store.redis_key(keys[2])))
+        blob[5] ^= 1
+        store.client.set(store.redis_key(keys[2]), bytes(blob))
+        store.client.set(store.redis_key(keys[7]), bytes(blob[:-1]))
+
+        def no_hasher(*args):
+            raise AssertionError("a per-page Python hasher")
+        monkeypatch.setattr(PageFormat, "payload_hasher", no_hasher)
+        targets = [torch.zeros(page_nbytes, dtype=torch.uint8) for _ in keys]
+        found = store.batch_get(keys, targets)
+        monkeypatch.undo()
+        assert found == [i not in (2, 7) for i in range(10)]
+        assert all(torch.equal(targets[i], pages[i]) for i in range(10) if found[i])
+        assert store.stats.corrupt_pages == 2
+    finally:
+        store.clear()
+        store.close()

@@ -16,8 +16,8 @@
  * checksum of what it read and compares the whole stored header with it (one memcmp checks magic,
  * version, namespace, length, key digest and checksum). Anything else is the caller's to explain.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "_pageio.h"
+
 #include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -30,28 +30,11 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
-#define HEADER_NBYTES 48
 #define MAX_READ_THREADS 16
 #define READER_STACK_NBYTES (256 << 10)
 
-/* Read results (the first item of each (status, value) pair). */
-enum { READ_OK = 0, READ_ABSENT = 1, READ_BAD_SIZE = 2, READ_MISMATCH = 3, READ_SHORT = 4, READ_NO_DIR = 5 };
 
-typedef uint64_t (*xxh3_fn)(const void *, size_t);
-typedef void *(*create_fn)(void);
-typedef int (*reset_fn)(void *);
-typedef int (*update_fn)(void *, const void *, size_t);
-typedef uint64_t (*digest_fn)(const void *);
-typedef int (*free_fn)(void *);
-
-static struct {
-    xxh3_fn oneshot;
-    create_fn create;
-    reset_fn reset;
-    update_fn update;
-    digest_fn digest;
-    free_fn free_state;
-} xxh3;
+Xxh3Functions xxh3;
 
 static PyObject *bind_xxh3(PyObject *self, PyObject *args) {
     (void)self;
@@ -76,7 +59,7 @@ static PyObject *bind_xxh3(PyObject *self, PyObject *args) {
     Py_RETURN_TRUE;  /* the handle stays open: the functions are used for the life of the process */
 }
 
-static int require_xxh3(void) {
+int require_xxh3(void) {
     if (xxh3.oneshot == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "xxh3 is not bound (call bind_xxh3 first)");
         return -1;
@@ -84,20 +67,14 @@ static int require_xxh3(void) {
     return 0;
 }
 
-/* Buffers of a sequence, all acquired or none (then an exception is set). */
-typedef struct {
-    Py_buffer *views;
-    Py_ssize_t count;
-} Buffers;
-
-static void release_buffers(Buffers *b) {
+void release_buffers(Buffers *b) {
     for (Py_ssize_t i = 0; i < b->count; i++) PyBuffer_Release(&b->views[i]);
     PyMem_Free(b->views);
     b->views = NULL;
     b->count = 0;
 }
 
-static int get_buffers(PyObject *seq, int flags, Py_ssize_t expect_len, const char *name, Buffers *b) {
+int get_buffers(PyObject *seq, int flags, Py_ssize_t expect_len, const char *name, Buffers *b) {
     b->views = NULL;
     b->count = 0;
     PyObject *fast = PySequence_Fast(seq, name);
@@ -235,7 +212,7 @@ static int get_batch(PyObject *fds, PyObject *names, PyObject *temps, PyObject *
     return 0;
 }
 
-static void put_le64(unsigned char *p, uint64_t v) {
+void put_le64(unsigned char *p, uint64_t v) {
     for (int i = 0; i < 8; i++) p[i] = (unsigned char)(v >> (8 * i));
 }
 
@@ -273,11 +250,6 @@ static Py_ssize_t read_blob(int fd, char *payload, Py_ssize_t payload_nbytes, ch
     }
     return done;
 }
-
-typedef struct {
-    int status;
-    int64_t value;
-} PageResult;
 
 static PageResult read_one(const Batch *b, Py_ssize_t i, Py_ssize_t chunk_nbytes, Py_ssize_t checksum_offset,
                            int touch, void *state) {
@@ -323,7 +295,7 @@ static PageResult read_one(const Batch *b, Py_ssize_t i, Py_ssize_t chunk_nbytes
     return r;
 }
 
-static PyObject *results_list(const PageResult *results, Py_ssize_t n) {
+PyObject *results_list(const PageResult *results, Py_ssize_t n) {
     PyObject *out = PyList_New(n);
     for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
         PyObject *item = Py_BuildValue("(iL)", results[i].status, (long long)results[i].value);
@@ -566,6 +538,12 @@ static PyMethodDef methods[] = {
      "(header templates) hash the payload and compare the trailer with the template holding that checksum. "
      "status 0 ok (value: checksum), 1 absent, 2 wrong size (value: size), 3 header mismatch (value: checksum), "
      "4 short read (value: bytes), 5 directory unusable, -errno"},
+    {"copy_blobs_xxh3", copy_blobs_xxh3, METH_VARARGS,
+     "copy_blobs_xxh3(sources, payloads, headers, expected, payload_nbytes, checksum_offset) -> "
+     "[(status, checksum)]: copy each blob (payload then 48-byte header), sources[i] (a list of buffers, or an "
+     "int64 array of addresses) "
+     "into payloads[i] and headers[i*48:], hashing each payload chunk as it lands, and compare the header with "
+     "template expected[i*48:] holding that checksum; status 0 ok, 3 mismatch"},
     {"write_pages", write_pages, METH_VARARGS,
      "write_pages(dir_fds, temps, names, payloads, headers, payload_nbytes, chunk_nbytes, checksum_offset, sync, "
      "stop_errnos) -> [(status, 0)]: write payload then header to temps[i] (O_EXCL, no symlink followed) and "
@@ -576,8 +554,8 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_pageio", NULL, -1, methods};
 
-/* Bumped whenever a function's arguments change (tierkv/storage/native.py checks it). */
-#define API_VERSION 2
+/* Bumped whenever a function's arguments change (tierkv/storage/native.py checks it). 3: copy_blobs_xxh3. */
+#define API_VERSION 3
 
 PyMODINIT_FUNC PyInit__pageio(void) {
     PyObject *m = PyModule_Create(&module);

@@ -13,6 +13,12 @@ make (the transfer engine's copy cannot carry it), hidden only by a spare core. 
 put-if-absent: a page's key names its whole prefix, so its bytes never change, and a repeated put keeps
 the first copy. A page that fails verification is removed so a later backup can write it again.
 
+A get first asks the master where each page's replica lies (the query a get makes anyway):
+a replica in this client's own mounted segment is memory this process maps, so the native module copies
+it into the page and hashes each chunk as it lands (:func:`tierkv.storage.native` ``copy_blobs_xxh3``),
+one pass where the transfer engine's copy and the checksum make two; the other pages go through the
+engine as above.
+
 RDMA needs the host pool registered (:meth:`register_host_buffer`); TCP works without. The client is
 set up on first use; a failed setup or an unreachable master counts an error, answers a miss and backs
 off like the redis store.
@@ -30,8 +36,17 @@ import torch
 
 from tierkv.storage import native
 from tierkv.storage.base import Backoff, PageStore, check_key
-from tierkv.storage.overlap import PageCheck, checked_group, run_ranges, verify_group
-from tierkv.storage.page_format import HEADER_SIZE, PageFormatError
+from tierkv.storage.overlap import (
+    PageCheck,
+    checked_group,
+    copied_group,
+    run_ranges,
+    verify_group,
+)
+from tierkv.storage.page_format import (
+    HEADER_SIZE,
+    PageFormatError,
+)
 
 _NOT_FOUND = -704  # OBJECT_NOT_FOUND in Mooncake's error codes
 _BUFFER_TOO_SMALL = -600  # the stored object is larger than a page blob: not one of our pages
@@ -51,6 +66,9 @@ class MooncakeStore(PageStore):
     """A namespace of pages in a Mooncake Store cluster reached through ``master`` (``host:port``)."""
 
     name = "mooncake"
+    # Pages whose replica lies in this client's own mounted segment are copied out of it (and hashed in the
+    # same pass) instead of through the transfer engine; False: every page through the engine.
+    read_in_place = True
 
     def __init__(self, namespace: str, page_nbytes: int, master: str,
                  metadata_server: str = "P2PHANDSHAKE", local_hostname: str = "127.0.0.1",
@@ -71,6 +89,7 @@ class MooncakeStore(PageStore):
         self.replica_num = replica_num
         self.backoff = Backoff(retry_backoff_s)
         self.client = None
+        self._endpoint = ""  # this client's transport endpoint: replicas there lie in this process's memory
         self._setup_lock = threading.Lock()
         self._registered: list[torch.Tensor] = []
         # Header arenas: one for writes, and one per get thread (one reader and one writer thread may run).
@@ -121,6 +140,7 @@ class MooncakeStore(PageStore):
             if client is not None:
                 client.close()
             return None
+        self._endpoint = client.get_hostname()
         self._replicate = ReplicateConfig()
         self._replicate.replica_num = self.replica_num
         self.backoff.succeeded()
@@ -198,32 +218,83 @@ class MooncakeStore(PageStore):
 
     def _get_range(self, thread: int, start: int, keys: list[str], targets: list[torch.Tensor],
                    views: list[memoryview]) -> tuple[list[bool], list[tuple[int, PageFormatError]]]:
-        """One call for pages ``start...`` into ``thread``'s header rows, then their checks: (found, the
-        whole pages that failed verification); other pages are misses here."""
+        """Pages ``start...``: those whose replica lies in this client's own segment copied out of it and
+        verified in one native pass, the others fetched by one call into ``thread``'s header rows, then
+        checked: (found, the whole pages that failed verification); other pages are misses here."""
         client = self._connect()
         if client is None:
             return [False] * len(keys), []
+        names = [self.key_prefix + k for k in keys]  # keys checked by batch_get
+        found, failures = [False] * len(keys), []
+        rest = list(range(len(keys)))
+        if self._native is not None and self._endpoint and self.read_in_place:
+            rest = self._get_local(client, names, keys, views, found, failures)
+        if len(rest) == len(keys):
+            found, failures = self._get_remote(client, thread, names, keys, targets, views)
+        elif rest:
+            rest_found, rest_failures = self._get_remote(client, thread, *(
+                [items[i] for i in rest] for items in (names, keys, targets, views)))
+            for i, hit in zip(rest, rest_found):
+                found[i] = hit
+            failures += [(rest[j], err) for j, err in rest_failures]
+        return found, [(start + i, err) for i, err in failures]
+
+    def _local_blobs(self, client, names: list[str]) -> np.ndarray:
+        """Each object's blob address where a whole replica of it lies in this client's own mounted segment
+        (memory this process maps: read in place), else 0. A replica removed and its memory reused before
+        the copy fails its checksum (the copy hashes what it stores): a miss, never a wrong hit."""
+        addresses = np.zeros(len(names), dtype=np.int64)
+        try:
+            replicas = client.batch_get_replica_desc(names)
+        except RuntimeError:
+            return addresses
+        blob_nbytes = self.format.blob_nbytes
+        for i, name in enumerate(names):
+            for replica in replicas.get(name, ()):
+                if replica.is_memory_replica():
+                    buffer = replica.get_memory_descriptor().buffer_descriptor
+                    if buffer.transport_endpoint == self._endpoint and buffer.size == blob_nbytes:
+                        addresses[i] = buffer.buffer_address
+                        break
+        return addresses
+
+    def _get_local(self, client, names: list[str], keys: list[str], views: list[memoryview], found: list[bool],
+                   failures: list[tuple[int, PageFormatError]]) -> list[int]:
+        """Copy and verify the pages held in this client's own segment (one GIL-free pass: each chunk
+        hashed as it lands, where the transfer engine's copy and a separate hash make two), marking them in
+        ``found`` / ``failures``; returns the indexes of the other pages."""
+        addresses = self._local_blobs(client, names)
+        local = np.flatnonzero(addresses).tolist()
+        if not local:
+            return list(range(len(names)))
+        for j, error in copied_group(self._native, self.format, addresses[local], [keys[i] for i in local],
+                                     [views[i] for i in local]):
+            failures.append((local[j], error))
+        for i in local:
+            found[i] = True  # those failing are turned to misses with the batch's failures
+        return np.flatnonzero(addresses == 0).tolist()
+
+    def _get_remote(self, client, thread: int, names: list[str], keys: list[str], targets: list[torch.Tensor],
+                    views: list[memoryview]) -> tuple[list[bool], list[tuple[int, PageFormatError]]]:
+        """Pages fetched through the transfer engine in one call into ``thread``'s header rows, then
+        checked: (found, (index, error) of the whole pages that failed verification)."""
+        found = [False] * len(keys)
         headers = self._get_headers[thread * _MAX_CALL_PAGES:(thread + 1) * _MAX_CALL_PAGES]
         try:
-            sizes = client.batch_get_into_multi_buffers(
-                [self.key_prefix + k for k in keys],  # keys checked by batch_get
-                self._buffers(targets, headers),
-                [[self.page_nbytes, HEADER_SIZE]] * len(keys))
+            sizes = client.batch_get_into_multi_buffers(names, self._buffers(targets, headers),
+                                                        [[self.page_nbytes, HEADER_SIZE]] * len(keys))
         except RuntimeError as err:
             self._failed("get", err)
-            return [False] * len(keys), []
+            return found, []
         self._judge("get", sizes, (_NOT_FOUND, _BUFFER_TOO_SMALL))
         rows = headers.numpy()[:len(keys)]  # this thread's own rows: read before its next call reuses them
         whole = [i for i, size in enumerate(sizes) if size == self.format.blob_nbytes]
-        failures = self._check_whole(start, whole, keys, rows, views) if whole else []
-        found = []
+        failures = self._check_whole(0, whole, keys, rows, views) if whole else []
         for i, (key, view, size) in enumerate(zip(keys, views, sizes)):
             if size == self.format.blob_nbytes:
-                found.append(True)
+                found[i] = True
             elif size >= 0 or size == _BUFFER_TOO_SMALL:  # not one of our pages: fails on its length
-                found.append(self._verified(key, rows[i].tobytes(), view[:max(0, size - HEADER_SIZE)]))
-            else:  # absent, or a transport error (counted by _judge)
-                found.append(False)
+                found[i] = self._verified(key, rows[i].tobytes(), view[:max(0, size - HEADER_SIZE)])
         return found, failures
 
     def _check_whole(self, start: int, whole: list[int], keys: list[str], rows: np.ndarray,

@@ -25,14 +25,22 @@ Each store owns its helper threads (``pool``: made on first use, shut down when 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 import numpy as np
 
-from tierkv.storage.page_format import PageFormat, PageFormatError, copy_with_checksum
+from tierkv.storage.page_format import (
+    CHECKSUM_OFFSET,
+    HEADER_SIZE,
+    Digest,
+    PageFormat,
+    PageFormatError,
+    copy_with_checksum,
+)
 
 # Large enough that a hand-off (~20 us) is noise, small enough that the first and last groups (not
 # overlapped) are a small part of a batch.
@@ -180,6 +188,28 @@ def checked_group(pageio: ModuleType, fmt: PageFormat, indexes: list[int], keys:
     does not match its payload: one native xxh3 call and one vectorised compare."""
     digests = pageio.xxh3_many(payloads)
     return [(indexes[i], err) for i, err in fmt.check_headers(keys, headers, payloads, digests)]
+
+
+_UINT64_MASK = (1 << 64) - 1  # the native results carry digests as signed 64-bit values
+
+
+def copied_group(pageio: ModuleType, fmt: PageFormat, sources: list | np.ndarray, keys: list[str],
+                 payloads: list[memoryview]) -> list[tuple[int, PageFormatError]]:
+    """Copy each unkeyed blob (payload then header; ``sources``: buffers, or an int64 array of addresses of
+    memory this process maps) into its payload in one native pass, each chunk hashed as it lands, and
+    return (index, error) of those whose header does not match."""
+    headers = np.empty((len(keys), HEADER_SIZE), dtype=np.uint8)
+    results = pageio.copy_blobs_xxh3(sources, payloads, headers, fmt.header_templates(keys), fmt.payload_nbytes,
+                                     CHECKSUM_OFFSET)
+    failures = []
+    for i, (status, digest) in enumerate(results):
+        if status != 0:
+            try:  # names the field that differs
+                fmt.verify(keys[i], headers[i].tobytes(), payloads[i], Digest(digest & _UINT64_MASK))
+                failures.append((i, PageFormatError(f"page {keys[i]}: header differs from its expected bytes")))
+            except PageFormatError as err:
+                failures.append((i, err))
+    return failures
 
 
 def run_ranges(work: Callable[[int, int, int], T], ranges: list[tuple[int, int]],

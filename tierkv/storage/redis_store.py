@@ -3,8 +3,9 @@
 Writes send the page's own memory and then its header straight to the socket: pages of 1 MiB or more
 (unkeyed) in cache-sized chunks, each hashed just before it is sent; smaller and keyed pages with headers
 computed in helper threads. Reads copy the reply into the target page while checksumming it in
-cache-sized chunks; replies are copied and verified in helper threads while this thread waits on the
-next round trip (see :mod:`tierkv.storage.overlap`).
+cache-sized chunks (with the native module, one GIL-free call per round trip's replies); large pages'
+replies are copied and verified in helper threads while this thread waits on the next round trip (see
+:mod:`tierkv.storage.overlap`).
 
 Keys are ``<key_prefix><namespace tag>:<page hash>``, so ``clear`` can SCAN one namespace away. A
 connection failure makes the batch a miss (exists/get) or False (set), counts one error and backs off:
@@ -22,15 +23,22 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import redis
 import torch
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from tierkv.storage import native
 from tierkv.storage.base import Backoff, PageStore, check_key
-from tierkv.storage.overlap import Headers, Verifier
+from tierkv.storage.overlap import (
+    MIN_OVERLAP_PAGE_NBYTES,
+    Headers,
+    Verifier,
+    copied_group,
+)
+from tierkv.storage.page_format import PageFormatError
 
 # Unkeyed pages this large are sent in cache-sized chunks, each hashed just before it is sent, so the
 # kernel copies it from cache and redis-server never waits for a batch's hashing (hashing a batch
@@ -85,6 +93,9 @@ class RedisStore(PageStore):
         self.read_backoff = Backoff(retry_backoff_s)
         self.write_backoff = Backoff(retry_backoff_s)
         self.client = self._make_client(host, port, db, username, password, timeout_s)
+        # unkeyed pages read with the native module: copied and checksummed in one pass
+        self._native = native.pageio if self.format.page_key is None else None
+        self._blob_nbytes = self.format.blob_nbytes
 
     def _make_client(self, host: str, port: int, db: int, username: str | None, password: str | None,
                      timeout_s: float):
@@ -157,6 +168,8 @@ class RedisStore(PageStore):
     def batch_get(self, keys: list[str], targets: list[torch.Tensor]) -> list[bool]:
         views = self._check_batch(keys, targets)
         names = [(self.key_prefix + k,) for k in keys]  # keys checked by _check_batch
+        if self._native is not None:
+            return self._get_native(keys, names, views)
         verifier = Verifier(self.format, self._helper_pool)
 
         def land(start: int, blobs: list) -> None:
@@ -172,6 +185,40 @@ class RedisStore(PageStore):
                 land(0, blobs)
             found = [blob is not None for blob in blobs] if blobs is not None else [False] * len(keys)
             return self._rejected(verifier.failures(), keys, found)
+
+    def _get_native(self, keys: list[str], names: list[tuple], views: list[memoryview]) -> list[bool]:
+        """:meth:`batch_get` for unkeyed pages with the native module: each round trip's whole replies copied
+        into their pages in one GIL-free pass that hashes each chunk as it lands (small pages after the last
+        reply, large ones by a helper while the next replies come); a reply of another length fails."""
+        jobs: list = []
+        failures: list[tuple[int, PageFormatError]] = []
+
+        def land(start: int, blobs: list) -> None:
+            whole = [i for i, blob in enumerate(blobs, start) if blob is not None and len(blob) == self._blob_nbytes]
+            failures.extend((i, self._wrong_length(keys[i], blob)) for i, blob in enumerate(blobs, start)
+                            if blob is not None and len(blob) != self._blob_nbytes)
+            if whole:
+                job = (self._native, self.format, [blobs[i - start] for i in whole], [keys[i] for i in whole],
+                       [views[i] for i in whole])
+                jobs.append((whole, self._helper_pool().submit(copied_group, *job) if overlapped else job))
+        overlapped = self.page_nbytes >= MIN_OVERLAP_PAGE_NBYTES
+        with self._timed("get"):
+            try:
+                blobs = self._pipelined("get", "GET", names, land if overlapped else None) if names else []
+                if blobs is not None and not overlapped:
+                    land(0, blobs)
+            finally:  # no helper may still write into the pages once this returns
+                results = [(whole, job.result() if overlapped else copied_group(*job)) for whole, job in jobs]
+            failures += [(whole[j], err) for whole, group in results for j, err in group]
+            found = [blob is not None for blob in blobs] if blobs is not None else [False] * len(keys)
+            return self._rejected(failures, keys, found)
+
+    def _wrong_length(self, key: str, blob: bytes) -> PageFormatError:
+        try:
+            self.format.verify(key, *self.format.split(memoryview(blob)))
+        except PageFormatError as err:
+            return err
+        return PageFormatError(f"page {key}: {len(blob)} bytes, expected {self._blob_nbytes}")
 
     def batch_set(self, keys: list[str], values: list[torch.Tensor]) -> list[bool]:
         views = self._check_batch(keys, values)

@@ -1,0 +1,60 @@
+/* What tierkv/_pageio.c shares with the other parts of the _pageio module (_pageio_mem.c). */
+#ifndef TIERKV_PAGEIO_H
+#define TIERKV_PAGEIO_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+
+#define HEADER_NBYTES 48
+
+/* Shared between this module's objects only: kept out of the .so's exported symbols. */
+#if defined(__GNUC__) || defined(__clang__)
+#define PAGEIO_INTERNAL __attribute__((visibility("hidden")))
+#else
+#define PAGEIO_INTERNAL
+#endif
+
+/* Read results (the first item of each (status, value) pair). */
+enum { READ_OK = 0, READ_ABSENT = 1, READ_BAD_SIZE = 2, READ_MISMATCH = 3, READ_SHORT = 4, READ_NO_DIR = 5 };
+
+typedef uint64_t (*xxh3_fn)(const void *, size_t);
+typedef void *(*create_fn)(void);
+typedef int (*reset_fn)(void *);
+typedef int (*update_fn)(void *, const void *, size_t);
+typedef uint64_t (*digest_fn)(const void *);
+typedef int (*free_fn)(void *);
+
+/* xxh3-64 as the xxhash package's shared object has it (bind_xxh3 fills this). */
+typedef struct {
+    xxh3_fn oneshot;
+    create_fn create;
+    reset_fn reset;
+    update_fn update;
+    digest_fn digest;
+    free_fn free_state;
+} Xxh3Functions;
+
+PAGEIO_INTERNAL extern Xxh3Functions xxh3;
+PAGEIO_INTERNAL int require_xxh3(void);
+
+/* Buffers of a sequence, all acquired or none (then an exception is set). */
+typedef struct {
+    Py_buffer *views;
+    Py_ssize_t count;
+} Buffers;
+
+PAGEIO_INTERNAL int get_buffers(PyObject *seq, int flags, Py_ssize_t expect_len, const char *name, Buffers *b);
+PAGEIO_INTERNAL void release_buffers(Buffers *b);
+
+typedef struct {
+    int status;
+    int64_t value;
+} PageResult;
+
+PAGEIO_INTERNAL PyObject *results_list(const PageResult *results, Py_ssize_t n);
+PAGEIO_INTERNAL void put_le64(unsigned char *p, uint64_t v);
+
+PAGEIO_INTERNAL PyObject *copy_blobs_xxh3(PyObject *self, PyObject *args);
+
+#endif

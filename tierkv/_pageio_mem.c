@@ -1,0 +1,157 @@
+/* Blobs read straight out of memory the process already maps (a Mooncake replica in this client's own
+ * mounted segment, a Redis reply): each payload copied into its page and hashed in the same pass, chunk by chunk, each
+ * chunk hashed right after it lands while it is in the core's L1 cache. The transfer engine's own copy
+ * cannot carry the hash, so a get through it costs its copy plus a second pass over memory for the
+ * checksum; this costs one copy.
+ *
+ * Source addresses, when given as such, are trusted (the store's replica descriptors give them); buffers
+ * and destinations are checked. A header is compared whole with its template holding the checksum, as read_pages
+ * does; explaining a mismatch is the caller's.
+ */
+#include "_pageio.h"
+
+#include <string.h>
+
+/* Small enough that a chunk stays in L1 between its copy, its hash and its store; large enough that the
+ * per-call cost of xxh3's streaming update stays noise. */
+#define COPY_CHUNK_NBYTES (16 << 10)
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+/* dst <- src (in cache) with non-temporal stores where dst is 16-byte aligned: the page is not read
+ * back soon, and a plain store first reads each destination line from memory (a third stream). */
+static void store_streaming(char *dst, const char *src, size_t nbytes) {
+    size_t head = (size_t)(-(uintptr_t)dst & 15);
+    if (head > nbytes) head = nbytes;
+    memcpy(dst, src, head);
+    size_t off = head;
+    for (; off + 64 <= nbytes; off += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(src + off));
+        __m128i b = _mm_loadu_si128((const __m128i *)(src + off + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(src + off + 32));
+        __m128i d = _mm_loadu_si128((const __m128i *)(src + off + 48));
+        _mm_stream_si128((__m128i *)(dst + off), a);
+        _mm_stream_si128((__m128i *)(dst + off + 16), b);
+        _mm_stream_si128((__m128i *)(dst + off + 32), c);
+        _mm_stream_si128((__m128i *)(dst + off + 48), d);
+    }
+    memcpy(dst + off, src + off, nbytes - off);
+}
+#define STORE_FENCE() _mm_sfence()
+#else
+#define store_streaming memcpy
+#define STORE_FENCE() ((void)0)
+#endif
+
+/* Each chunk goes through a buffer in L1: copied in, hashed there, then stored, so the checksum is of
+ * exactly the bytes stored even if the source changed meanwhile (a replica removed and its memory reused
+ * is then a mismatch, never a page that passes with other bytes). */
+static uint64_t copy_hashed(char *dst, const char *src, Py_ssize_t nbytes, void *state) {
+    _Alignas(64) char bounce[COPY_CHUNK_NBYTES];
+    xxh3.reset(state);
+    for (Py_ssize_t off = 0; off < nbytes; off += COPY_CHUNK_NBYTES) {
+        size_t len = (size_t)(nbytes - off < COPY_CHUNK_NBYTES ? nbytes - off : COPY_CHUNK_NBYTES);
+        memcpy(bounce, src + off, len);
+        xxh3.update(state, bounce, len);
+        store_streaming(dst + off, bounce, len);
+    }
+    STORE_FENCE();
+    return xxh3.digest(state);
+}
+
+/* The blobs' first bytes: an int64 array of addresses (memory the caller vouches for), or a list of
+ * buffers of one blob each (then ``held`` keeps them acquired until the copy is done). */
+static const char **get_sources(PyObject *obj, Py_ssize_t count, Py_ssize_t blob_nbytes, Buffers *held) {
+    const char **sources = PyMem_Calloc(count ? count : 1, sizeof(char *));
+    if (sources == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    if (PyList_Check(obj)) {
+        if (get_buffers(obj, PyBUF_SIMPLE, count, "sources", held) < 0) goto fail;
+        for (Py_ssize_t i = 0; i < count; i++) {
+            if (held->views[i].len != blob_nbytes) {
+                PyErr_Format(PyExc_ValueError, "source %zd has %zd bytes, expected %zd", i, held->views[i].len,
+                             blob_nbytes);
+                goto fail;
+            }
+            sources[i] = held->views[i].buf;
+        }
+        return sources;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(obj, &view, PyBUF_RECORDS_RO) < 0) goto fail;
+    int ok = view.itemsize == 8 && view.format != NULL && strchr("ql", view.format[0]) != NULL
+             && view.format[1] == '\0' && PyBuffer_IsContiguous(&view, 'C') && view.len == count * 8;
+    for (Py_ssize_t i = 0; ok && i < count; i++) sources[i] = (const char *)(intptr_t)((const int64_t *)view.buf)[i];
+    PyBuffer_Release(&view);
+    if (ok) return sources;
+    PyErr_Format(PyExc_ValueError, "sources must be a list of %zd buffers or an int64 array of %zd addresses", count,
+                 count);
+fail:
+    PyMem_Free(sources);
+    return NULL;
+}
+
+PyObject *copy_blobs_xxh3(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *sources_obj, *payloads_obj, *headers_obj, *expected_obj;
+    Py_ssize_t payload_nbytes, checksum_offset;
+    if (!PyArg_ParseTuple(args, "OOOOnn:copy_blobs_xxh3", &sources_obj, &payloads_obj, &headers_obj,
+                          &expected_obj, &payload_nbytes, &checksum_offset) || require_xxh3() < 0) return NULL;
+    if (payload_nbytes < 0 || checksum_offset < 0 || checksum_offset > HEADER_NBYTES - 8) {
+        return PyErr_Format(PyExc_ValueError, "payload_nbytes %zd or checksum_offset %zd out of range", payload_nbytes,
+                            checksum_offset);
+    }
+    Buffers payloads;
+    if (get_buffers(payloads_obj, PyBUF_WRITABLE, -1, "payloads", &payloads) < 0) return NULL;
+    Py_ssize_t n = payloads.count;
+    Buffers held = {NULL, 0};
+    Py_buffer headers = {0}, expected = {0};
+    PyObject *out = NULL;
+    PageResult *results = NULL;
+    void *state = NULL;
+    const char **src = get_sources(sources_obj, n, payload_nbytes + HEADER_NBYTES, &held);
+    if (src == NULL) goto done;
+    if (PyObject_GetBuffer(headers_obj, &headers, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto done;
+    if (PyObject_GetBuffer(expected_obj, &expected, PyBUF_C_CONTIGUOUS) < 0) goto done;
+    if (headers.len != n * HEADER_NBYTES || expected.len != n * HEADER_NBYTES) {
+        PyErr_Format(PyExc_ValueError, "header buffers must hold %zd bytes (48 per page)", n * HEADER_NBYTES);
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (payloads.views[i].len != payload_nbytes) {
+            PyErr_Format(PyExc_ValueError, "payload %zd has %zd bytes, expected %zd", i, payloads.views[i].len,
+                         payload_nbytes);
+            goto done;
+        }
+    }
+    results = PyMem_Calloc(n ? n : 1, sizeof(PageResult));
+    if (results == NULL || (state = xxh3.create()) == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const char *blob = src[i];
+        unsigned char *header = (unsigned char *)headers.buf + i * HEADER_NBYTES;
+        unsigned char want[HEADER_NBYTES];
+        uint64_t digest = copy_hashed(payloads.views[i].buf, blob, payload_nbytes, state);
+        memcpy(header, blob + payload_nbytes, HEADER_NBYTES);
+        memcpy(want, (const char *)expected.buf + i * HEADER_NBYTES, HEADER_NBYTES);
+        put_le64(want + checksum_offset, digest);
+        results[i].status = memcmp(want, header, HEADER_NBYTES) == 0 ? READ_OK : READ_MISMATCH;
+        results[i].value = (int64_t)digest;
+    }
+    Py_END_ALLOW_THREADS
+    out = results_list(results, n);
+done:
+    if (state != NULL) xxh3.free_state(state);
+    PyMem_Free(results);
+    PyMem_Free(src);
+    release_buffers(&held);
+    if (headers.obj) PyBuffer_Release(&headers);
+    if (expected.obj) PyBuffer_Release(&expected);
+    release_buffers(&payloads);
+    return out;
+}

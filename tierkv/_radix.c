@@ -117,8 +117,8 @@ static PyMethodDef methods[] = {
      "walk(root, elems, num_elems, page_size, extra_key) -> (nodes, num_matched, partial, partial_len)"},
     {"gather_device_slots", (PyCFunction)(void (*)(void))tierkv_gather_device_slots, METH_FASTCALL,
      "gather_device_slots(nodes, int64) -> (num_nodes, slots as a bytearray) of the leading nodes holding device slots"},
-    {"slot_mismatches", (PyCFunction)(void (*)(void))tierkv_slot_mismatches, METH_FASTCALL,
-     "slot_mismatches(mine, shared, int64) -> bytearray of mine[start:end] slots unequal to node's, per (node, start, end)"},
+    {"plan_slots", (PyCFunction)(void (*)(void))tierkv_plan_slots, METH_FASTCALL,
+     "plan_slots(mine, nodes, partial, partial_len, int64) -> (slots unequal to the nodes' or None, revived ranges or None)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -127,7 +127,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "tierkv._radix", NULL
 /* 2: evict_device; common_prefix_len takes memoryviews of int64 arrays (node keys may be views);
  * 3: the tree's frontier sets may be None (untracked until read); 4: evict_device takes keep_nodes;
  * 5: evict_device takes hand_back and returns the victim it handed back; 6: and host_tier;
- * 7: walk, gather_device_slots, slot_mismatches */
+ * 7: walk, gather_device_slots, plan_slots */
 #define API_VERSION 7
 
 PyMODINIT_FUNC PyInit__radix(void) {

@@ -132,15 +132,44 @@ PyObject *tierkv_gather_device_slots(PyObject *self, PyObject *const *args, Py_s
     return Py_BuildValue("(nN)", count, out);
 }
 
-/* slot_mismatches(mine, shared, int64) -> bytearray: for each (node, start, end) of ``shared``, the slots of
- * mine[start:end] (an int64 buffer) unequal to the node's device slots at the same place, in order */
-PyObject *tierkv_slot_mismatches(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+/* compare ``n`` of the caller's slots at ``mine`` with ``node``'s device slots: each unequal one is appended
+ * to ``*out`` (allocated on first use, room for ``room`` slots, ``*num_out`` used); 0, or -1 on error */
+static int add_mismatches(PyObject *node, const int64_t *mine, Py_ssize_t n, PyObject *int64, int64_t **out,
+                          Py_ssize_t *num_out, Py_ssize_t room) {
+    Py_buffer view;
+    const int64_t *held = value_slots(SLOT(node, device_value), n, int64, &view);
+    if (held == NULL && PyErr_Occurred()) {
+        return -1;
+    }
+    for (Py_ssize_t j = tierkv_mismatch(held, mine, n); j < n; j++) {
+        if (held[j] == mine[j]) {
+            continue;
+        }
+        if (*out == NULL && (*out = PyMem_Malloc((size_t)room * 8 + 8)) == NULL) {
+            PyErr_NoMemory();
+            break;
+        }
+        (*out)[(*num_out)++] = mine[j];
+    }
+    if (view.obj != NULL) {
+        PyBuffer_Release(&view);
+    }
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+/* plan_slots(mine, nodes, partial, partial_len, int64) -> (mismatched, revived): along a planned insert's path
+ * (``nodes`` whole, then ``partial``'s first ``partial_len`` elements, or None), over the caller's slots
+ * ``mine`` (an int64 buffer): the caller's slots unequal to those of nodes holding device slots (a bytearray,
+ * or None when all are equal), and the ranges (start, end) of ``mine`` that nodes without device slots will
+ * take (a list, or None). */
+PyObject *tierkv_plan_slots(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 3 || !PyList_Check(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "slot_mismatches takes (mine, shared: list, int64)");
+    if (nargs != 5 || !PyList_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "plan_slots takes (mine, nodes: list, partial, partial_len, int64)");
         return NULL;
     }
-    if (intern_names() < 0) {
+    Py_ssize_t partial_len = PyLong_AsSsize_t(args[3]);
+    if ((partial_len == -1 && PyErr_Occurred()) || intern_names() < 0) {
         return NULL;
     }
     Py_buffer vm;
@@ -148,57 +177,43 @@ PyObject *tierkv_slot_mismatches(PyObject *self, PyObject *const *args, Py_ssize
         return NULL;
     }
     const int64_t *mine = (const int64_t *)vm.buf;
-    Py_ssize_t len_mine = vm.len / 8, num_out = 0;
+    Py_ssize_t len_mine = vm.len / 8, num_out = 0, pos = 0, num_nodes = PyList_GET_SIZE(args[1]);
     int64_t *out = NULL;
-    PyObject *result = NULL;
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(args[1]); i++) {
-        PyObject *item = PyList_GET_ITEM(args[1], i);
-        Py_ssize_t start, end;
-        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 3) {
-            PyErr_SetString(PyExc_TypeError, "shared items must be (node, start, end)");
-            goto done;
+    PyObject *revived = NULL, *result = NULL;
+    for (Py_ssize_t i = 0; i <= num_nodes; i++) {
+        PyObject *node = i < num_nodes ? PyList_GET_ITEM(args[1], i) : args[2];
+        if (node == Py_None) {
+            break;
         }
-        start = PyLong_AsSsize_t(PyTuple_GET_ITEM(item, 1));
-        end = PyLong_AsSsize_t(PyTuple_GET_ITEM(item, 2));
-        if ((start == -1 || end == -1) && PyErr_Occurred()) {
-            goto done;
-        }
-        PyObject *node = PyTuple_GET_ITEM(item, 0);
-        if (start < 0 || end < start || end > len_mine || tierkv_check_node(node) < 0) {
+        Py_ssize_t n = tierkv_check_node(node) < 0 ? -1 : (i < num_nodes ? PyObject_Length(SLOT(node, key)) : partial_len);
+        if (n < 0 || pos + n > len_mine) {
             if (!PyErr_Occurred()) {
-                PyErr_Format(PyExc_ValueError, "shared range [%zd, %zd) outside %zd slots", start, end, len_mine);
+                PyErr_Format(PyExc_ValueError, "the path covers more than the %zd slots given", len_mine);
             }
             goto done;
         }
-        Py_buffer view;
-        const int64_t *held = value_slots(SLOT(node, device_value), end - start, args[2], &view);
-        if (held == NULL && PyErr_Occurred()) {
-            goto done;
-        }
-        Py_ssize_t n = end - start, same = tierkv_mismatch(held, mine + start, n);
-        for (Py_ssize_t j = same; j < n; j++) {
-            if (held[j] == mine[start + j]) {
-                continue;
+        if (SLOT(node, device_value) != Py_None) {
+            if (add_mismatches(node, mine + pos, n, args[4], &out, &num_out, len_mine) < 0) {
+                goto done;
             }
-            if (num_out == len_mine) {
-                PyErr_SetString(PyExc_ValueError, "shared ranges overlap");
-                break;
+        } else {
+            PyObject *range = Py_BuildValue("(nn)", pos, pos + n);
+            if (range == NULL || (revived == NULL && (revived = PyList_New(0)) == NULL)
+                || PyList_Append(revived, range) < 0) {
+                Py_XDECREF(range);
+                goto done;
             }
-            if (out == NULL && (out = PyMem_Malloc((size_t)len_mine * 8 + 8)) == NULL) {
-                PyErr_NoMemory();
-                break;
-            }
-            out[num_out++] = mine[start + j];
+            Py_DECREF(range);
         }
-        if (view.obj != NULL) {
-            PyBuffer_Release(&view);
-        }
-        if (PyErr_Occurred()) {
-            goto done;
-        }
+        pos += n;
     }
-    result = PyByteArray_FromStringAndSize((const char *)out, num_out * 8);
+    PyObject *mismatched = out == NULL ? Py_NewRef(Py_None) : PyByteArray_FromStringAndSize((const char *)out, num_out * 8);
+    if (mismatched != NULL) {
+        result = PyTuple_Pack(2, mismatched, revived == NULL ? Py_None : revived);
+        Py_DECREF(mismatched);
+    }
 done:
+    Py_XDECREF(revived);
     PyMem_Free(out);
     PyBuffer_Release(&vm);
     return result;

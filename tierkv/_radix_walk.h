@@ -7,6 +7,6 @@
 
 PyObject *tierkv_walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *tierkv_gather_device_slots(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
-PyObject *tierkv_slot_mismatches(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *tierkv_plan_slots(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
 #endif

@@ -224,9 +224,10 @@ class RadixTree:
         return self._tick
 
     # ---- match / insert -----------------------------------------------------------------------------
-    def _walk(self, elems: Any, num_elems: int, extra_key: str | None) -> Walk:
+    def _walk(self, elems: Any, num_elems: int, extra_key: str | None) -> tuple:
+        """The fields of a :class:`~tierkv.radix_walk.Walk` of ``elems[:num_elems]``, as a tuple."""
         if self._native_walk is not None:
-            return Walk(*self._native_walk(self.root, elems, num_elems, self.page_size, extra_key))
+            return self._native_walk(self.root, elems, num_elems, self.page_size, extra_key)
         return walk_python(self.root, elems, num_elems, self.page_size, extra_key, self.child_key, self._prefix_len)
 
     def match(self, key: RadixKey, touch: bool = True) -> MatchPath:
@@ -235,16 +236,15 @@ class RadixTree:
         Lock contract: takes no lock; splitting preserves the lock and host_ref counts of the node split.
         """
         elems, num_elems = self._walk_elements(key)
-        walk = self._walk(elems, num_elems, key.extra_key)
-        path = walk.nodes
-        if walk.partial is not None:
-            path.append(self._split(walk.partial, walk.partial_len))
+        path, num_matched, partial, partial_len = self._walk(elems, num_elems, key.extra_key)
+        if partial is not None:
+            path.append(self._split(partial, partial_len))
         if touch:  # touched: an eviction heap re-ranks them
             tick = self._touch()
             for node in path:
                 node.last_access_time = tick
             self.root._frontiers.touched_path(path)
-        return MatchPath(path, walk.end)
+        return MatchPath(path, num_matched + partial_len)
 
     def plan_insert(self, key: RadixKey, num_values: int) -> InsertPlan:
         """Where ``key`` meets the tree, for :meth:`apply_insert`; changes nothing. Raises ValueError when
@@ -255,7 +255,7 @@ class RadixTree:
         elems, num_elems = self._walk_elements(key)
         if num_values < num_elems:
             raise ValueError(f"value of length {num_values} is shorter than the key's {num_elems} elements")
-        return InsertPlan(key, elems, num_elems, self._walk(elems, num_elems, key.extra_key))
+        return InsertPlan(key, elems, num_elems, Walk(*self._walk(elems, num_elems, key.extra_key)))
 
     def insert(self, key: RadixKey, value: Any, priority: int = 0) -> InsertResult:
         """Insert ``key`` with device ``value`` (len(value) >= len(elements)); see :class:`InsertResult`.

@@ -57,8 +57,8 @@ class Walk:
 
 
 def walk_python(root: Any, elems: Any, num_elems: int, page_size: int, extra_key: str | None,
-                child_key: Callable[[Any, str | None, int], Any], prefix_len: Callable[[Any, Any, int], int]) -> Walk:
-    """The reference walk (bigram keys, or no compiled core): see :class:`Walk`."""
+                child_key: Callable[[Any, str | None, int], Any], prefix_len: Callable[[Any, Any, int], int]) -> tuple:
+    """The reference walk (bigram keys, or no compiled core): the fields of a :class:`Walk`, as a tuple."""
     node, pos, nodes = root, 0, []
     while pos < num_elems:
         child = node.children.get(child_key(elems, extra_key, pos))
@@ -69,7 +69,7 @@ def walk_python(root: Any, elems: Any, num_elems: int, page_size: int, extra_key
         if n == 0:
             break
         if n < len(child.key):
-            return Walk(nodes, pos, child, n)
+            return nodes, pos, child, n
         nodes.append(child)
         node, pos = child, pos + n
-    return Walk(nodes, pos)
+    return nodes, pos, None, 0

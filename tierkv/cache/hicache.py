@@ -25,7 +25,7 @@ from tierkv.cache.l3.controller import CacheParts, StorageController
 from tierkv.cache.l3.cost_model import CostModel
 from tierkv.cache.layer_load import LayerLoads
 from tierkv.cache.loads import LoadBack
-from tierkv.cache.node_slots import device_prefix, duplicates, slot_array, split_plan, unpinned
+from tierkv.cache.node_slots import device_prefix, plan_slots, slot_array, unpinned
 from tierkv.cache.records import CacheStats, LoadResult, MatchResult, PendingLoad, PendingWrite  # noqa: F401
 from tierkv.cache.retire import Retirements
 from tierkv.copy.transfer import CopyHandle, TransferController, resolve_host_layout
@@ -103,14 +103,13 @@ class HiRadixCache:
         self._note_failed_loads()
         if self.failed_loads:  # nothing from an invalid node on, not even its L2 part: it is loaded
             _cut(path, next((i for i, n in enumerate(path.nodes) if n.invalid), len(path.nodes)))
-        num_device, indices = device_prefix(path.nodes)
+        num_device, indices, device_hit = device_prefix(path.nodes)
         if self.transfer is not None and num_device:
             usable = self.loads.wait_for(path.nodes[:num_device])
             if usable < num_device:  # a failed load: its nodes are garbage until dropped
                 _cut(path, usable)
-                num_device, indices = device_prefix(path.nodes)
+                num_device, indices, device_hit = device_prefix(path.nodes)
         last_device = path.nodes[num_device - 1] if num_device else self.tree.root
-        device_hit = len(indices)
         host_hit = path.num_tokens - device_hit
         self.stats.device_hit_tokens += device_hit
         # Tokens a prefetch just brought into L2 were counted as L3 hits when it ended: not again as L2 hits.
@@ -152,27 +151,29 @@ class HiRadixCache:
             key, device_slots = self.failed_loads.cut_key(key, device_slots)
         slots = slot_array(device_slots)
         plan = self.tree.plan_insert(key, len(slots))  # raises on too few slots, changing nothing
-        shared, taken = split_plan(plan, slots)
-        freed = duplicates(slots, shared)
-        self.device_pool.allocator.check_taken(taken + [freed] if len(freed) else taken, "device_slots")
+        freed, taken = plan_slots(plan, slots)
+        self.device_pool.allocator.check_taken(taken if freed is None else [*taken, freed], "device_slots")
         slots = unpinned(device_slots, slots, taken)
         if plan.walk.partial is None:  # new values are tensors over numpy arrays: plain already
             result = self.tree.apply_insert(plan, slots, priority)
         else:
             with plain_slot_slices():  # the split node's halves: slices of its tensor
                 result = self.tree.apply_insert(plan, slots, priority)
-        if len(freed):
+        if freed is not None:
             self.device_pool.free(torch.from_numpy(freed))
-        owned = result.prefix_len + (len(result.new_node) if result.new_node else 0)
+        owned = result.prefix_len + (len(result.new_node.key) if result.new_node else 0)
         if chunked:
             return owned
-        revived = {id(n) for n in result.revived}
+        used = result.path  # revived nodes hold recomputed KV: not a use
+        if result.revived:
+            used = [n for n in used if all(n is not r for r in result.revived)]
+        on_access = self.priority.on_access  # the policy counts uses itself (Policy.uses)
+        for node in used:
+            on_access(node)
         threshold = self.config.write_threshold
-        for node in result.path:
-            if id(node) not in revived:
-                self.priority.on_access(node)  # the policy counts uses itself (Policy.uses)
-                if threshold is not None:  # the seed's hit_count counts for write-through only
-                    node.hit_count += 1
+        if threshold is not None:  # the seed's hit_count counts for write-through only
+            for node in used:
+                node.hit_count += 1
         if result.new_node is not None:
             self.priority.on_insert(result.new_node)
         if self.transfer is not None and threshold is not None:

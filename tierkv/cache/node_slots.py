@@ -4,7 +4,7 @@ an insert's slots the tree takes, duplicates or must not pin.
 Why numpy and C rather than torch: a match and an insert each handle a handful of small slot arrays, where a
 torch op (a slice, ``cat``, ``clone``, ``numpy()``) costs 1.5-10 us and numpy's or a compiled loop's a few
 hundred ns; the insert converts the caller's tensor once and slices the array. The compiled helpers
-(``gather_device_slots``, ``slot_mismatches`` in tierkv/_radix_slots.c) read nodes' tensors in place; the
+(``gather_device_slots``, ``plan_slots`` in tierkv/_radix_slots.c) read nodes' tensors in place; the
 numpy versions below are their reference (tests set the natives to None).
 """
 
@@ -16,23 +16,25 @@ import torch
 from tierkv.pools.allocator import slack_bytes
 from tierkv.radix import InsertPlan, TreeNode
 from tierkv.radix_key import load_native
+from tierkv.radix_walk import Walk
 
 native_gather = load_native("gather_device_slots")
-native_mismatches = load_native("slot_mismatches")
+native_plan_slots = load_native("plan_slots")
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
 
-def device_prefix(nodes: list[TreeNode]) -> tuple[int, torch.Tensor]:
-    """How many leading ``nodes`` hold device slots, and those slots in order (a new tensor)."""
+def device_prefix(nodes: list[TreeNode]) -> tuple[int, torch.Tensor, int]:
+    """How many leading ``nodes`` hold device slots, those slots in order (a new tensor), and their count."""
     if native_gather is not None:
         count, raw = native_gather(nodes, torch.int64)
-        return count, torch.frombuffer(raw, dtype=torch.int64) if raw else _EMPTY
+        return (count, torch.frombuffer(raw, dtype=torch.int64), len(raw) // 8) if raw else (count, _EMPTY, 0)
     count = 0
     for node in nodes:
         if node.device_value is None:
             break
         count += 1
-    return count, torch.cat([n.device_value for n in nodes[:count]]) if count else _EMPTY
+    slots = torch.cat([n.device_value for n in nodes[:count]]) if count else _EMPTY
+    return count, slots, slots.shape[0]
 
 
 def slot_array(device_slots: torch.Tensor) -> np.ndarray:
@@ -44,34 +46,39 @@ def slot_array(device_slots: torch.Tensor) -> np.ndarray:
     return slots if slots.flags.c_contiguous else np.ascontiguousarray(slots)
 
 
-def split_plan(plan: InsertPlan, slots: np.ndarray) -> tuple[list[tuple[TreeNode, int, int]], list[np.ndarray]]:
-    """The planned path's nodes holding device slots as ``(node, start, end)`` of ``slots``, and the parts of
-    ``slots`` that the insert gives to nodes (valueless nodes on the path, then the new leaf)."""
+def plan_slots(plan: InsertPlan, slots: np.ndarray) -> tuple[np.ndarray | None, list[np.ndarray]]:
+    """For an insert of ``slots`` as ``plan`` says: the caller's slots unequal to those of the nodes on the
+    path that hold device slots (copies of KV the tree holds, to be freed; None when there are none), and
+    the parts of ``slots`` that the insert gives to nodes (valueless nodes on the path, then the new leaf)."""
     walk = plan.walk
-    nodes = walk.nodes if walk.partial is None else walk.nodes + [walk.partial]
-    shared, taken, pos = [], [], 0
-    for node in nodes:
-        end = min(pos + len(node.key), walk.end)
-        if node._device_value is None:
-            taken.append(slots[pos:end])
-        else:
-            shared.append((node, pos, end))
-        pos = end
+    if native_plan_slots is not None:
+        mismatched, revived = native_plan_slots(slots, walk.nodes, walk.partial, walk.partial_len, torch.int64)
+        freed = None if mismatched is None else np.frombuffer(mismatched, dtype=np.int64)
+    else:
+        freed, revived = _plan_slots(walk, slots)
+    taken = [slots[start:end] for start, end in revived] if revived else []
     if walk.end < plan.num_elems:
         taken.append(slots[walk.end:plan.num_elems])
-    return shared, taken
+    return freed, taken
 
 
-def duplicates(slots: np.ndarray, shared: list[tuple[TreeNode, int, int]]) -> np.ndarray:
-    """The slots of ``slots[start:end]`` unequal to ``node``'s at the same place, for each of ``shared``:
-    the caller's copies of KV the tree already holds, to be freed."""
-    if not shared:
-        return slots[:0]
-    if native_mismatches is not None:
-        return np.frombuffer(native_mismatches(slots, shared, torch.int64), dtype=np.int64)
-    mine = np.concatenate([slots[start:end] for _, start, end in shared])
-    held = np.concatenate([node.device_value.numpy()[:end - start] for node, start, end in shared])
-    return mine[mine != held]
+def _plan_slots(walk: Walk, slots: np.ndarray) -> tuple[np.ndarray | None, list[tuple[int, int]]]:
+    """The numpy reference of ``plan_slots`` of tierkv/_radix_slots.c."""
+    nodes = walk.nodes if walk.partial is None else [*walk.nodes, walk.partial]
+    mine, held, revived, pos = [], [], [], 0
+    for node in nodes:
+        end = min(pos + len(node.key), walk.end)
+        if node.device_value is None:
+            revived.append((pos, end))
+        else:
+            mine.append(slots[pos:end])
+            held.append(node.device_value.numpy()[:end - pos])
+        pos = end
+    if not mine:
+        return None, revived
+    mine, held = np.concatenate(mine), np.concatenate(held)
+    unequal = mine[mine != held]
+    return (unequal if len(unequal) else None), revived
 
 
 def unpinned(device_slots: torch.Tensor, slots: np.ndarray, taken: list[np.ndarray]) -> np.ndarray:
@@ -79,9 +86,9 @@ def unpinned(device_slots: torch.Tensor, slots: np.ndarray, taken: list[np.ndarr
     view would keep alive a larger buffer under ``device_slots`` (the scheduler passes ``request.slots[:n]``)."""
     if not taken:
         return slots
-    own = max(len(t) for t in taken) * 8
+    own = max(map(len, taken)) * 8 if len(taken) > 1 else taken[0].nbytes
     if slots.nbytes - own > slack_bytes(own):
-        return slots  # every part taken is copied anyway (see owned_slot_slice)
+        return slots  # every part taken is copied anyway (see owned_array_slice)
     if device_slots.untyped_storage().nbytes() - slots.nbytes > slack_bytes(own):
         return slots.copy()
     return slots

@@ -118,7 +118,8 @@ static PyMethodDef methods[] = {
     {"gather_device_slots", (PyCFunction)(void (*)(void))tierkv_gather_device_slots, METH_FASTCALL,
      "gather_device_slots(nodes, int64) -> (num_nodes, slots as a bytearray) of the leading nodes holding device slots"},
     {"plan_slots", (PyCFunction)(void (*)(void))tierkv_plan_slots, METH_FASTCALL,
-     "plan_slots(mine, nodes, partial, partial_len, int64) -> (slots unequal to the nodes' or None, revived ranges or None)"},
+     "plan_slots(mine, nodes, partial, partial_len, num_elems, page_size, is_free, int64) -> (slots unequal to the "
+     "nodes' or None, revived ranges or None), the slots taken checked allocated"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -157,29 +157,109 @@ static int add_mismatches(PyObject *node, const int64_t *mine, Py_ssize_t n, PyO
     return PyErr_Occurred() ? -1 : 0;
 }
 
-/* plan_slots(mine, nodes, partial, partial_len, int64) -> (mismatched, revived): along a planned insert's path
- * (``nodes`` whole, then ``partial``'s first ``partial_len`` elements, or None), over the caller's slots
- * ``mine`` (an int64 buffer): the caller's slots unequal to those of nodes holding device slots (a bytearray,
- * or None when all are equal), and the ranges (start, end) of ``mine`` that nodes without device slots will
- * take (a list, or None). */
+/* Pages an insert gives to nodes, checked against the allocator's page flags (1 = free) as
+ * SlotAllocator.check_allocated checks them: whole aligned pages, in range, allocated, none given twice. Pages
+ * seen are flagged free while checking (a repeat then fails) and flagged back by ``pages_restore``. */
+typedef struct {
+    char *flags;
+    Py_ssize_t num_pages, page_size, num_seen, room;
+    int64_t *seen;
+} PageCheck;
+
+static int pages_take(PageCheck *c, const int64_t *slots, Py_ssize_t n) {
+    Py_ssize_t ps = c->page_size;
+    if (n % ps) {
+        PyErr_SetString(PyExc_ValueError, "slots taken are not whole pages");
+        return -1;
+    }
+    for (Py_ssize_t p = 0; p < n; p += ps) {
+        int64_t first = slots[p], bad = first % ps;
+        for (Py_ssize_t i = 1; i < ps; i++) {  /* no early exit: the compiler vectorises it */
+            bad |= slots[p + i] ^ (first + i);
+        }
+        if (bad || first < 0 || first / ps >= c->num_pages || c->flags[first / ps] != 0) {
+            PyErr_SetString(PyExc_ValueError, "a slot taken is misaligned, out of range, free or given twice");
+            return -1;
+        }
+        if (c->num_seen == c->room) {
+            Py_ssize_t room = c->room * 2 + 64;
+            int64_t *seen = PyMem_Realloc(c->seen, (size_t)room * 8);
+            if (seen == NULL) {
+                PyErr_NoMemory();
+                return -1;
+            }
+            c->seen = seen, c->room = room;
+        }
+        c->flags[first / ps] = 1;
+        c->seen[c->num_seen++] = first / ps;
+    }
+    return 0;
+}
+
+static void pages_restore(PageCheck *c) {
+    for (Py_ssize_t i = 0; i < c->num_seen; i++) {
+        c->flags[c->seen[i]] = 0;
+    }
+    PyMem_Free(c->seen);
+}
+
+/* the slots of ``mine`` that ``revived`` (a list of (start, end)) and [leaf_start, num_elems) cover, and the
+ * ``num_out`` of ``out``, checked as one set (see PageCheck) */
+static int check_taken(PageCheck *c, const int64_t *mine, PyObject *revived, Py_ssize_t leaf_start,
+                       Py_ssize_t num_elems, const int64_t *out, Py_ssize_t num_out) {
+    for (Py_ssize_t i = 0; revived != NULL && i < PyList_GET_SIZE(revived); i++) {
+        PyObject *range = PyList_GET_ITEM(revived, i);
+        Py_ssize_t start = PyLong_AsSsize_t(PyTuple_GET_ITEM(range, 0));
+        Py_ssize_t end = PyLong_AsSsize_t(PyTuple_GET_ITEM(range, 1));
+        if (pages_take(c, mine + start, end - start) < 0) {
+            return -1;
+        }
+    }
+    if (pages_take(c, mine + leaf_start, num_elems - leaf_start) < 0) {
+        return -1;
+    }
+    return num_out ? pages_take(c, out, num_out) : 0;
+}
+
+/* plan_slots(mine, nodes, partial, partial_len, num_elems, page_size, is_free, int64) -> (mismatched, revived):
+ * along a planned insert's path (``nodes`` whole, then ``partial``'s first ``partial_len`` elements, or None),
+ * over the caller's slots ``mine`` (an int64 buffer): the caller's slots unequal to those of nodes holding
+ * device slots (a bytearray, or None when all are equal), and the ranges (start, end) of ``mine`` that nodes
+ * without device slots will take (a list, or None). Those, the new leaf's (from the path's end to
+ * ``num_elems``) and the unequal ones are checked against the allocator's flags ``is_free`` (see PageCheck):
+ * a ValueError, changing nothing, if they fail. */
 PyObject *tierkv_plan_slots(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 5 || !PyList_Check(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "plan_slots takes (mine, nodes: list, partial, partial_len, int64)");
+    if (nargs != 8 || !PyList_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "plan_slots takes (mine, nodes: list, partial, partial_len, num_elems, "
+                                         "page_size, is_free, int64)");
         return NULL;
     }
-    Py_ssize_t partial_len = PyLong_AsSsize_t(args[3]);
-    if ((partial_len == -1 && PyErr_Occurred()) || intern_names() < 0) {
+    Py_ssize_t partial_len = PyLong_AsSsize_t(args[3]), num_elems = PyLong_AsSsize_t(args[4]);
+    Py_ssize_t page_size = PyLong_AsSsize_t(args[5]);
+    if (PyErr_Occurred() || intern_names() < 0) {
         return NULL;
     }
-    Py_buffer vm;
+    Py_buffer vm, vf = {0};
     if (tierkv_int64_view(args[0], &vm, "mine") < 0) {
+        return NULL;
+    }
+    if (PyObject_GetBuffer(args[6], &vf, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0 || vf.itemsize != 1
+        || page_size < 1 || num_elems > vm.len / 8) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_ValueError, "is_free must be 1-byte flags, page_size >= 1, num_elems within mine");
+        }
+        if (vf.obj != NULL) {
+            PyBuffer_Release(&vf);
+        }
+        PyBuffer_Release(&vm);
         return NULL;
     }
     const int64_t *mine = (const int64_t *)vm.buf;
     Py_ssize_t len_mine = vm.len / 8, num_out = 0, pos = 0, num_nodes = PyList_GET_SIZE(args[1]);
     int64_t *out = NULL;
     PyObject *revived = NULL, *result = NULL;
+    PageCheck check = {vf.buf, vf.len, page_size, 0, 0, NULL};
     for (Py_ssize_t i = 0; i <= num_nodes; i++) {
         PyObject *node = i < num_nodes ? PyList_GET_ITEM(args[1], i) : args[2];
         if (node == Py_None) {
@@ -193,7 +273,7 @@ PyObject *tierkv_plan_slots(PyObject *self, PyObject *const *args, Py_ssize_t na
             goto done;
         }
         if (SLOT(node, device_value) != Py_None) {
-            if (add_mismatches(node, mine + pos, n, args[4], &out, &num_out, len_mine) < 0) {
+            if (add_mismatches(node, mine + pos, n, args[7], &out, &num_out, len_mine) < 0) {
                 goto done;
             }
         } else {
@@ -207,6 +287,11 @@ PyObject *tierkv_plan_slots(PyObject *self, PyObject *const *args, Py_ssize_t na
         }
         pos += n;
     }
+    int bad = check_taken(&check, mine, revived, pos, num_elems, out, num_out);
+    pages_restore(&check);
+    if (bad < 0) {
+        goto done;
+    }
     PyObject *mismatched = out == NULL ? Py_NewRef(Py_None) : PyByteArray_FromStringAndSize((const char *)out, num_out * 8);
     if (mismatched != NULL) {
         result = PyTuple_Pack(2, mismatched, revived == NULL ? Py_None : revived);
@@ -216,5 +301,6 @@ done:
     Py_XDECREF(revived);
     PyMem_Free(out);
     PyBuffer_Release(&vm);
+    PyBuffer_Release(&vf);
     return result;
 }

@@ -151,9 +151,8 @@ class HiRadixCache:
             key, device_slots = self.failed_loads.cut_key(key, device_slots)
         slots = slot_array(device_slots)
         plan = self.tree.plan_insert(key, len(slots))  # raises on too few slots, changing nothing
-        freed, taken = plan_slots(plan, slots)
-        self.device_pool.allocator.check_taken(taken if freed is None else [*taken, freed], "device_slots")
-        slots = unpinned(device_slots, slots, taken)
+        freed, revived = plan_slots(plan, slots, self.device_pool.allocator)  # raises on a bad call, changing nothing
+        slots = unpinned(device_slots, slots, plan, revived)
         if plan.walk.partial is None:  # new values are tensors over numpy arrays: plain already
             result = self.tree.apply_insert(plan, slots, priority)
         else:

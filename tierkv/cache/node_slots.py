@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tierkv.pools.allocator import slack_bytes
+from tierkv.pools.allocator import SlotAllocator, slack_bytes
 from tierkv.radix import InsertPlan, TreeNode
 from tierkv.radix_key import load_native
 from tierkv.radix_walk import Walk
@@ -46,20 +46,27 @@ def slot_array(device_slots: torch.Tensor) -> np.ndarray:
     return slots if slots.flags.c_contiguous else np.ascontiguousarray(slots)
 
 
-def plan_slots(plan: InsertPlan, slots: np.ndarray) -> tuple[np.ndarray | None, list[np.ndarray]]:
+def plan_slots(plan: InsertPlan, slots: np.ndarray,
+               allocator: SlotAllocator) -> tuple[np.ndarray | None, list[tuple[int, int]]]:
     """For an insert of ``slots`` as ``plan`` says: the caller's slots unequal to those of the nodes on the
     path that hold device slots (copies of KV the tree holds, to be freed; None when there are none), and
-    the parts of ``slots`` that the insert gives to nodes (valueless nodes on the path, then the new leaf)."""
+    the ranges of ``slots`` that valueless nodes on the path take. Raises ValueError, changing nothing,
+    unless the slots the insert takes (those ranges, the new leaf's and the unequal ones) are allocated in
+    ``allocator``, whole pages, each given once."""
     walk = plan.walk
     if native_plan_slots is not None:
-        mismatched, revived = native_plan_slots(slots, walk.nodes, walk.partial, walk.partial_len, torch.int64)
-        freed = None if mismatched is None else np.frombuffer(mismatched, dtype=np.int64)
-    else:
-        freed, revived = _plan_slots(walk, slots)
-    taken = [slots[start:end] for start, end in revived] if revived else []
-    if walk.end < plan.num_elems:
-        taken.append(slots[walk.end:plan.num_elems])
-    return freed, taken
+        try:
+            mismatched, revived = native_plan_slots(slots, walk.nodes, walk.partial, walk.partial_len,
+                                                    plan.num_elems, allocator.page_size, allocator.page_flags,
+                                                    torch.int64)
+        except ValueError:
+            pass  # the reference names the problem
+        else:
+            return (None if mismatched is None else np.frombuffer(mismatched, dtype=np.int64)), revived or []
+    freed, revived = _plan_slots(walk, slots)
+    taken = [slots[start:end] for start, end in revived] + [slots[walk.end:plan.num_elems]]
+    allocator.check_taken(taken if freed is None else [*taken, freed], "device_slots")
+    return freed, revived
 
 
 def _plan_slots(walk: Walk, slots: np.ndarray) -> tuple[np.ndarray | None, list[tuple[int, int]]]:
@@ -81,13 +88,16 @@ def _plan_slots(walk: Walk, slots: np.ndarray) -> tuple[np.ndarray | None, list[
     return (unequal if len(unequal) else None), revived
 
 
-def unpinned(device_slots: torch.Tensor, slots: np.ndarray, taken: list[np.ndarray]) -> np.ndarray:
-    """``slots`` (the array of ``device_slots``), or a copy of it when a node would keep a view of it and that
-    view would keep alive a larger buffer under ``device_slots`` (the scheduler passes ``request.slots[:n]``)."""
-    if not taken:
-        return slots
-    own = max(map(len, taken)) * 8 if len(taken) > 1 else taken[0].nbytes
-    if slots.nbytes - own > slack_bytes(own):
+def unpinned(device_slots: torch.Tensor, slots: np.ndarray, plan: InsertPlan,
+             revived: list[tuple[int, int]]) -> np.ndarray:
+    """``slots`` (the array of ``device_slots``), or a copy of it when a node would keep a view of it (the new
+    leaf, or a node ``revived``) and that view would keep alive a larger buffer under ``device_slots`` (the
+    scheduler passes ``request.slots[:n]``)."""
+    own = plan.num_elems - plan.walk.end
+    for start, end in revived:
+        own = max(own, end - start)
+    own *= 8
+    if not own or slots.nbytes - own > slack_bytes(own):
         return slots  # every part taken is copied anyway (see owned_array_slice)
     if device_slots.untyped_storage().nbytes() - slots.nbytes > slack_bytes(own):
         return slots.copy()

@@ -154,6 +154,11 @@ class SlotAllocator:
         if not (self._positions[pages] == order).all():
             raise ValueError(f"{name}: pages {_duplicates(pages).tolist()[:8]} given more than once")
 
+    @property
+    def page_flags(self) -> np.ndarray:
+        """Per page: True when free. The allocator's own array, for native checks that restore what they flip."""
+        return self._is_free
+
     def check_taken(self, parts: list[np.ndarray], name: str) -> None:
         """:meth:`check_allocated` of int64 arrays (the slots an insert gives to nodes), as one set."""
         slots = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else None

@@ -191,3 +191,17 @@ def test_the_compiled_walk_matches_the_reference(page_size):
         assert native == reference
         tree.insert(rkey, list(range(num)))
     tree.check_integrity()
+
+
+def test_on_access_all_counts_as_on_access_does():
+    from tierkv.eviction import get_policy
+
+    tree = RadixTree(1)
+    a = tree.insert(RadixKey([1, 2]), [0, 1]).new_node
+    b = tree.insert(RadixKey([1, 2, 3]), [0, 1, 2]).new_node
+    for name in ("lru", "gdsf"):
+        one, batch = get_policy(name), get_policy(name)
+        for node in (a, b, a):
+            one.on_access(node)
+        batch.on_access_all([a, b, a])
+        assert [one.uses(n) for n in (a, b)] == [batch.uses(n) for n in (a, b)] == [2, 1]

@@ -166,9 +166,7 @@ class HiRadixCache:
         used = result.path  # revived nodes hold recomputed KV: not a use
         if result.revived:
             used = [n for n in used if all(n is not r for r in result.revived)]
-        on_access = self.priority.on_access  # the policy counts uses itself (Policy.uses)
-        for node in used:
-            on_access(node)
+        self.priority.on_access_all(used)  # the policy counts uses itself (Policy.uses)
         threshold = self.config.write_threshold
         if threshold is not None:  # the seed's hit_count counts for write-through only
             for node in used:

@@ -221,6 +221,43 @@ static int check_taken(PageCheck *c, const int64_t *mine, PyObject *revived, Py_
     return num_out ? pages_take(c, out, num_out) : 0;
 }
 
+/* plan_slots' walk along the path: ``nodes`` whole, then ``partial``'s first ``partial_len`` elements (or None).
+ * Nodes holding device slots add the caller's unequal slots to ``*out``; the others add their range to
+ * ``*revived``. Returns the elements covered, or -1 on error. */
+static Py_ssize_t path_slots(PyObject *nodes, PyObject *partial, Py_ssize_t partial_len, PyObject *int64,
+                             const int64_t *mine, Py_ssize_t len_mine, int64_t **out, Py_ssize_t *num_out,
+                             PyObject **revived) {
+    Py_ssize_t pos = 0, num_nodes = PyList_GET_SIZE(nodes);
+    for (Py_ssize_t i = 0; i <= num_nodes; i++) {
+        PyObject *node = i < num_nodes ? PyList_GET_ITEM(nodes, i) : partial;
+        if (node == Py_None) {
+            break;
+        }
+        Py_ssize_t n = tierkv_check_node(node) < 0 ? -1 : (i < num_nodes ? PyObject_Length(SLOT(node, key)) : partial_len);
+        if (n < 0 || pos + n > len_mine) {
+            if (!PyErr_Occurred()) {
+                PyErr_Format(PyExc_ValueError, "the path covers more than the %zd slots given", len_mine);
+            }
+            return -1;
+        }
+        if (SLOT(node, device_value) != Py_None) {
+            if (add_mismatches(node, mine + pos, n, int64, out, num_out, len_mine) < 0) {
+                return -1;
+            }
+        } else {
+            PyObject *range = Py_BuildValue("(nn)", pos, pos + n);
+            if (range == NULL || (*revived == NULL && (*revived = PyList_New(0)) == NULL)
+                || PyList_Append(*revived, range) < 0) {
+                Py_XDECREF(range);
+                return -1;
+            }
+            Py_DECREF(range);
+        }
+        pos += n;
+    }
+    return pos;
+}
+
 /* plan_slots(mine, nodes, partial, partial_len, num_elems, page_size, is_free, int64) -> (mismatched, revived):
  * along a planned insert's path (``nodes`` whole, then ``partial``'s first ``partial_len`` elements, or None),
  * over the caller's slots ``mine`` (an int64 buffer): the caller's slots unequal to those of nodes holding
@@ -245,7 +282,7 @@ PyObject *tierkv_plan_slots(PyObject *self, PyObject *const *args, Py_ssize_t na
         return NULL;
     }
     if (PyObject_GetBuffer(args[6], &vf, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0 || vf.itemsize != 1
-        || page_size < 1 || num_elems > vm.len / 8) {
+        || page_size < 1 || num_elems > vm.len / 8 || partial_len < 0) {
         if (!PyErr_Occurred()) {
             PyErr_SetString(PyExc_ValueError, "is_free must be 1-byte flags, page_size >= 1, num_elems within mine");
         }
@@ -256,36 +293,16 @@ PyObject *tierkv_plan_slots(PyObject *self, PyObject *const *args, Py_ssize_t na
         return NULL;
     }
     const int64_t *mine = (const int64_t *)vm.buf;
-    Py_ssize_t len_mine = vm.len / 8, num_out = 0, pos = 0, num_nodes = PyList_GET_SIZE(args[1]);
+    Py_ssize_t len_mine = vm.len / 8, num_out = 0, pos;
     int64_t *out = NULL;
     PyObject *revived = NULL, *result = NULL;
     PageCheck check = {vf.buf, vf.len, page_size, 0, 0, NULL};
-    for (Py_ssize_t i = 0; i <= num_nodes; i++) {
-        PyObject *node = i < num_nodes ? PyList_GET_ITEM(args[1], i) : args[2];
-        if (node == Py_None) {
-            break;
+    pos = path_slots(args[1], args[2], partial_len, args[7], mine, len_mine, &out, &num_out, &revived);
+    if (pos < 0 || pos > num_elems) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_ValueError, "the path is longer than num_elems");
         }
-        Py_ssize_t n = tierkv_check_node(node) < 0 ? -1 : (i < num_nodes ? PyObject_Length(SLOT(node, key)) : partial_len);
-        if (n < 0 || pos + n > len_mine) {
-            if (!PyErr_Occurred()) {
-                PyErr_Format(PyExc_ValueError, "the path covers more than the %zd slots given", len_mine);
-            }
-            goto done;
-        }
-        if (SLOT(node, device_value) != Py_None) {
-            if (add_mismatches(node, mine + pos, n, args[7], &out, &num_out, len_mine) < 0) {
-                goto done;
-            }
-        } else {
-            PyObject *range = Py_BuildValue("(nn)", pos, pos + n);
-            if (range == NULL || (revived == NULL && (revived = PyList_New(0)) == NULL)
-                || PyList_Append(revived, range) < 0) {
-                Py_XDECREF(range);
-                goto done;
-            }
-            Py_DECREF(range);
-        }
-        pos += n;
+        goto done;
     }
     int bad = check_taken(&check, mine, revived, pos, num_elems, out, num_out);
     pages_restore(&check);

@@ -22,6 +22,19 @@ static PyObject *child_key_at(const int64_t *elems, Py_ssize_t pos, Py_ssize_t p
     return pair;
 }
 
+/* the child of ``node`` whose key starts at elems[pos] (borrowed: nothing the walk does runs Python code that
+ * could change the dict), or NULL: none, or an error set */
+static PyObject *child_at(PyObject *node, const int64_t *elems, Py_ssize_t pos, Py_ssize_t page_size,
+                          PyObject *extra) {
+    PyObject *ck = child_key_at(elems, pos, page_size, extra);
+    if (ck == NULL) {
+        return NULL;
+    }
+    PyObject *child = PyDict_GetItemWithError(SLOT(node, children), ck);
+    Py_DECREF(ck);
+    return child;
+}
+
 /* equal leading elements of ``child``'s key and elems[pos:pos + room], or -1 on error */
 static Py_ssize_t key_match(PyObject *child, const int64_t *elems, Py_ssize_t room, Py_ssize_t *key_len) {
     Py_buffer view;
@@ -67,13 +80,7 @@ PyObject *tierkv_walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     }
     PyObject *node = root;
     while (pos < num_elems) {
-        PyObject *ck = child_key_at(elems, pos, page_size, extra);
-        if (ck == NULL) {
-            goto done;
-        }
-        /* borrowed: nothing below runs Python code that could change the dict */
-        PyObject *child = PyDict_GetItemWithError(SLOT(node, children), ck);
-        Py_DECREF(ck);
+        PyObject *child = child_at(node, elems, pos, page_size, extra);
         if (child == NULL) {
             if (PyErr_Occurred()) {
                 goto done;

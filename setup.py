@@ -10,10 +10,12 @@ page stores to their Python I/O loops (see tierkv/storage/native.py).
 from setuptools import Extension, setup
 
 SOURCES = {"copy._rowcopy": ["tierkv/copy/_rowcopy.c"],
-           "_radix": ["tierkv/_radix.c", "tierkv/_radix_evict.c", "tierkv/_radix_node.c", "tierkv/_radix_heap.c"],
+           "_radix": ["tierkv/_radix.c", "tierkv/_radix_evict.c", "tierkv/_radix_node.c", "tierkv/_radix_heap.c",
+                      "tierkv/_radix_walk.c", "tierkv/_radix_slots.c"],
            "_pageio": ["tierkv/_pageio.c", "tierkv/_pageio_mem.c"]}
 
-HEADERS = {"_radix": ["tierkv/_radix.h", "tierkv/_radix_evict.h", "tierkv/_radix_heap.h", "tierkv/_radix_node.h"],
+HEADERS = {"_radix": ["tierkv/_radix.h", "tierkv/_radix_evict.h", "tierkv/_radix_heap.h", "tierkv/_radix_node.h",
+                      "tierkv/_radix_walk.h"],
            "_pageio": ["tierkv/_pageio.h"]}
 
 setup(ext_modules=[Extension(f"tierkv.{name}", sources, depends=HEADERS.get(name, []), extra_compile_args=["-O3"],

@@ -7,6 +7,7 @@
  */
 #include "_radix.h"
 #include "_radix_evict.h"
+#include "_radix_walk.h"
 #include <stdint.h>
 #include <string.h>
 
@@ -16,7 +17,9 @@ int tierkv_int64_view(PyObject *obj, Py_buffer *view, const char *name) {
     if (PyObject_GetBuffer(obj, view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) {
         return -1;
     }
-    if (view->itemsize != 8 || view->format == NULL || strcmp(view->format, "q") != 0) {
+    /* "l" is numpy's native int64 (on LP64): slot arrays come from numpy */
+    if (view->itemsize != 8 || view->format == NULL
+        || (strcmp(view->format, "q") != 0 && strcmp(view->format, "l") != 0)) {
         PyErr_Format(PyExc_TypeError, "%s must be an array('q'), got format %s", name,
                      view->format ? view->format : "?");
         PyBuffer_Release(view);
@@ -25,7 +28,7 @@ int tierkv_int64_view(PyObject *obj, Py_buffer *view, const char *name) {
     return 0;
 }
 
-static Py_ssize_t mismatch(const int64_t *a, const int64_t *b, Py_ssize_t n) {
+Py_ssize_t tierkv_mismatch(const int64_t *a, const int64_t *b, Py_ssize_t n) {
     if (memcmp(a, b, (size_t)n * sizeof(int64_t)) == 0) {
         return n;
     }
@@ -63,7 +66,7 @@ static PyObject *common_prefix_len(PyObject *self, PyObject *const *args, Py_ssi
         PyErr_Format(PyExc_ValueError, "offset %zd is outside b of %zd elements", offset, len_b);
     } else {
         Py_ssize_t n = len_a < len_b - offset ? len_a : len_b - offset;
-        result = PyLong_FromSsize_t(mismatch((const int64_t *)va.buf, (const int64_t *)vb.buf + offset, n));
+        result = PyLong_FromSsize_t(tierkv_mismatch((const int64_t *)va.buf, (const int64_t *)vb.buf + offset, n));
     }
     PyBuffer_Release(&va);
     PyBuffer_Release(&vb);
@@ -110,6 +113,13 @@ static PyMethodDef methods[] = {
      "hand_back, host_tier) -> (freed, nodes, values, held)"},
     {"common_prefix_len", (PyCFunction)(void (*)(void))common_prefix_len, METH_FASTCALL,
      "common_prefix_len(a, b, offset) -> equal leading elements of int64 arrays a and b[offset:]"},
+    {"walk", (PyCFunction)(void (*)(void))tierkv_walk, METH_FASTCALL,
+     "walk(root, elems, num_elems, page_size, extra_key) -> (nodes, num_matched, partial, partial_len)"},
+    {"gather_device_slots", (PyCFunction)(void (*)(void))tierkv_gather_device_slots, METH_FASTCALL,
+     "gather_device_slots(nodes, int64) -> (num_nodes, slots as a bytearray) of the leading nodes holding device slots"},
+    {"plan_slots", (PyCFunction)(void (*)(void))tierkv_plan_slots, METH_FASTCALL,
+     "plan_slots(mine, nodes, partial, partial_len, num_elems, page_size, is_free, int64) -> (slots unequal to the "
+     "nodes' or None, revived ranges or None), the slots taken checked allocated"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -117,8 +127,9 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "tierkv._radix", NULL
 
 /* 2: evict_device; common_prefix_len takes memoryviews of int64 arrays (node keys may be views);
  * 3: the tree's frontier sets may be None (untracked until read); 4: evict_device takes keep_nodes;
- * 5: evict_device takes hand_back and returns the victim it handed back; 6: and host_tier */
-#define API_VERSION 6
+ * 5: evict_device takes hand_back and returns the victim it handed back; 6: and host_tier;
+ * 7: walk, gather_device_slots, plan_slots */
+#define API_VERSION 7
 
 PyMODINIT_FUNC PyInit__radix(void) {
     PyObject *m = PyModule_Create(&module);

@@ -5,8 +5,12 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stdint.h>
 
 /* a C-contiguous int64 ("q") buffer of obj; TypeError naming ``name`` otherwise */
 int tierkv_int64_view(PyObject *obj, Py_buffer *view, const char *name);
+
+/* how many leading elements of a and b (n each) are equal */
+Py_ssize_t tierkv_mismatch(const int64_t *a, const int64_t *b, Py_ssize_t n);
 
 #endif

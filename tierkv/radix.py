@@ -23,8 +23,10 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterable, Iterator
 
+from tierkv import radix_walk
 from tierkv.radix_frontiers import Frontiers
-from tierkv.radix_key import RadixKey, key_slack, load_native, own_key
+from tierkv.radix_key import RadixKey, key_slack, own_key
+from tierkv.radix_walk import Walk, walk_python
 
 _node_ids = itertools.count(1)
 
@@ -106,7 +108,7 @@ class MatchPath:
         return self.nodes[-1] if self.nodes else None
 
 
-@dataclass
+@dataclass(slots=True)  # cheaper to make: one per insert
 class InsertResult:
     """Where an insert met the existing tree.
 
@@ -121,34 +123,20 @@ class InsertResult:
     path: list[TreeNode] = field(default_factory=list)
 
 
-_SCAN_CHUNK = 256
+@dataclass(slots=True)  # cheaper to make: one per insert
+class InsertPlan:
+    """What :meth:`RadixTree.plan_insert` found: the key, its elements (whole pages: ``num_elems``) and the walk."""
+
+    key: RadixKey
+    elems: Any
+    num_elems: int
+    walk: Walk
 
 
-def _common_prefix_len(a: list, b: list, offset: int = 0) -> int:
-    """Length of the common prefix of ``a`` and ``b[offset:]``, by C-speed slice compares.
-
-    Only ``len(a)`` elements of ``b`` are copied (``b`` is a whole prompt, ``a`` one edge). On a mismatch,
-    fixed chunks locate it and a binary search finishes inside one chunk: a binary search over the
-    whole edge would copy O(n log n) elements, which dominated matching long prompts.
-    """
-    n = min(len(a), len(b) - offset)
-    if (a if n == len(a) else a[:n]) == b[offset:offset + n]:
-        return n
-    lo = 0  # a[:lo] equal
-    while lo + _SCAN_CHUNK <= n and a[lo:lo + _SCAN_CHUNK] == b[offset + lo:offset + lo + _SCAN_CHUNK]:
-        lo += _SCAN_CHUNK
-    hi = min(n, lo + _SCAN_CHUNK) - 1  # a[:hi+1] not equal
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[lo:mid] == b[offset + lo:offset + mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
-# read when a tree is built; tests set it to None to run the same suite on the pure-Python reference
-native_common_prefix_len = load_native("common_prefix_len")
+# the compiled walk and key comparison, read when a tree is built (tests set them to None)
+native_common_prefix_len = radix_walk.native_common_prefix_len
+native_walk = radix_walk.native_walk
+_common_prefix_len = radix_walk.common_prefix_len
 
 
 def implementation() -> str:
@@ -168,6 +156,7 @@ class RadixTree:
         # keys are int64 arrays except in bigram mode (lists of pairs): those compare in Python
         native = native_common_prefix_len
         self._prefix_len = native if native is not None and not bigram else _common_prefix_len
+        self._native_walk = native_walk if native is not None and not bigram else None
         self._tick = 0
         self.root = TreeNode([], None, None, 0)
         self.root.lock_ref = 1  # the root is never evicted
@@ -235,74 +224,74 @@ class RadixTree:
         return self._tick
 
     # ---- match / insert -----------------------------------------------------------------------------
+    def _walk(self, elems: Any, num_elems: int, extra_key: str | None) -> tuple:
+        """The fields of a :class:`~tierkv.radix_walk.Walk` of ``elems[:num_elems]``, as a tuple."""
+        if self._native_walk is not None:
+            return self._native_walk(self.root, elems, num_elems, self.page_size, extra_key)
+        return walk_python(self.root, elems, num_elems, self.page_size, extra_key, self.child_key, self._prefix_len)
+
     def match(self, key: RadixKey, touch: bool = True) -> MatchPath:
         """Walk the longest page-aligned prefix of ``key``, splitting a node at a partial match.
 
         Lock contract: takes no lock; splitting preserves the lock and host_ref counts of the node split.
         """
         elems, num_elems = self._walk_elements(key)
-        tick = self._touch() if touch else None
-        node, pos, path = self.root, 0, []
-        page_size, extra_key = self.page_size, key.extra_key
-        prefix_len = self._prefix_len
-        while pos < num_elems:
-            child = node.children.get(self.child_key(elems, extra_key, pos))
-            if child is None:
-                break
-            n = prefix_len(child.key, elems, pos)
-            n -= n % page_size
-            if n == 0:
-                break
-            if n < len(child.key):
-                child = self._split(child, n)
-            if tick is not None:
-                child.last_access_time = tick
-            path.append(child)
-            node, pos = child, pos + n
-        if tick is not None:  # touched: an eviction heap re-ranks them
+        path, num_matched, partial, partial_len = self._walk(elems, num_elems, key.extra_key)
+        if partial is not None:
+            path.append(self._split(partial, partial_len))
+        if touch:  # touched: an eviction heap re-ranks them
+            tick = self._touch()
+            for node in path:
+                node.last_access_time = tick
             self.root._frontiers.touched_path(path)
-        return MatchPath(path, pos)
+        return MatchPath(path, num_matched + partial_len)
+
+    def plan_insert(self, key: RadixKey, num_values: int) -> InsertPlan:
+        """Where ``key`` meets the tree, for :meth:`apply_insert`; changes nothing. Raises ValueError when
+        ``num_values`` (the value's length) is shorter than the key's elements.
+
+        Lock contract: takes no lock. The plan is void once the tree changes: apply it before anything else.
+        """
+        elems, num_elems = self._walk_elements(key)
+        if num_values < num_elems:
+            raise ValueError(f"value of length {num_values} is shorter than the key's {num_elems} elements")
+        return InsertPlan(key, elems, num_elems, Walk(*self._walk(elems, num_elems, key.extra_key)))
 
     def insert(self, key: RadixKey, value: Any, priority: int = 0) -> InsertResult:
         """Insert ``key`` with device ``value`` (len(value) >= len(elements)); see :class:`InsertResult`.
 
         Lock contract: takes no lock; nodes revived or created are unlocked (counted evictable).
         """
-        elems, num_elems = self._walk_elements(key)
-        num_values = len(value)  # once: a tensor's len() is a Python call
-        if num_values < num_elems:  # checked before any change: a failed insert leaves the tree as it was
-            raise ValueError(f"value of length {num_values} is shorter than the key's {num_elems} elements")
+        return self.apply_insert(self.plan_insert(key, len(value)), value, priority)
+
+    def apply_insert(self, plan: InsertPlan, value: Any, priority: int = 0) -> InsertResult:
+        """Carry out ``plan`` (from :meth:`plan_insert`, the tree unchanged since) with device ``value``:
+        split the node matched in part, give valueless nodes on the path their part of ``value``, add the
+        rest as a new leaf. Lock contract: takes no lock; nodes revived or created are unlocked."""
+        walk, extra_key, num_elems = plan.walk, plan.key.extra_key, plan.num_elems
+        path = walk.nodes
+        if walk.partial is not None:
+            path.append(self._split(walk.partial, walk.partial_len))
         tick = self._touch()
-        node, pos, page_size, extra_key = self.root, 0, self.page_size, key.extra_key
-        prefix_len = self._prefix_len
-        result = InsertResult(prefix_len=0)
-        path = result.path
-        while pos < num_elems:
-            child = node.children.get(self.child_key(elems, extra_key, pos))
-            if child is None:
-                break
-            n = prefix_len(child.key, elems, pos)
-            n -= n % page_size
-            if n == 0:
-                break
-            if n < len(child.key):
-                child = self._split(child, n)
+        result = InsertResult(prefix_len=walk.end, path=path)
+        pos = 0
+        for child in path:
+            end = pos + len(child.key)
             child.last_access_time = tick
             if priority > child.priority:
                 child.priority = priority
             if child._device_value is None:
-                self._attach(child, self._slice_value(value, pos, pos + n))
+                self._attach(child, self._slice_value(value, pos, end))
                 result.revived.append(child)
             else:
-                result.shared.append((child, pos, pos + n))
-            path.append(child)
-            node, pos = child, pos + n
-        result.prefix_len = pos
+                result.shared.append((child, pos, end))
+            pos = end
         if pos < num_elems:
-            leaf = TreeNode(self._leaf_key(elems, pos, num_elems), extra_key, node, tick)
+            node = path[-1] if path else self.root
+            leaf = TreeNode(self._leaf_key(plan.elems, pos, num_elems), extra_key, node, tick)
             leaf.priority = priority
             node.children[self.child_key(leaf.key, extra_key)] = leaf
-            whole = not pos and num_values == num_elems and self._slice_value is _plain_slice  # no slice needed
+            whole = not pos and self._slice_value is _plain_slice and len(value) == num_elems  # no slice needed
             self._attach(leaf, value if whole else self._slice_value(value, pos, num_elems))
             result.new_node = leaf
             path.append(leaf)

@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 log = logging.getLogger(__name__)
 
 
-NATIVE_API_VERSION = 6  # the API_VERSION of tierkv/_radix.c that the tree calls
+NATIVE_API_VERSION = 7  # the API_VERSION of tierkv/_radix.c that the tree calls
 
 
 def load_native(name: str) -> Callable | None:
@@ -58,7 +58,9 @@ class RadixKey:
     extra_key: str | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "token_ids", _token_array(self.token_ids))
+        ids = self.token_ids
+        if type(ids) is not array or ids.typecode != "q":  # an array('q') is adopted: nothing to set
+            object.__setattr__(self, "token_ids", _token_array(ids))
         if self.extra_key is not None:
             if not isinstance(self.extra_key, str):
                 raise TypeError(f"extra_key must be a str or None, got {self.extra_key!r}")

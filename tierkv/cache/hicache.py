@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 
-import numpy as np
 import torch
 
 from tierkv.cache.config import CacheConfig
@@ -25,7 +24,8 @@ from tierkv.cache.failed_loads import FailedLoads
 from tierkv.cache.l3.controller import CacheParts, StorageController
 from tierkv.cache.l3.cost_model import CostModel
 from tierkv.cache.layer_load import LayerLoads
-from tierkv.cache.loads import LoadBack, path_indices
+from tierkv.cache.loads import LoadBack
+from tierkv.cache.node_slots import device_prefix, plan_slots, slot_array, unpinned
 from tierkv.cache.records import CacheStats, LoadResult, MatchResult, PendingLoad, PendingWrite  # noqa: F401
 from tierkv.cache.retire import Retirements
 from tierkv.copy.transfer import CopyHandle, TransferController, resolve_host_layout
@@ -103,24 +103,19 @@ class HiRadixCache:
         self._note_failed_loads()
         if self.failed_loads:  # nothing from an invalid node on, not even its L2 part: it is loaded
             _cut(path, next((i for i, n in enumerate(path.nodes) if n.invalid), len(path.nodes)))
-        device_nodes = []
-        for node in path.nodes:
-            if node.device_value is None:
-                break
-            device_nodes.append(node)
-        usable = self.loads.wait_for(device_nodes)
-        if usable < len(device_nodes):  # a failed load: its nodes are garbage until dropped
-            device_nodes = device_nodes[:usable]
-            _cut(path, usable)
-        last_device = device_nodes[-1] if device_nodes else self.tree.root
-        device_hit = sum(len(n) for n in device_nodes)
+        num_device, indices, device_hit = device_prefix(path.nodes)
+        if self.transfer is not None and num_device:
+            usable = self.loads.wait_for(path.nodes[:num_device])
+            if usable < num_device:  # a failed load: its nodes are garbage until dropped
+                _cut(path, usable)
+                num_device, indices, device_hit = device_prefix(path.nodes)
+        last_device = path.nodes[num_device - 1] if num_device else self.tree.root
         host_hit = path.num_tokens - device_hit
         self.stats.device_hit_tokens += device_hit
         # Tokens a prefetch just brought into L2 were counted as L3 hits when it ended: not again as L2 hits.
-        fetched = self.storage.claim_fetched(path.nodes[len(device_nodes):]) if self.storage is not None else 0
+        fetched = self.storage.claim_fetched(path.nodes[num_device:]) if self.storage is not None else 0
         self.stats.host_hit_tokens += host_hit - fetched
-        return MatchResult(path_indices(device_nodes), last_device, path.last_node or self.tree.root,
-                           host_hit)
+        return MatchResult(indices, last_device, path.last_node or self.tree.root, host_hit)
 
     def inc_lock_ref(self, node: TreeNode) -> None:
         """Lock contract: locks ``node``'s path in L1 (never evicted) until :meth:`dec_lock_ref`."""
@@ -137,8 +132,9 @@ class HiRadixCache:
         """Cache ``key`` whose KV sits in ``device_slots``; returns how many of them the tree now owns.
 
         Slots duplicating KV the tree already holds are freed; slots past the returned count (a partial
-        last page, or what lies below a node whose load failed) stay the caller's. The slots covering
-        the key must be allocated, whole pages, each given once; a bad call changes nothing. Hits are
+        last page, or what lies below a node whose load failed) stay the caller's. The slots the tree takes
+        (those of nodes it creates or revives) and those it frees must be allocated, whole pages, each given
+        once; a bad call changes nothing. Slots equal to the tree's own are not checked again. Hits are
         counted as HiCache counts them: not under write_back, not for a ``chunked`` insert (one chunk
         of a prefill in progress: the prompt has not been reused), and not for nodes this insert
         revived (recomputed KV for a host-only node).
@@ -150,29 +146,32 @@ class HiRadixCache:
             raise TypeError(f"priority must be an int, got {priority!r}")
         if not isinstance(chunked, bool):
             raise TypeError(f"chunked must be a bool, got {chunked!r}")
-        num_elems = self.tree.num_elements(key)
-        if len(device_slots) < num_elems:
-            raise ValueError(f"device_slots of length {len(device_slots)} is shorter than the key's {num_elems} "
-                             "elements")
-        self.device_pool.allocator.check_allocated(device_slots[:num_elems], "device_slots")
         self._note_failed_loads()
         if self.failed_loads:
             key, device_slots = self.failed_loads.cut_key(key, device_slots)
-        with plain_slot_slices():  # the nodes' slices of device_slots
-            result = self.tree.insert(key, device_slots, priority)
-        self._free_duplicates(device_slots, result.shared)
-        owned = result.prefix_len + (len(result.new_node) if result.new_node else 0)
+        slots = slot_array(device_slots)
+        plan = self.tree.plan_insert(key, len(slots))  # raises on too few slots, changing nothing
+        freed, revived = plan_slots(plan, slots, self.device_pool.allocator)  # raises on a bad call, changing nothing
+        slots = unpinned(device_slots, slots, plan, revived)
+        if plan.walk.partial is None:  # new values are tensors over numpy arrays: plain already
+            result = self.tree.apply_insert(plan, slots, priority)
+        else:
+            with plain_slot_slices():  # the split node's halves: slices of its tensor
+                result = self.tree.apply_insert(plan, slots, priority)
+        if freed is not None:
+            self.device_pool.free(torch.from_numpy(freed))
+        owned = result.prefix_len + (len(result.new_node.key) if result.new_node else 0)
         if chunked:
             return owned
-        revived = {id(n) for n in result.revived}
+        used = result.path  # revived nodes hold recomputed KV: not a use
+        if result.revived:
+            used = [n for n in used if all(n is not r for r in result.revived)]
         threshold = self.config.write_threshold
-        counts_uses = threshold is not None or self.priority.counts_uses_under_write_back
-        for node in result.path:
-            if id(node) not in revived:
-                if counts_uses:  # the policy counts uses itself (Policy.uses); LFU's not under write_back
-                    self.priority.on_access(node)
-                if threshold is not None:  # the seed's hit_count counts for write-through only
-                    node.hit_count += 1
+        if threshold is not None or self.priority.counts_uses_under_write_back:  # LFU's not under write_back
+            self.priority.on_access_all(used)  # the policy counts uses itself (Policy.uses)
+        if threshold is not None:  # the seed's hit_count counts for write-through only
+            for node in used:
+                node.hit_count += 1
         if result.new_node is not None:
             self.priority.on_insert(result.new_node)
         if self.transfer is not None and threshold is not None:
@@ -180,22 +179,6 @@ class HiRadixCache:
             if hot and self.eviction.admit(hot[-1]):
                 self.write_backup(hot[-1])
         return owned
-
-    def _free_duplicates(self, device_slots: torch.Tensor, shared: list[tuple[TreeNode, int, int]]) -> None:
-        """Free the caller's slots that duplicate KV already held by ``shared`` nodes, in one batch
-        (numpy: a long prompt shares dozens of nodes, and per-node torch ops dominated inserts)."""
-        if not shared:
-            return
-        mine = device_slots.numpy()
-        held = [n.device_value.numpy() for n, _, _ in shared]
-        if shared[-1][2] == sum(len(h) for h in held):  # shared nodes cover [0, end): one compare
-            mine, held = mine[:shared[-1][2]], np.concatenate(held)
-        else:
-            mine = np.concatenate([mine[start:end] for _, start, end in shared])
-            held = np.concatenate(held)
-        duplicate = mine[mine != held]
-        if len(duplicate):
-            self.device_pool.free(torch.from_numpy(duplicate))
 
     def write_backup(self, node: TreeNode) -> bool:
         """Back ``node`` (and any ancestor not yet in L2) up to L2 asynchronously.

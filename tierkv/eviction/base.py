@@ -69,6 +69,17 @@ class Policy:
         override it call it last, so :meth:`uses` still counts the uses before this one."""
         self._uses[node.id] = self._uses.get(node.id, 0) + 1
 
+    def on_access_all(self, nodes: list[PolicyNode]) -> None:
+        """:meth:`on_access` of each of ``nodes`` in order: an insert's whole path in one call (a method call
+        per node was a tenth of a chat-shaped insert)."""
+        if type(self).on_access is not Policy.on_access:
+            for node in nodes:
+                self.on_access(node)
+            return
+        uses = self._uses
+        for node in nodes:
+            uses[node.id] = uses.get(node.id, 0) + 1
+
     def on_split(self, top: PolicyNode, bottom: PolicyNode) -> None:
         """The tree split ``bottom``: ``top`` (new) holds its first tokens and has had the same uses, so it
         gets ``bottom``'s entry in each dict or set named by :attr:`per_node_state`."""

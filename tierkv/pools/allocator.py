@@ -45,12 +45,27 @@ def owned_slot_slice(slots: torch.Tensor, start: int, end: int) -> torch.Tensor:
     """``slots[start:end]`` as a tree node keeps it: a view when the buffer under it holds at most
     :func:`slack_bytes` more, else a copy. Why: a view keeps its whole buffer alive, and a short branch's
     slice of a request's slots pinned the slots of the whole shared prompt (100 branches of 50 tokens under
-    a 3,000-token prompt held 61x the bytes they needed). SGLang's tree copies every value."""
+    a 3,000-token prompt held 61x the bytes they needed). SGLang's tree copies every value. ``slots`` may be
+    the numpy array of a caller's tensor (see :func:`owned_array_slice`)."""
+    if type(slots) is np.ndarray:
+        return owned_array_slice(slots, start, end)
     part = slots[start:end]
     own = part.nbytes
     if part.untyped_storage().nbytes() - own > slack_bytes(own):
         return part.clone()
     return part
+
+
+def owned_array_slice(slots: np.ndarray, start: int, end: int) -> torch.Tensor:
+    """:func:`owned_slot_slice` of an int64 array: a tensor over ``slots[start:end]``, or over a copy when
+    ``slots`` is more than :func:`slack_bytes` larger. The array must not itself pin a larger buffer (the
+    cache copies it first when it would). Why numpy: a copy and a tensor over it cost a quarter of a
+    ``clone()`` of a torch slice."""
+    part = slots[start:end]
+    own = part.nbytes
+    if slots.nbytes - own > slack_bytes(own):
+        part = part.copy()
+    return torch.from_numpy(part)
 
 
 def slack_bytes(own_nbytes: int) -> int:
@@ -113,12 +128,8 @@ class SlotAllocator:
     def check_allocated(self, slots: torch.Tensor, name: str) -> None:
         """Raise ValueError unless ``slots`` (1-D int64) are whole aligned pages in range, allocated,
         each given once. Vectorised numpy: inserts call it on every prompt's slots."""
-        if native is not None:
-            try:
-                native.check_allocated(slots, self.page_size, self._is_free)
-                return
-            except _NATIVE_REFUSED:
-                pass  # the reference names the problem
+        if self._checked_natively(slots):
+            return
         slots_np = slots.detach().cpu().numpy()
         if len(slots_np) == 0:
             return
@@ -142,6 +153,28 @@ class SlotAllocator:
         self._positions[pages] = order
         if not (self._positions[pages] == order).all():
             raise ValueError(f"{name}: pages {_duplicates(pages).tolist()[:8]} given more than once")
+
+    @property
+    def page_flags(self) -> np.ndarray:
+        """Per page: True when free. The allocator's own array, for native checks that restore what they flip."""
+        return self._is_free
+
+    def check_taken(self, parts: list[np.ndarray], name: str) -> None:
+        """:meth:`check_allocated` of int64 arrays (the slots an insert gives to nodes), as one set."""
+        slots = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else None
+        if slots is not None and len(slots) and not self._checked_natively(slots):
+            self.check_allocated(torch.from_numpy(slots), name)
+
+    def _checked_natively(self, slots: torch.Tensor | np.ndarray) -> bool:
+        """True when the native check of :meth:`check_allocated` passed; False when there is none or it
+        refused the slots (the numpy reference then names the problem)."""
+        if native is None:
+            return False
+        try:
+            native.check_allocated(slots, self.page_size, self._is_free)
+        except _NATIVE_REFUSED:
+            return False
+        return True
 
     def alloc(self, num_tokens: int) -> torch.Tensor | None:
         """Slots for ``num_tokens`` (a multiple of page_size), or None when not enough are free."""

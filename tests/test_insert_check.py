@@ -1,0 +1,207 @@
+"""HiRadixCache.insert's slot handling (tierkv/cache/node_slots.py, tierkv/_radix_slots.c): only the slots the
+tree takes are checked, the caller's copies of KV the tree holds are freed, a bad call changes nothing, and a
+match gathers its prefix's slots. Every test runs on the compiled helpers and on their numpy reference."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tierkv.cache import node_slots
+from tierkv.cache.config import CacheConfig
+from tierkv.cache.hicache import HiRadixCache
+from tierkv.pools.allocator import slack_bytes
+from tierkv.pools.kv import DeviceKVPool
+from tierkv.pools.spec import KVSpec
+from tierkv.radix import RadixKey, RadixTree
+from tierkv.radix_walk import common_prefix_len, walk_python
+
+SPEC = KVSpec(num_layers=1, kv_heads=1, head_dim=2, dtype=torch.float32)
+
+
+@pytest.fixture(params=["c", "numpy"])
+def slots_impl(request, monkeypatch):
+    if request.param == "numpy":
+        monkeypatch.setattr(node_slots, "native_gather", None)
+        monkeypatch.setattr(node_slots, "native_plan_slots", None)
+    elif node_slots.native_plan_slots is None:
+        pytest.skip("tierkv._radix is not built")
+    return request.param
+
+
+def make_cache(page_size: int = 1, num_slots: int = 256) -> HiRadixCache:
+    pool = DeviceKVPool(SPEC, num_slots, page_size, "cpu")
+    return HiRadixCache(pool, CacheConfig(page_size=page_size, enable_host=False))
+
+
+def state(cache: HiRadixCache) -> tuple:
+    """What a refused insert must leave as it was: the tree's nodes and values, and the free slots."""
+    nodes = sorted((tuple(n.key), tuple(n.device_value.tolist())) for n in cache.tree.nodes())
+    return nodes, cache.device_pool.num_free_slots, cache.evictable_size
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_the_callers_copies_of_cached_slots_are_freed(slots_impl, page_size):
+    cache = make_cache(page_size)
+    first = cache.alloc_device(16)
+    assert cache.insert(RadixKey(list(range(16))), first) == 16
+    again = cache.alloc_device(24)  # the same 16 tokens recomputed into other slots, then 8 new ones
+    free_before = cache.device_pool.num_free_slots
+    assert cache.insert(RadixKey(list(range(24))), again) == 24
+    assert cache.device_pool.num_free_slots == free_before + 16  # the recomputed copy went back
+    match = cache.match_prefix(RadixKey(list(range(24))))
+    assert match.device_indices.tolist() == first.tolist() + again[16:].tolist()
+    cache.check_integrity()
+
+
+def test_only_the_slots_that_differ_are_freed(slots_impl):
+    cache = make_cache()
+    first = cache.alloc_device(8)
+    cache.insert(RadixKey(list(range(8))), first)
+    mixed = torch.cat([first[:4], cache.alloc_device(4), cache.alloc_device(4)])  # half the prefix recomputed
+    free_before = cache.device_pool.num_free_slots
+    assert cache.insert(RadixKey(list(range(12))), mixed) == 12
+    assert cache.device_pool.num_free_slots == free_before + 4
+    cache.check_integrity()
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_free_slot_in_the_new_part_is_refused_and_changes_nothing(slots_impl, page_size):
+    cache = make_cache(page_size)
+    cache.insert(RadixKey(list(range(8))), cache.alloc_device(8))
+    slots = cache.match_prefix(RadixKey(list(range(8)))).device_indices
+    new = cache.alloc_device(8)
+    cache.device_pool.free(new[-page_size:])
+    before = state(cache)
+    with pytest.raises(ValueError, match="not allocated"):
+        cache.insert(RadixKey(list(range(16))), torch.cat([slots, new]))
+    assert state(cache) == before
+    cache.check_integrity(caller_device_slots=new[:-page_size])
+
+
+def test_a_slot_given_twice_is_refused_and_changes_nothing(slots_impl):
+    cache = make_cache()
+    new = cache.alloc_device(8)
+    twice = torch.cat([new[:4], new[:4]])
+    before = state(cache)
+    with pytest.raises(ValueError, match="more than once"):
+        cache.insert(RadixKey(list(range(8))), twice)
+    assert state(cache) == before
+    cache.check_integrity(caller_device_slots=new)
+
+
+def test_a_misaligned_page_is_refused(slots_impl):
+    cache = make_cache(page_size=4)
+    new = cache.alloc_device(8)
+    with pytest.raises(ValueError, match="aligned"):
+        cache.insert(RadixKey(list(range(8))), torch.cat([new[1:4], new[:1], new[4:]]))
+    cache.check_integrity(caller_device_slots=new)
+
+
+def test_a_free_slot_among_the_duplicates_is_refused_and_changes_nothing(slots_impl):
+    """A prefix slot unequal to the tree's is to be freed: it must be the caller's, allocated."""
+    cache = make_cache()
+    cache.insert(RadixKey(list(range(8))), cache.alloc_device(8))
+    stray = cache.alloc_device(8)
+    cache.device_pool.free(stray)
+    before = state(cache)
+    with pytest.raises(ValueError, match="not allocated"):
+        cache.insert(RadixKey(list(range(8))), stray)
+    assert state(cache) == before
+    cache.check_integrity()
+
+
+def test_a_revived_node_takes_checked_slots(slots_impl):
+    """A node without device slots on the path (its L1 copy evicted, kept for L2) adopts the caller's."""
+    cache = make_cache()
+    cache.insert(RadixKey(list(range(8))), cache.alloc_device(8))
+    node = cache.tree.root.children[0]
+    cache.device_pool.free(cache.tree.clear_device_value(node))
+    node.host_value = torch.arange(8)  # stands for its L2 copy: the node stays in the tree
+    recomputed = cache.alloc_device(12)
+    cache.device_pool.free(recomputed[:1])
+    with pytest.raises(ValueError, match="not allocated"):
+        cache.insert(RadixKey(list(range(12))), recomputed)
+    assert node.device_value is None
+    recomputed = torch.cat([cache.alloc_device(1), recomputed[1:]])
+    assert cache.insert(RadixKey(list(range(12))), recomputed) == 12
+    assert node.device_value.tolist() == recomputed[:8].tolist()
+
+
+def test_a_leaf_never_keeps_a_larger_caller_buffer_alive(slots_impl):
+    """The scheduler passes request.slots[:n]: a leaf covering all n keeps a copy, not the request's buffer."""
+    cache = make_cache(num_slots=4096)
+    buffer = torch.cat([cache.alloc_device(64), torch.zeros(2048, dtype=torch.int64)])
+    cache.insert(RadixKey(list(range(64))), buffer[:64])
+    cache.insert(RadixKey(list(range(32)) + list(range(500, 532))), torch.cat([buffer[:32], cache.alloc_device(32)]))
+    for node in cache.tree.nodes():
+        own = node.device_value.nbytes
+        assert node.device_value.untyped_storage().nbytes() - own <= slack_bytes(own)
+    cache.check_integrity()
+
+
+def test_match_gathers_the_device_prefix_only(slots_impl):
+    cache = make_cache()
+    slots = cache.alloc_device(12)
+    cache.insert(RadixKey(list(range(12))), slots)
+    cache.insert(RadixKey(list(range(6)) + [99, 98]), torch.cat([slots[:6], cache.alloc_device(2)]))
+    leaf = cache.match_prefix(RadixKey(list(range(12)))).last_device_node
+    leaf.host_value = torch.arange(6)  # host-only from here: the device prefix ends above it
+    cache.device_pool.free(cache.tree.clear_device_value(leaf))
+    match = cache.match_prefix(RadixKey(list(range(12))))
+    assert match.device_indices.tolist() == slots[:6].tolist() and match.host_hit_length == 6
+    assert node_slots.device_prefix([])[1].tolist() == []
+
+
+def test_native_slot_reads_refuse_a_tensor_they_cannot_read_in_place():
+    if node_slots.native_gather is None:
+        pytest.skip("tierkv._radix is not built")
+    tree = RadixTree(1)
+    node = tree.insert(RadixKey(list(range(4))), torch.arange(4, dtype=torch.int32)).new_node
+    with pytest.raises(TypeError, match="contiguous int64 CPU"):
+        node_slots.native_gather([node], torch.int64)
+    node.device_value = torch.arange(8)[::2]  # four slots, strided
+    with pytest.raises(TypeError, match="contiguous int64 CPU"):
+        node_slots.native_gather([node], torch.int64)
+    node.device_value = torch.arange(3)  # shorter than its key
+    with pytest.raises(ValueError, match="expected at least 4"):
+        node_slots.native_gather([node], torch.int64)
+
+
+@pytest.mark.parametrize("page_size", [1, 2])
+def test_the_compiled_walk_matches_the_reference(page_size):
+    from tierkv.radix import native_walk
+
+    if native_walk is None:
+        pytest.skip("tierkv._radix is not built")
+    rng = random.Random(page_size)
+    tree = RadixTree(page_size)
+    keys = []
+    for _ in range(200):
+        base = rng.choice(keys) if keys and rng.random() < 0.7 else []
+        key = base[:rng.randrange(len(base) + 1)] + [rng.randrange(4) for _ in range(rng.randrange(1, 12))]
+        extra = rng.choice([None, "tenant"])
+        keys.append(key)
+        rkey = RadixKey(key, extra)
+        elems, num = tree._walk_elements(rkey)
+        native = native_walk(tree.root, elems, num, page_size, extra)
+        reference = walk_python(tree.root, elems, num, page_size, extra, tree.child_key, common_prefix_len)
+        assert native == reference
+        tree.insert(rkey, list(range(num)))
+    tree.check_integrity()
+
+
+def test_on_access_all_counts_as_on_access_does():
+    from tierkv.eviction import get_policy
+
+    tree = RadixTree(1)
+    a = tree.insert(RadixKey([1, 2]), [0, 1]).new_node
+    b = tree.insert(RadixKey([1, 2, 3]), [0, 1, 2]).new_node
+    for name in ("lru", "gdsf"):
+        one, batch = get_policy(name), get_policy(name)
+        for node in (a, b, a):
+            one.on_access(node)
+        batch.on_access_all([a, b, a])
+        assert [one.uses(n) for n in (a, b)] == [batch.uses(n) for n in (a, b)] == [2, 1]

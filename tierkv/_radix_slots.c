@@ -1,0 +1,323 @@
+/* Nodes' device slots read in place, for the cache's match (gather the prefix's slots) and insert (which of the
+ * caller's slots duplicate the tree's). A node's value is a 1-D int64 CPU tensor (any object with an int64
+ * buffer is read through it). Why not ``tensor.numpy()`` per node: that call cost 1.5-3 us, several times the
+ * rest of a chat-shaped match; a tensor is read here after checking that it is a contiguous int64 CPU tensor
+ * of the node's length, through ``data_ptr()``. */
+#include "_radix_walk.h"
+#include "_radix.h"
+#include "_radix_node.h"
+#include <string.h>
+
+static PyObject *str_data_ptr, *str_is_contiguous, *str_numel, *str_is_cpu, *str_dtype;
+
+static int intern_names(void) {
+    if (str_data_ptr != NULL) {
+        return 0;
+    }
+    str_data_ptr = PyUnicode_InternFromString("data_ptr");
+    str_is_contiguous = PyUnicode_InternFromString("is_contiguous");
+    str_numel = PyUnicode_InternFromString("numel");
+    str_is_cpu = PyUnicode_InternFromString("is_cpu");
+    str_dtype = PyUnicode_InternFromString("dtype");
+    return str_dtype == NULL ? -1 : 0;
+}
+
+/* 1 when calling ``name`` on ``obj`` (or reading it, when ``call`` is 0) gives True, 0 when not, -1 on error */
+static int truth_of(PyObject *obj, PyObject *name, int call) {
+    PyObject *v = call ? PyObject_CallMethodNoArgs(obj, name) : PyObject_GetAttr(obj, name);
+    if (v == NULL) {
+        return -1;
+    }
+    int t = v == Py_True ? 1 : (v == Py_False ? 0 : PyObject_IsTrue(v));
+    Py_DECREF(v);
+    return t;
+}
+
+/* The int64 slots of ``value`` (``num_slots`` of them). A buffer is held in ``view`` (release it after);
+ * a tensor is checked (CPU, int64, contiguous, at least that long) and read at its data pointer. */
+static const int64_t *value_slots(PyObject *value, Py_ssize_t num_slots, PyObject *int64, Py_buffer *view) {
+    view->obj = NULL;
+    if (PyObject_CheckBuffer(value)) {
+        if (tierkv_int64_view(value, view, "node value") < 0) {
+            return NULL;
+        }
+        if (view->len / 8 < num_slots) {
+            PyErr_Format(PyExc_ValueError, "node value of %zd slots, expected %zd", view->len / 8, num_slots);
+            PyBuffer_Release(view);
+            return NULL;
+        }
+        return (const int64_t *)view->buf;
+    }
+    PyObject *dtype = PyObject_GetAttr(value, str_dtype);
+    if (dtype == NULL) {
+        return NULL;
+    }
+    Py_DECREF(dtype);  /* compared by identity only: torch's dtypes are singletons */
+    if (dtype != int64 || truth_of(value, str_is_cpu, 0) != 1 || truth_of(value, str_is_contiguous, 1) != 1) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_TypeError, "a node value is not a contiguous int64 CPU tensor");
+        }
+        return NULL;
+    }
+    PyObject *numel = PyObject_CallMethodNoArgs(value, str_numel);
+    Py_ssize_t n = numel == NULL ? -1 : PyLong_AsSsize_t(numel);
+    Py_XDECREF(numel);
+    if (n < num_slots) {
+        if (!PyErr_Occurred()) {
+            PyErr_Format(PyExc_ValueError, "node value of %zd slots, expected at least %zd", n, num_slots);
+        }
+        return NULL;
+    }
+    PyObject *ptr = PyObject_CallMethodNoArgs(value, str_data_ptr);
+    void *p = ptr == NULL ? NULL : PyLong_AsVoidPtr(ptr);
+    Py_XDECREF(ptr);
+    if (p == NULL && !PyErr_Occurred() && num_slots > 0) {
+        PyErr_SetString(PyExc_ValueError, "a node value has no data");
+    }
+    return (const int64_t *)p;
+}
+
+/* a node's key length (its slot count, by the tree's invariant) */
+static Py_ssize_t key_length(PyObject *node) {
+    if (tierkv_check_node(node) < 0) {
+        return -1;
+    }
+    return PyObject_Length(SLOT(node, key));
+}
+
+/* gather_device_slots(nodes, int64) -> (num_nodes, bytearray): the slots of the leading nodes that hold device
+ * slots, in order, as native int64s (match_prefix's device indices: one copy, no torch.cat) */
+PyObject *tierkv_gather_device_slots(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 2 || !PyList_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "gather_device_slots takes (nodes: list, int64)");
+        return NULL;
+    }
+    if (intern_names() < 0) {
+        return NULL;
+    }
+    PyObject *nodes = args[0];
+    Py_ssize_t count = 0, total = 0;
+    for (; count < PyList_GET_SIZE(nodes); count++) {
+        PyObject *node = PyList_GET_ITEM(nodes, count);
+        Py_ssize_t n = key_length(node);
+        if (n < 0) {
+            return NULL;
+        }
+        if (SLOT(node, device_value) == Py_None) {
+            break;
+        }
+        total += n;
+    }
+    PyObject *out = PyByteArray_FromStringAndSize(NULL, total * 8);
+    if (out == NULL) {
+        return NULL;
+    }
+    char *dst = PyByteArray_AS_STRING(out);
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *node = PyList_GET_ITEM(nodes, i);
+        Py_ssize_t n = PyObject_Length(SLOT(node, key));
+        Py_buffer view;
+        const int64_t *src = value_slots(SLOT(node, device_value), n, args[1], &view);
+        if (src == NULL && PyErr_Occurred()) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        memcpy(dst, src, (size_t)n * 8);
+        dst += n * 8;
+        if (view.obj != NULL) {
+            PyBuffer_Release(&view);
+        }
+    }
+    return Py_BuildValue("(nN)", count, out);
+}
+
+/* compare ``n`` of the caller's slots at ``mine`` with ``node``'s device slots: each unequal one is appended
+ * to ``*out`` (allocated on first use, room for ``room`` slots, ``*num_out`` used); 0, or -1 on error */
+static int add_mismatches(PyObject *node, const int64_t *mine, Py_ssize_t n, PyObject *int64, int64_t **out,
+                          Py_ssize_t *num_out, Py_ssize_t room) {
+    Py_buffer view;
+    const int64_t *held = value_slots(SLOT(node, device_value), n, int64, &view);
+    if (held == NULL && PyErr_Occurred()) {
+        return -1;
+    }
+    for (Py_ssize_t j = tierkv_mismatch(held, mine, n); j < n; j++) {
+        if (held[j] == mine[j]) {
+            continue;
+        }
+        if (*out == NULL && (*out = PyMem_Malloc((size_t)room * 8 + 8)) == NULL) {
+            PyErr_NoMemory();
+            break;
+        }
+        (*out)[(*num_out)++] = mine[j];
+    }
+    if (view.obj != NULL) {
+        PyBuffer_Release(&view);
+    }
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+/* Pages an insert gives to nodes, checked against the allocator's page flags (1 = free) as
+ * SlotAllocator.check_allocated checks them: whole aligned pages, in range, allocated, none given twice. Pages
+ * seen are flagged free while checking (a repeat then fails) and flagged back by ``pages_restore``. */
+typedef struct {
+    char *flags;
+    Py_ssize_t num_pages, page_size, num_seen, room;
+    int64_t *seen;
+} PageCheck;
+
+static int pages_take(PageCheck *c, const int64_t *slots, Py_ssize_t n) {
+    Py_ssize_t ps = c->page_size;
+    if (n % ps) {
+        PyErr_SetString(PyExc_ValueError, "slots taken are not whole pages");
+        return -1;
+    }
+    for (Py_ssize_t p = 0; p < n; p += ps) {
+        int64_t first = slots[p], bad = first % ps;
+        for (Py_ssize_t i = 1; i < ps; i++) {  /* no early exit: the compiler vectorises it */
+            bad |= slots[p + i] ^ (first + i);
+        }
+        if (bad || first < 0 || first / ps >= c->num_pages || c->flags[first / ps] != 0) {
+            PyErr_SetString(PyExc_ValueError, "a slot taken is misaligned, out of range, free or given twice");
+            return -1;
+        }
+        if (c->num_seen == c->room) {
+            Py_ssize_t room = c->room * 2 + 64;
+            int64_t *seen = PyMem_Realloc(c->seen, (size_t)room * 8);
+            if (seen == NULL) {
+                PyErr_NoMemory();
+                return -1;
+            }
+            c->seen = seen, c->room = room;
+        }
+        c->flags[first / ps] = 1;
+        c->seen[c->num_seen++] = first / ps;
+    }
+    return 0;
+}
+
+static void pages_restore(PageCheck *c) {
+    for (Py_ssize_t i = 0; i < c->num_seen; i++) {
+        c->flags[c->seen[i]] = 0;
+    }
+    PyMem_Free(c->seen);
+}
+
+/* the slots of ``mine`` that ``revived`` (a list of (start, end)) and [leaf_start, num_elems) cover, and the
+ * ``num_out`` of ``out``, checked as one set (see PageCheck) */
+static int check_taken(PageCheck *c, const int64_t *mine, PyObject *revived, Py_ssize_t leaf_start,
+                       Py_ssize_t num_elems, const int64_t *out, Py_ssize_t num_out) {
+    for (Py_ssize_t i = 0; revived != NULL && i < PyList_GET_SIZE(revived); i++) {
+        PyObject *range = PyList_GET_ITEM(revived, i);
+        Py_ssize_t start = PyLong_AsSsize_t(PyTuple_GET_ITEM(range, 0));
+        Py_ssize_t end = PyLong_AsSsize_t(PyTuple_GET_ITEM(range, 1));
+        if (pages_take(c, mine + start, end - start) < 0) {
+            return -1;
+        }
+    }
+    if (pages_take(c, mine + leaf_start, num_elems - leaf_start) < 0) {
+        return -1;
+    }
+    return num_out ? pages_take(c, out, num_out) : 0;
+}
+
+/* plan_slots' walk along the path: ``nodes`` whole, then ``partial``'s first ``partial_len`` elements (or None).
+ * Nodes holding device slots add the caller's unequal slots to ``*out``; the others add their range to
+ * ``*revived``. Returns the elements covered, or -1 on error. */
+static Py_ssize_t path_slots(PyObject *nodes, PyObject *partial, Py_ssize_t partial_len, PyObject *int64,
+                             const int64_t *mine, Py_ssize_t len_mine, int64_t **out, Py_ssize_t *num_out,
+                             PyObject **revived) {
+    Py_ssize_t pos = 0, num_nodes = PyList_GET_SIZE(nodes);
+    for (Py_ssize_t i = 0; i <= num_nodes; i++) {
+        PyObject *node = i < num_nodes ? PyList_GET_ITEM(nodes, i) : partial;
+        if (node == Py_None) {
+            break;
+        }
+        Py_ssize_t n = tierkv_check_node(node) < 0 ? -1 : (i < num_nodes ? PyObject_Length(SLOT(node, key)) : partial_len);
+        if (n < 0 || pos + n > len_mine) {
+            if (!PyErr_Occurred()) {
+                PyErr_Format(PyExc_ValueError, "the path covers more than the %zd slots given", len_mine);
+            }
+            return -1;
+        }
+        if (SLOT(node, device_value) != Py_None) {
+            if (add_mismatches(node, mine + pos, n, int64, out, num_out, len_mine) < 0) {
+                return -1;
+            }
+        } else {
+            PyObject *range = Py_BuildValue("(nn)", pos, pos + n);
+            if (range == NULL || (*revived == NULL && (*revived = PyList_New(0)) == NULL)
+                || PyList_Append(*revived, range) < 0) {
+                Py_XDECREF(range);
+                return -1;
+            }
+            Py_DECREF(range);
+        }
+        pos += n;
+    }
+    return pos;
+}
+
+/* plan_slots(mine, nodes, partial, partial_len, num_elems, page_size, is_free, int64) -> (mismatched, revived):
+ * along a planned insert's path (``nodes`` whole, then ``partial``'s first ``partial_len`` elements, or None),
+ * over the caller's slots ``mine`` (an int64 buffer): the caller's slots unequal to those of nodes holding
+ * device slots (a bytearray, or None when all are equal), and the ranges (start, end) of ``mine`` that nodes
+ * without device slots will take (a list, or None). Those, the new leaf's (from the path's end to
+ * ``num_elems``) and the unequal ones are checked against the allocator's flags ``is_free`` (see PageCheck):
+ * a ValueError, changing nothing, if they fail. */
+PyObject *tierkv_plan_slots(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 8 || !PyList_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "plan_slots takes (mine, nodes: list, partial, partial_len, num_elems, "
+                                         "page_size, is_free, int64)");
+        return NULL;
+    }
+    Py_ssize_t partial_len = PyLong_AsSsize_t(args[3]), num_elems = PyLong_AsSsize_t(args[4]);
+    Py_ssize_t page_size = PyLong_AsSsize_t(args[5]);
+    if (PyErr_Occurred() || intern_names() < 0) {
+        return NULL;
+    }
+    Py_buffer vm, vf = {0};
+    if (tierkv_int64_view(args[0], &vm, "mine") < 0) {
+        return NULL;
+    }
+    if (PyObject_GetBuffer(args[6], &vf, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0 || vf.itemsize != 1
+        || page_size < 1 || num_elems > vm.len / 8 || partial_len < 0) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_ValueError, "is_free must be 1-byte flags, page_size >= 1, num_elems within mine");
+        }
+        if (vf.obj != NULL) {
+            PyBuffer_Release(&vf);
+        }
+        PyBuffer_Release(&vm);
+        return NULL;
+    }
+    const int64_t *mine = (const int64_t *)vm.buf;
+    Py_ssize_t len_mine = vm.len / 8, num_out = 0, pos;
+    int64_t *out = NULL;
+    PyObject *revived = NULL, *result = NULL;
+    PageCheck check = {vf.buf, vf.len, page_size, 0, 0, NULL};
+    pos = path_slots(args[1], args[2], partial_len, args[7], mine, len_mine, &out, &num_out, &revived);
+    if (pos < 0 || pos > num_elems) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_ValueError, "the path is longer than num_elems");
+        }
+        goto done;
+    }
+    int bad = check_taken(&check, mine, revived, pos, num_elems, out, num_out);
+    pages_restore(&check);
+    if (bad < 0) {
+        goto done;
+    }
+    PyObject *mismatched = out == NULL ? Py_NewRef(Py_None) : PyByteArray_FromStringAndSize((const char *)out, num_out * 8);
+    if (mismatched != NULL) {
+        result = PyTuple_Pack(2, mismatched, revived == NULL ? Py_None : revived);
+        Py_DECREF(mismatched);
+    }
+done:
+    Py_XDECREF(revived);
+    PyMem_Free(out);
+    PyBuffer_Release(&vm);
+    PyBuffer_Release(&vf);
+    return result;
+}

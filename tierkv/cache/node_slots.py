@@ -1,0 +1,104 @@
+"""The slot arithmetic of the cache's match and insert: gathering a matched prefix's device slots, and which of
+an insert's slots the tree takes, duplicates or must not pin.
+
+Why numpy and C rather than torch: a match and an insert each handle a handful of small slot arrays, where a
+torch op (a slice, ``cat``, ``clone``, ``numpy()``) costs 1.5-10 us and numpy's or a compiled loop's a few
+hundred ns; the insert converts the caller's tensor once and slices the array. The compiled helpers
+(``gather_device_slots``, ``plan_slots`` in tierkv/_radix_slots.c) read nodes' tensors in place; the
+numpy versions below are their reference (tests set the natives to None).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tierkv.pools.allocator import SlotAllocator, slack_bytes
+from tierkv.radix import InsertPlan, TreeNode
+from tierkv.radix_key import load_native
+from tierkv.radix_walk import Walk
+
+native_gather = load_native("gather_device_slots")
+native_plan_slots = load_native("plan_slots")
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+def device_prefix(nodes: list[TreeNode]) -> tuple[int, torch.Tensor, int]:
+    """How many leading ``nodes`` hold device slots, those slots in order (a new tensor), and their count."""
+    if native_gather is not None:
+        count, raw = native_gather(nodes, torch.int64)
+        return (count, torch.frombuffer(raw, dtype=torch.int64), len(raw) // 8) if raw else (count, _EMPTY, 0)
+    count = 0
+    for node in nodes:
+        if node.device_value is None:
+            break
+        count += 1
+    slots = torch.cat([n.device_value for n in nodes[:count]]) if count else _EMPTY
+    return count, slots, slots.shape[0]
+
+
+def slot_array(device_slots: torch.Tensor) -> np.ndarray:
+    """``device_slots`` as a contiguous int64 array, sharing its memory when it can."""
+    try:
+        slots = device_slots.numpy()
+    except (RuntimeError, TypeError):  # on a device, or requires grad
+        slots = device_slots.detach().cpu().numpy()
+    return slots if slots.flags.c_contiguous else np.ascontiguousarray(slots)
+
+
+def plan_slots(plan: InsertPlan, slots: np.ndarray,
+               allocator: SlotAllocator) -> tuple[np.ndarray | None, list[tuple[int, int]]]:
+    """For an insert of ``slots`` as ``plan`` says: the caller's slots unequal to those of the nodes on the
+    path that hold device slots (copies of KV the tree holds, to be freed; None when there are none), and
+    the ranges of ``slots`` that valueless nodes on the path take. Raises ValueError, changing nothing,
+    unless the slots the insert takes (those ranges, the new leaf's and the unequal ones) are allocated in
+    ``allocator``, whole pages, each given once."""
+    walk = plan.walk
+    if native_plan_slots is not None:
+        try:
+            mismatched, revived = native_plan_slots(slots, walk.nodes, walk.partial, walk.partial_len,
+                                                    plan.num_elems, allocator.page_size, allocator.page_flags,
+                                                    torch.int64)
+        except ValueError:
+            pass  # the reference names the problem
+        else:
+            return (None if mismatched is None else np.frombuffer(mismatched, dtype=np.int64)), revived or []
+    freed, revived = _plan_slots(walk, slots)
+    taken = [slots[start:end] for start, end in revived] + [slots[walk.end:plan.num_elems]]
+    allocator.check_taken(taken if freed is None else [*taken, freed], "device_slots")
+    return freed, revived
+
+
+def _plan_slots(walk: Walk, slots: np.ndarray) -> tuple[np.ndarray | None, list[tuple[int, int]]]:
+    """The numpy reference of ``plan_slots`` of tierkv/_radix_slots.c."""
+    nodes = walk.nodes if walk.partial is None else [*walk.nodes, walk.partial]
+    mine, held, revived, pos = [], [], [], 0
+    for node in nodes:
+        end = min(pos + len(node.key), walk.end)
+        if node.device_value is None:
+            revived.append((pos, end))
+        else:
+            mine.append(slots[pos:end])
+            held.append(node.device_value.numpy()[:end - pos])
+        pos = end
+    if not mine:
+        return None, revived
+    mine, held = np.concatenate(mine), np.concatenate(held)
+    unequal = mine[mine != held]
+    return (unequal if len(unequal) else None), revived
+
+
+def unpinned(device_slots: torch.Tensor, slots: np.ndarray, plan: InsertPlan,
+             revived: list[tuple[int, int]]) -> np.ndarray:
+    """``slots`` (the array of ``device_slots``), or a copy of it when a node would keep a view of it (the new
+    leaf, or a node ``revived``) and that view would keep alive a larger buffer under ``device_slots`` (the
+    scheduler passes ``request.slots[:n]``)."""
+    own = plan.num_elems - plan.walk.end
+    for start, end in revived:
+        own = max(own, end - start)
+    own *= 8
+    if not own or slots.nbytes - own > slack_bytes(own):
+        return slots  # every part taken is copied anyway (see owned_array_slice)
+    if device_slots.untyped_storage().nbytes() - slots.nbytes > slack_bytes(own):
+        return slots.copy()
+    return slots

@@ -1,6 +1,7 @@
-"""HiRadixCache.insert's slot handling (tierkv/cache/node_slots.py, tierkv/_radix_slots.c): only the slots the
-tree takes are checked, the caller's copies of KV the tree holds are freed, a bad call changes nothing, and a
-match gathers its prefix's slots. Every test runs on the compiled helpers and on their numpy reference."""
+"""HiRadixCache.insert's slot handling (tierkv/cache/node_slots.py, tierkv/_radix_slots.c): the slots the
+tree takes or frees are checked as one set with those it keeps, the caller's copies of KV the tree holds are
+freed, a bad call changes nothing, and a match gathers its prefix's slots. Every test runs on the compiled
+helpers and on their numpy reference."""
 
 from __future__ import annotations
 
@@ -90,6 +91,26 @@ def test_a_slot_given_twice_is_refused_and_changes_nothing(slots_impl):
         cache.insert(RadixKey(list(range(8))), twice)
     assert state(cache) == before
     cache.check_integrity(caller_device_slots=new)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("where", ["freed", "taken"])
+def test_a_slot_repeating_one_the_tree_keeps_is_refused(slots_impl, page_size, where):
+    """CI found it: re-inserting cached tokens with one page replaced by the tree's next page freed that page
+    under the live node (and a new leaf could take a page the tree keeps, owned twice)."""
+    cache = make_cache(page_size)
+    first = cache.alloc_device(4 * page_size)
+    cache.insert(RadixKey(list(range(4 * page_size))), first)
+    fresh = cache.alloc_device(0 if where == "freed" else page_size)
+    bad = torch.cat([first, fresh])
+    key = RadixKey(list(range(len(bad))))
+    target = 0 if where == "freed" else 4
+    bad[target * page_size:(target + 1) * page_size] = first[page_size:2 * page_size]
+    before = state(cache)
+    with pytest.raises(ValueError):
+        cache.insert(key, bad)
+    assert state(cache) == before
+    cache.check_integrity(caller_device_slots=fresh)
 
 
 def test_a_misaligned_page_is_refused(slots_impl):

@@ -203,22 +203,16 @@ static void pages_restore(PageCheck *c) {
     PyMem_Free(c->seen);
 }
 
-/* the slots of ``mine`` that ``revived`` (a list of (start, end)) and [leaf_start, num_elems) cover, and the
- * ``num_out`` of ``out``, checked as one set (see PageCheck) */
+/* When the insert takes or frees any slot (``revived`` ranges, a leaf past ``leaf_start``, ``num_out``
+ * unequal ones): all of ``mine``'s first ``num_elems``, checked as one set (see PageCheck). The slots equal to
+ * the path's own are in that set, so a slot taken or freed that repeats one the tree keeps is refused (it
+ * would be owned twice, or freed under a live node). */
 static int check_taken(PageCheck *c, const int64_t *mine, PyObject *revived, Py_ssize_t leaf_start,
-                       Py_ssize_t num_elems, const int64_t *out, Py_ssize_t num_out) {
-    for (Py_ssize_t i = 0; revived != NULL && i < PyList_GET_SIZE(revived); i++) {
-        PyObject *range = PyList_GET_ITEM(revived, i);
-        Py_ssize_t start = PyLong_AsSsize_t(PyTuple_GET_ITEM(range, 0));
-        Py_ssize_t end = PyLong_AsSsize_t(PyTuple_GET_ITEM(range, 1));
-        if (pages_take(c, mine + start, end - start) < 0) {
-            return -1;
-        }
+                       Py_ssize_t num_elems, Py_ssize_t num_out) {
+    if (revived == NULL && leaf_start == num_elems && num_out == 0) {
+        return 0;  /* a repeat of what the tree holds: nothing taken, nothing freed */
     }
-    if (pages_take(c, mine + leaf_start, num_elems - leaf_start) < 0) {
-        return -1;
-    }
-    return num_out ? pages_take(c, out, num_out) : 0;
+    return pages_take(c, mine, num_elems);
 }
 
 /* plan_slots' walk along the path: ``nodes`` whole, then ``partial``'s first ``partial_len`` elements (or None).
@@ -262,9 +256,9 @@ static Py_ssize_t path_slots(PyObject *nodes, PyObject *partial, Py_ssize_t part
  * along a planned insert's path (``nodes`` whole, then ``partial``'s first ``partial_len`` elements, or None),
  * over the caller's slots ``mine`` (an int64 buffer): the caller's slots unequal to those of nodes holding
  * device slots (a bytearray, or None when all are equal), and the ranges (start, end) of ``mine`` that nodes
- * without device slots will take (a list, or None). Those, the new leaf's (from the path's end to
- * ``num_elems``) and the unequal ones are checked against the allocator's flags ``is_free`` (see PageCheck):
- * a ValueError, changing nothing, if they fail. */
+ * without device slots will take (a list, or None). When any slot is taken (those ranges, the new leaf's from
+ * the path's end to ``num_elems``) or unequal, all of ``mine`` up to ``num_elems`` is checked against the
+ * allocator's flags ``is_free`` (see check_taken): a ValueError, changing nothing, if they fail. */
 PyObject *tierkv_plan_slots(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (nargs != 8 || !PyList_Check(args[1])) {
@@ -304,7 +298,7 @@ PyObject *tierkv_plan_slots(PyObject *self, PyObject *const *args, Py_ssize_t na
         }
         goto done;
     }
-    int bad = check_taken(&check, mine, revived, pos, num_elems, out, num_out);
+    int bad = check_taken(&check, mine, revived, pos, num_elems, num_out);
     pages_restore(&check);
     if (bad < 0) {
         goto done;

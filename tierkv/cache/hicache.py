@@ -134,7 +134,7 @@ class HiRadixCache:
         Slots duplicating KV the tree already holds are freed; slots past the returned count (a partial
         last page, or what lies below a node whose load failed) stay the caller's. The slots the tree takes
         (those of nodes it creates or revives) and those it frees must be allocated, whole pages, each given
-        once; a bad call changes nothing. Slots equal to the tree's own are not checked again. Hits are
+        once, none repeating one the tree keeps; a bad call changes nothing. Hits are
         counted as HiCache counts them: not under write_back, not for a ``chunked`` insert (one chunk
         of a prefill in progress: the prompt has not been reused), and not for nodes this insert
         revived (recomputed KV for a host-only node).

@@ -51,8 +51,8 @@ def plan_slots(plan: InsertPlan, slots: np.ndarray,
     """For an insert of ``slots`` as ``plan`` says: the caller's slots unequal to those of the nodes on the
     path that hold device slots (copies of KV the tree holds, to be freed; None when there are none), and
     the ranges of ``slots`` that valueless nodes on the path take. Raises ValueError, changing nothing,
-    unless the slots the insert takes (those ranges, the new leaf's and the unequal ones) are allocated in
-    ``allocator``, whole pages, each given once."""
+    unless, when the insert takes or frees any slot, all of ``slots`` up to ``plan.num_elems`` are allocated
+    in ``allocator``, whole pages, each given once (a slot taken or freed may not repeat one the tree keeps)."""
     walk = plan.walk
     if native_plan_slots is not None:
         try:
@@ -64,8 +64,9 @@ def plan_slots(plan: InsertPlan, slots: np.ndarray,
         else:
             return (None if mismatched is None else np.frombuffer(mismatched, dtype=np.int64)), revived or []
     freed, revived = _plan_slots(walk, slots)
-    taken = [slots[start:end] for start, end in revived] + [slots[walk.end:plan.num_elems]]
-    allocator.check_taken(taken if freed is None else [*taken, freed], "device_slots")
+    if revived or walk.end < plan.num_elems or freed is not None:
+        # all of them as one set: a slot taken or freed must not repeat one the tree keeps
+        allocator.check_taken([slots[:plan.num_elems]], "device_slots")
     return freed, revived
 
 

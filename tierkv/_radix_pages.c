@@ -8,8 +8,8 @@
  * Why here: an eviction hands back one slot tensor per node; reading each one's pages through numpy
  * (``t.numpy()``, a torch detach per tensor) and ``len(t)`` (a Python-level __len__) cost more than the
  * eviction loop itself (two thirds of a steady trace eviction). Here each tensor costs a few C-level method
- * calls that read its layout, then its memory is read directly: each page's first and last slot, as the
- * allocator's reference (``_slots_to_pages(every_slot=False)``) reads them. It lives beside the eviction loop
+ * calls that read its layout, then its memory is read directly: each page's first slot, as the allocator's
+ * first-slot reference (``_free_pages_of``) reads it. It lives beside the eviction loop
  * because it frees what that loop collects; it knows nothing of the tree.
  *
  * Contract: every tensor must be a CPU, contiguous, 1-D int64 torch tensor of whole aligned pages (a tree
@@ -71,16 +71,26 @@ static int read_run(PyObject *t, PyObject *dtype, SlotRun *run) {
 }
 
 /* Each page's id into ``pages``, its flag flipped to free; on a bad page, the flags flipped so far are
- * flipped back. Returns the pages written, or -1. */
+ * flipped back. Returns the pages written, or -1. Only each page's first slot is read, as the allocator's
+ * first-slot reference reads it (``_free_pages_of``: the caller vouches that its tensors are whole pages):
+ * on page 16 a page's last slot is on another cache line, and those reads were most of this loop's time
+ * (an eviction's slots were written long before, so each line is a miss). */
 static Py_ssize_t flip_runs(const SlotRun *runs, Py_ssize_t num_runs, Py_ssize_t page_size, char *is_free,
                             Py_ssize_t num_pages, int64_t *pages) {
     Py_ssize_t n = 0;
     const char *why = NULL;
+    int shift = -1;  /* a power-of-two page: a shift and a mask, not a 64-bit division per page */
+    if ((page_size & (page_size - 1)) == 0) {
+        for (shift = 0; ((Py_ssize_t)1 << shift) < page_size; shift++) {
+        }
+    }
     for (Py_ssize_t r = 0; r < num_runs && why == NULL; r++) {
         const int64_t *s = runs[r].slots;
         for (Py_ssize_t i = 0; i < runs[r].num_slots; i += page_size) {
-            int64_t first = s[i], page = first / page_size;
-            if (first < 0 || first % page_size || s[i + page_size - 1] - first != page_size - 1) {
+            int64_t first = s[i];
+            int64_t page = shift >= 0 ? first >> shift : first / page_size;
+            int aligned = shift >= 0 ? (first & (page_size - 1)) == 0 : first % page_size == 0;
+            if (first < 0 || !aligned) {
                 why = "slots are not whole aligned pages";
             } else if (page >= num_pages) {
                 why = "slot out of range";

@@ -173,10 +173,23 @@ PyObject *tierkv_rank(NodeCtx *c, PyObject *node) {
 
 int tierkv_bind_key_slots(NodeCtx *c) {
     if (PyUnicode_Check(c->key_of)) {
-        const char *name = PyUnicode_AsUTF8(c->key_of);
-        if (name == NULL || slot_offset(tierkv_node_layout.type, name, &c->key_slots[0]) < 0) {
-            return -1;
+        /* the last slot name bound, kept: the heap passes the same str on every call, and looking it up
+         * made and freed a str each time (per eviction call, not per node) */
+        static PyObject *bound_name;
+        static PyTypeObject *bound_type;
+        static Py_ssize_t bound_offset;
+        if (c->key_of != bound_name || tierkv_node_layout.type != bound_type) {
+            const char *name = PyUnicode_AsUTF8(c->key_of);
+            Py_ssize_t offset;
+            if (name == NULL || slot_offset(tierkv_node_layout.type, name, &offset) < 0) {
+                return -1;
+            }
+            bound_offset = offset;
+            Py_INCREF(c->key_of);
+            Py_XSETREF(bound_name, c->key_of);
+            bound_type = tierkv_node_layout.type;
         }
+        c->key_slots[0] = bound_offset;
         c->num_key_slots = 1, c->bare_key = 1;
         return 0;
     }

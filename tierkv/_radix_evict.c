@@ -505,29 +505,6 @@ static int evict_loop(EvictCtx *c, Py_ssize_t num_tokens, int recheck) {
     return 0;
 }
 
-/* The attribute names the loop reads on every call, interned once: PyObject_GetAttrString made and
- * freed a str per name per call (a tenth of a steady eviction of a node or two). */
-static struct {
-    PyObject *root, *_frontiers, *device, *host, *host_changed, *device_changed, *page_size, *evictable_size;
-} attr_names;
-
-static int intern_attr_names(void) {
-    if (attr_names.root != NULL) {
-        return 0;
-    }
-    PyObject **slots[] = {&attr_names.root, &attr_names._frontiers, &attr_names.device, &attr_names.host,
-                          &attr_names.host_changed, &attr_names.device_changed, &attr_names.page_size,
-                          &attr_names.evictable_size};
-    const char *names[] = {"root", "_frontiers", "device", "host", "host_changed", "device_changed", "page_size",
-                           "evictable_size"};
-    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
-        if (*slots[i] == NULL && (*slots[i] = PyUnicode_InternFromString(names[i])) == NULL) {
-            return -1;
-        }
-    }
-    return 0;
-}
-
 /* tree.evictable_size -= num_tokens (_account: every node evicted was unlocked), whatever error is pending */
 static int account(PyObject *tree, Py_ssize_t num_tokens) {
     if (num_tokens == 0) {
@@ -535,9 +512,9 @@ static int account(PyObject *tree, Py_ssize_t num_tokens) {
     }
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
-    PyObject *size = PyObject_GetAttr(tree, attr_names.evictable_size), *delta = PyLong_FromSsize_t(num_tokens);
+    PyObject *size = PyObject_GetAttr(tree, tierkv_tree_attrs.evictable_size), *delta = PyLong_FromSsize_t(num_tokens);
     PyObject *left = size && delta ? PyNumber_Subtract(size, delta) : NULL;
-    int set = left ? PyObject_SetAttr(tree, attr_names.evictable_size, left) : -1;
+    int set = left ? PyObject_SetAttr(tree, tierkv_tree_attrs.evictable_size, left) : -1;
     Py_XDECREF(size), Py_XDECREF(delta), Py_XDECREF(left);
     if (type != NULL) {
         PyErr_Restore(type, value, tb);
@@ -577,18 +554,18 @@ PyObject *tierkv_evict_device(PyObject *self, PyObject *const *args, Py_ssize_t 
         return NULL;
     }
     PyObject *frontiers = NULL, *page = NULL, *result = NULL;
-    if (intern_attr_names() < 0) {
+    if (tierkv_intern_tree_attrs() < 0) {
         return NULL;
     }
-    c.node.root = PyObject_GetAttr(tree, attr_names.root);
+    c.node.root = PyObject_GetAttr(tree, tierkv_tree_attrs.root);
     c.keep_nodes = keep_nodes;
     if (c.node.root == NULL || tierkv_bind_layout(Py_TYPE(c.node.root)) < 0 || tierkv_bind_key_slots(&c.node) < 0
-        || (frontiers = PyObject_GetAttr(c.node.root, attr_names._frontiers)) == NULL
-        || (c.device = PyObject_GetAttr(frontiers, attr_names.device)) == NULL
-        || (c.host = PyObject_GetAttr(frontiers, attr_names.host)) == NULL
-        || (c.host_changed = PyObject_GetAttr(frontiers, attr_names.host_changed)) == NULL
-        || (c.device_changed = PyObject_GetAttr(frontiers, attr_names.device_changed)) == NULL
-        || (page = PyObject_GetAttr(tree, attr_names.page_size)) == NULL
+        || (frontiers = PyObject_GetAttr(c.node.root, tierkv_tree_attrs._frontiers)) == NULL
+        || (c.device = PyObject_GetAttr(frontiers, tierkv_tree_attrs.device)) == NULL
+        || (c.host = PyObject_GetAttr(frontiers, tierkv_tree_attrs.host)) == NULL
+        || (c.host_changed = PyObject_GetAttr(frontiers, tierkv_tree_attrs.host_changed)) == NULL
+        || (c.device_changed = PyObject_GetAttr(frontiers, tierkv_tree_attrs.device_changed)) == NULL
+        || (page = PyObject_GetAttr(tree, tierkv_tree_attrs.page_size)) == NULL
         || ((c.node.page_size = PyLong_AsSsize_t(page)) == -1 && PyErr_Occurred())) {
         goto done;
     }

@@ -293,3 +293,24 @@ int tierkv_unlink_child(NodeCtx *c, PyObject *parent, PyObject *node) {
     Py_XDECREF(ck);
     return rc;
 }
+
+/* The attribute names the loop reads on every call, interned once: PyObject_GetAttrString made and
+ * freed a str per name per call (a tenth of a steady eviction of a node or two). */
+TreeAttrs tierkv_tree_attrs;
+
+int tierkv_intern_tree_attrs(void) {
+    if (tierkv_tree_attrs.root != NULL) {
+        return 0;
+    }
+    PyObject **slots[] = {&tierkv_tree_attrs.root, &tierkv_tree_attrs._frontiers, &tierkv_tree_attrs.device, &tierkv_tree_attrs.host,
+                          &tierkv_tree_attrs.host_changed, &tierkv_tree_attrs.device_changed, &tierkv_tree_attrs.page_size,
+                          &tierkv_tree_attrs.evictable_size};
+    const char *names[] = {"root", "_frontiers", "device", "host", "host_changed", "device_changed", "page_size",
+                           "evictable_size"};
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
+        if (*slots[i] == NULL && (*slots[i] = PyUnicode_InternFromString(names[i])) == NULL) {
+            return -1;
+        }
+    }
+    return 0;
+}

@@ -9,7 +9,10 @@ device tier is evicted and ``evict_host`` times the L2 eviction of the host-only
 SGLang side (0.5.23): ``RadixCache.create_simulated`` fed the same ``array('q')`` keys; its match also reads
 the prefix's indices (``path_device_indices``, what its scheduler's ``prefix_device_indices`` does), its
 insert gets a value tensor per request as its scheduler's ``req_to_token`` copy gives it, its evict frees
-each leaf's slots to a no-op allocator.
+each leaf's slots into the allocator its scheduler builds (``TokenToKVPoolAllocator`` at page 1,
+``PagedTokenToKVPoolAllocator`` above; ``need_sort`` False as it runs, ``--sglang-need-sort`` for its
+disaggregated setting), which the benchmark also allocates from. Both pools hold the same number of slots
+(``pool_slots``: what the tree holds at most plus the longest request).
 
 Equal work is checked every repeat (see ``check_work``): without eviction the hit of every match and the
 tree's size after every insert agree on both sides; with eviction the tokens matched, evicted and inserted
@@ -49,11 +52,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from tierkv.cache.config import CacheConfig  # noqa: E402
-from tierkv.cache.hicache import HiRadixCache  # noqa: E402
-from tierkv.pools import DeviceKVPool, HostKVPool, KVSpec  # noqa: E402
-from tierkv.radix import RadixKey  # noqa: E402
-from tierkv.replay.trace import load_trace  # noqa: E402
+from tierkv.cache.config import CacheConfig
+from tierkv.cache.hicache import HiRadixCache
+from tierkv.pools import DeviceKVPool, HostKVPool, KVSpec
+from tierkv.radix import RadixKey
+from tierkv.replay.trace import load_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT / "data" / "traces" / "conversation_trace.jsonl.gz"  # shipped with the repository
@@ -97,7 +100,11 @@ def import_sglang():
 
     logging.disable(logging.WARNING)
     from sglang.srt.mem_cache import radix_cache
-    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
+    from sglang.srt.mem_cache.base_prefix_cache import (
+        EvictParams,
+        InsertParams,
+        MatchPrefixParams,
+    )
 
     return radix_cache, InsertParams, MatchPrefixParams, EvictParams
 
@@ -234,23 +241,29 @@ class TierkvSide:
         return sum(len(n.host_value) for n in self.cache.tree.nodes() if n.host_value is not None)
 
 
-class _NoAllocator:
-    """What SGLang's simulated cache needs of an allocator to evict: a device and a free that frees."""
+def sglang_allocator(page_size: int, num_slots: int, need_sort: bool):
+    """The slot allocator SGLang's scheduler gives its RadixCache (kv_cache_configurator: page 1 takes
+    ``TokenToKVPoolAllocator``, a larger page ``PagedTokenToKVPoolAllocator``; ``need_sort`` False but for
+    disaggregated prefill/decode). Its alloc and free never touch the KV pool, so none is made."""
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 
-    device = "cpu"
-
-    def free_segment(self, indices, start_pos: int = 0) -> None:
-        pass
+    if page_size == 1:
+        return TokenToKVPoolAllocator(num_slots, torch.int64, "cpu", kvcache=None, need_sort=need_sort)
+    return PagedTokenToKVPoolAllocator(num_slots, page_size, torch.int64, "cpu", kvcache=None, need_sort=need_sort)
 
 
 class SglangSide:
+    """SGLang's RadixCache on its real allocator: its evict frees each victim's slots into the free list."""
+
     name = "sglang"
 
-    def __init__(self, page_size: int, sgl) -> None:
+    def __init__(self, page_size: int, sgl, num_slots: int, need_sort: bool = False) -> None:
         self.radix_cache, self.InsertParams, self.MatchPrefixParams, self.EvictParams = sgl
+        self.page_size = page_size
+        self.allocator = sglang_allocator(page_size, num_slots, need_sort)
         self.cache = self.radix_cache.RadixCache.create_simulated(page_size=page_size,
-                                                                  mock_allocator=_NoAllocator())
-        self.next_slot = 0
+                                                                  mock_allocator=self.allocator)
 
     def key(self, ids: array):
         return self.radix_cache.RadixKey(ids)
@@ -261,16 +274,22 @@ class SglangSide:
         return hit, self.cache.path_device_indices(result.last_device_node)[:hit]
 
     def slots(self, num_tokens: int, prefix: torch.Tensor) -> torch.Tensor:
-        new = torch.arange(self.next_slot, self.next_slot + num_tokens - len(prefix))
-        self.next_slot += len(new)
-        return torch.cat([prefix, new])
+        """The matched prefix's slots, then whole pages from the allocator for the rest (untimed)."""
+        num_new = num_tokens - len(prefix)
+        new = self.allocator.alloc(-(-num_new // self.page_size) * self.page_size) if num_new else prefix[:0]
+        if new is None:
+            raise RuntimeError("the benchmark's SGLang pool is too small")
+        return torch.cat([prefix, new[:num_new]])
 
     def insert(self, key, slots: torch.Tensor) -> int:
+        """The tree takes the key's whole pages (its insert cuts the rest); the prefix was its own."""
         self.cache.insert(self.InsertParams(key=key, value=slots))
-        return len(slots)
+        return len(slots) // self.page_size * self.page_size
 
     def release(self, slots: torch.Tensor, owned: int) -> None:
-        pass
+        """The caller frees the partial last page, as SGLang's cache_finished_req does."""
+        if owned < len(slots):
+            self.allocator.free(slots[owned:])
 
     def size(self) -> int:
         return self.cache.evictable_size() + self.cache.protected_size()
@@ -375,10 +394,18 @@ def cold_size(seqs: list[list[int]], page_size: int) -> int:
     side = TierkvSide(page_size, total // page_size * page_size + page_size)
     for s in seqs:
         key = side.key(array("q", s))
-        hit, prefix = side.match(key)
+        _, prefix = side.match(key)
         slots = side.slots(len(s), prefix)
         side.release(slots, side.insert(key, slots))
     return side.size()
+
+
+def pool_slots(seqs: list[list[int]], page_size: int, held_tokens: int) -> int:
+    """Slots of each side's L1 pool: what the tree holds at most (the cold tree, or the steady capacity) plus
+    the longest request and a page of slack. Both sides get the same; sized as a scheduler sizes it (what
+    the memory holds), since SGLang's free list is concatenated on every free and grows with the pool."""
+    longest = max(len(s) for s in seqs)
+    return -(-(held_tokens + longest) // page_size) * page_size + 2 * page_size
 
 
 def rss_bytes() -> int:
@@ -393,13 +420,13 @@ def memory_child(shape: str, side_name: str, requests: int) -> None:
     if side_name == "tierkv":
         side = TierkvSide(page, sum(len(s) for s in seqs) // page * page + 2 * page)
     else:
-        side = SglangSide(page, import_sglang())
+        side = SglangSide(page, import_sglang(), sum(len(s) for s in seqs) // page * page + 2 * page)
     torch.empty(1)  # the allocator's first use
     gc.collect()
     before = rss_bytes()
     for s in seqs:
         key = side.key(array("q", s))
-        hit, prefix = side.match(key)
+        _, prefix = side.match(key)
         slots = side.slots(len(s), prefix)
         side.release(slots, side.insert(key, slots))
         del key, prefix, slots  # the caller's arrays: dropped once inserted
@@ -408,7 +435,7 @@ def memory_child(shape: str, side_name: str, requests: int) -> None:
 
 
 def memory_table(shapes: list[str], sizes: dict[str, int]) -> None:
-    print(f"\nRSS growth per cached token, cold build, fresh process per side (bytes; lower is better)")
+    print("\nRSS growth per cached token, cold build, fresh process per side (bytes; lower is better)")
     print(f"{'shape':<8} {'tokens':>9} {'sglang B':>9} {'tierkv B':>9} {'ratio':>6}")
     for shape in shapes:
         per = {}
@@ -428,6 +455,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--host", action="store_true", help="also time evict_host on a host-only tree")
     parser.add_argument("--memory", action="store_true", help="also measure RSS per cached token")
+    parser.add_argument("--sglang-need-sort", action="store_true",
+                        help="SGLang's allocator parks freed pages and sorts them when short (its disaggregated "
+                             "prefill/decode setting; default off, as its scheduler runs)")
     parser.add_argument("--memory-child", nargs=2, metavar=("SHAPE", "SIDE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -446,11 +476,13 @@ def main() -> None:
     for shape in shapes:
         make_seqs, page, _ = SHAPES[shape]
         seqs = make_seqs(sizes[shape])
-        total = sum(len(s) for s in seqs) // page * page + 2 * page
-        capacity = int(cold_size(seqs, page) * args.capacity_fraction)
+        cold = cold_size(seqs, page)
+        capacity = int(cold * args.capacity_fraction)
         phases = [("cold", None, False), ("steady", capacity, False)] + ([("L2", None, True)] if args.host else [])
         for phase, cap, host in phases:
-            makers = [lambda: TierkvSide(page, total, host), lambda: SglangSide(page, sgl)]
+            num_slots = pool_slots(seqs, page, cold if cap is None else cap)
+            makers = [lambda page=page, num_slots=num_slots, host=host: TierkvSide(page, num_slots, host),
+                      lambda page=page, num_slots=num_slots: SglangSide(page, sgl, num_slots, args.sglang_need_sort)]
             for op, runs in compare(makers, seqs, page, cap, args.repeats, host).items():
                 if host and op != "evict_host":
                     continue  # the same ops as "cold", plus the L2 backups
@@ -463,7 +495,7 @@ def main() -> None:
 
 
 def tree_impl() -> str:
-    import tierkv.radix as radix
+    from tierkv import radix
     from tierkv.eviction import heap
 
     evict = "C" if heap.native_evict_device is not None else "Python"

@@ -111,6 +111,8 @@ static PyMethodDef methods[] = {
     {"evict_device", (PyCFunction)(void (*)(void))tierkv_evict_device, METH_FASTCALL,
      "evict_device(tree, heap, live, changed, seqs, key_of, recheck, num_tokens, on_evict, keep_nodes, "
      "hand_back, host_tier) -> (freed, nodes, values, held)"},
+    {"free_whole_pages", (PyCFunction)(void (*)(void))tierkv_free_whole_pages, METH_FASTCALL,
+     "free_whole_pages(slot_tensors, page_size, is_free, dtype) -> bytes of the int64 pages freed"},
     {"common_prefix_len", (PyCFunction)(void (*)(void))common_prefix_len, METH_FASTCALL,
      "common_prefix_len(a, b, offset) -> equal leading elements of int64 arrays a and b[offset:]"},
     {"walk", (PyCFunction)(void (*)(void))tierkv_walk, METH_FASTCALL,

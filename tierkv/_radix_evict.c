@@ -512,9 +512,9 @@ static int account(PyObject *tree, Py_ssize_t num_tokens) {
     }
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
-    PyObject *size = PyObject_GetAttrString(tree, "evictable_size"), *delta = PyLong_FromSsize_t(num_tokens);
+    PyObject *size = PyObject_GetAttr(tree, tierkv_tree_attrs.evictable_size), *delta = PyLong_FromSsize_t(num_tokens);
     PyObject *left = size && delta ? PyNumber_Subtract(size, delta) : NULL;
-    int set = left ? PyObject_SetAttrString(tree, "evictable_size", left) : -1;
+    int set = left ? PyObject_SetAttr(tree, tierkv_tree_attrs.evictable_size, left) : -1;
     Py_XDECREF(size), Py_XDECREF(delta), Py_XDECREF(left);
     if (type != NULL) {
         PyErr_Restore(type, value, tb);
@@ -554,15 +554,18 @@ PyObject *tierkv_evict_device(PyObject *self, PyObject *const *args, Py_ssize_t 
         return NULL;
     }
     PyObject *frontiers = NULL, *page = NULL, *result = NULL;
-    c.node.root = PyObject_GetAttrString(tree, "root");
+    if (tierkv_intern_tree_attrs() < 0) {
+        return NULL;
+    }
+    c.node.root = PyObject_GetAttr(tree, tierkv_tree_attrs.root);
     c.keep_nodes = keep_nodes;
     if (c.node.root == NULL || tierkv_bind_layout(Py_TYPE(c.node.root)) < 0 || tierkv_bind_key_slots(&c.node) < 0
-        || (frontiers = PyObject_GetAttrString(c.node.root, "_frontiers")) == NULL
-        || (c.device = PyObject_GetAttrString(frontiers, "device")) == NULL
-        || (c.host = PyObject_GetAttrString(frontiers, "host")) == NULL
-        || (c.host_changed = PyObject_GetAttrString(frontiers, "host_changed")) == NULL
-        || (c.device_changed = PyObject_GetAttrString(frontiers, "device_changed")) == NULL
-        || (page = PyObject_GetAttrString(tree, "page_size")) == NULL
+        || (frontiers = PyObject_GetAttr(c.node.root, tierkv_tree_attrs._frontiers)) == NULL
+        || (c.device = PyObject_GetAttr(frontiers, tierkv_tree_attrs.device)) == NULL
+        || (c.host = PyObject_GetAttr(frontiers, tierkv_tree_attrs.host)) == NULL
+        || (c.host_changed = PyObject_GetAttr(frontiers, tierkv_tree_attrs.host_changed)) == NULL
+        || (c.device_changed = PyObject_GetAttr(frontiers, tierkv_tree_attrs.device_changed)) == NULL
+        || (page = PyObject_GetAttr(tree, tierkv_tree_attrs.page_size)) == NULL
         || ((c.node.page_size = PyLong_AsSsize_t(page)) == -1 && PyErr_Occurred())) {
         goto done;
     }

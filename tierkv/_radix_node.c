@@ -173,10 +173,23 @@ PyObject *tierkv_rank(NodeCtx *c, PyObject *node) {
 
 int tierkv_bind_key_slots(NodeCtx *c) {
     if (PyUnicode_Check(c->key_of)) {
-        const char *name = PyUnicode_AsUTF8(c->key_of);
-        if (name == NULL || slot_offset(tierkv_node_layout.type, name, &c->key_slots[0]) < 0) {
-            return -1;
+        /* the last slot name bound, kept: the heap passes the same str on every call, and looking it up
+         * made and freed a str each time (per eviction call, not per node) */
+        static PyObject *bound_name;
+        static PyTypeObject *bound_type;
+        static Py_ssize_t bound_offset;
+        if (c->key_of != bound_name || tierkv_node_layout.type != bound_type) {
+            const char *name = PyUnicode_AsUTF8(c->key_of);
+            Py_ssize_t offset;
+            if (name == NULL || slot_offset(tierkv_node_layout.type, name, &offset) < 0) {
+                return -1;
+            }
+            bound_offset = offset;
+            Py_INCREF(c->key_of);
+            Py_XSETREF(bound_name, c->key_of);
+            bound_type = tierkv_node_layout.type;
         }
+        c->key_slots[0] = bound_offset;
         c->num_key_slots = 1, c->bare_key = 1;
         return 0;
     }
@@ -279,4 +292,25 @@ int tierkv_unlink_child(NodeCtx *c, PyObject *parent, PyObject *node) {
     int rc = ck == NULL ? -1 : PyDict_DelItem(children, ck);
     Py_XDECREF(ck);
     return rc;
+}
+
+/* The attribute names the loop reads on every call, interned once: PyObject_GetAttrString made and
+ * freed a str per name per call (a tenth of a steady eviction of a node or two). */
+TreeAttrs tierkv_tree_attrs;
+
+int tierkv_intern_tree_attrs(void) {
+    if (tierkv_tree_attrs.root != NULL) {
+        return 0;
+    }
+    PyObject **slots[] = {&tierkv_tree_attrs.root, &tierkv_tree_attrs._frontiers, &tierkv_tree_attrs.device, &tierkv_tree_attrs.host,
+                          &tierkv_tree_attrs.host_changed, &tierkv_tree_attrs.device_changed, &tierkv_tree_attrs.page_size,
+                          &tierkv_tree_attrs.evictable_size};
+    const char *names[] = {"root", "_frontiers", "device", "host", "host_changed", "device_changed", "page_size",
+                           "evictable_size"};
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
+        if (*slots[i] == NULL && (*slots[i] = PyUnicode_InternFromString(names[i])) == NULL) {
+            return -1;
+        }
+    }
+    return 0;
 }

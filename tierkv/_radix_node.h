@@ -48,6 +48,13 @@ static inline int is_true(PyObject *v) {
     return v == zero ? 0 : PyObject_IsTrue(v);
 }
 
+/* The tree's attribute names the eviction loop reads on every call, interned once (see _radix_node.c) */
+typedef struct {
+    PyObject *root, *_frontiers, *device, *host, *host_changed, *device_changed, *page_size, *evictable_size;
+} TreeAttrs;
+extern TreeAttrs tierkv_tree_attrs;
+int tierkv_intern_tree_attrs(void);  /* 0, or -1 with an error set */
+
 int tierkv_bind_layout(PyTypeObject *type);
 int tierkv_check_node(PyObject *node);  /* 0, or -1 with a TypeError */
 int tierkv_is_device_leaf(NodeCtx *c, PyObject *n);  /* RadixTree.is_device_leaf: 1, 0, or -1 on error */

@@ -132,13 +132,44 @@ PyObject *tierkv_gather_device_slots(PyObject *self, PyObject *const *args, Py_s
     return Py_BuildValue("(nN)", count, out);
 }
 
+/* The device slots of the path's nodes, as (pointer, count) runs read in place: the nodes live through the
+ * call (the caller's list holds them) and nothing changes their values during it. */
+typedef struct {
+    const int64_t **ptrs;
+    Py_ssize_t *counts;
+    Py_ssize_t num, room;
+} HeldRuns;
+
+static int held_add(HeldRuns *r, const int64_t *ptr, Py_ssize_t n) {
+    if (r->num == r->room) {
+        Py_ssize_t room = r->room * 2 + 16;
+        const int64_t **ptrs = PyMem_Realloc(r->ptrs, (size_t)room * sizeof(*ptrs));
+        if (ptrs == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        r->ptrs = ptrs;
+        Py_ssize_t *counts = PyMem_Realloc(r->counts, (size_t)room * sizeof(*counts));
+        if (counts == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        r->counts = counts, r->room = room;
+    }
+    r->ptrs[r->num] = ptr, r->counts[r->num++] = n;
+    return 0;
+}
+
 /* compare ``n`` of the caller's slots at ``mine`` with ``node``'s device slots: each unequal one is appended
  * to ``*out`` (allocated on first use, room for ``room`` slots, ``*num_out`` used); 0, or -1 on error */
 static int add_mismatches(PyObject *node, const int64_t *mine, Py_ssize_t n, PyObject *int64, int64_t **out,
-                          Py_ssize_t *num_out, Py_ssize_t room) {
+                          Py_ssize_t *num_out, Py_ssize_t room, HeldRuns *runs) {
     Py_buffer view;
     const int64_t *held = value_slots(SLOT(node, device_value), n, int64, &view);
-    if (held == NULL && PyErr_Occurred()) {
+    if ((held == NULL && PyErr_Occurred()) || held_add(runs, held, n) < 0) {
+        if (view.obj != NULL) {
+            PyBuffer_Release(&view);
+        }
         return -1;
     }
     for (Py_ssize_t j = tierkv_mismatch(held, mine, n); j < n; j++) {
@@ -203,16 +234,41 @@ static void pages_restore(PageCheck *c) {
     PyMem_Free(c->seen);
 }
 
-/* When the insert takes or frees any slot (``revived`` ranges, a leaf past ``leaf_start``, ``num_out``
- * unequal ones): all of ``mine``'s first ``num_elems``, checked as one set (see PageCheck). The slots equal to
- * the path's own are in that set, so a slot taken or freed that repeats one the tree keeps is refused (it
- * would be owned twice, or freed under a live node). */
+/* the slots of ``mine`` that ``revived`` (a list of (start, end)) and [leaf_start, num_elems) cover, and the
+ * ``num_out`` of ``out``, checked as one set (see PageCheck); then none of them may be a page the path's nodes
+ * keep (``runs``): taken, it would be owned twice; freed, freed under a live node. The pages checked are
+ * flagged while this runs, so that is one flag read per kept slot. */
 static int check_taken(PageCheck *c, const int64_t *mine, PyObject *revived, Py_ssize_t leaf_start,
-                       Py_ssize_t num_elems, Py_ssize_t num_out) {
-    if (revived == NULL && leaf_start == num_elems && num_out == 0) {
-        return 0;  /* a repeat of what the tree holds: nothing taken, nothing freed */
+                       Py_ssize_t num_elems, const int64_t *out, Py_ssize_t num_out, const HeldRuns *runs) {
+    for (Py_ssize_t i = 0; revived != NULL && i < PyList_GET_SIZE(revived); i++) {
+        PyObject *range = PyList_GET_ITEM(revived, i);
+        Py_ssize_t start = PyLong_AsSsize_t(PyTuple_GET_ITEM(range, 0));
+        Py_ssize_t end = PyLong_AsSsize_t(PyTuple_GET_ITEM(range, 1));
+        if (pages_take(c, mine + start, end - start) < 0) {
+            return -1;
+        }
     }
-    return pages_take(c, mine, num_elems);
+    if (pages_take(c, mine + leaf_start, num_elems - leaf_start) < 0
+        || (num_out && pages_take(c, out, num_out) < 0)) {
+        return -1;
+    }
+    int shift = 0;  /* pages are powers of two in practice: a shift, not a 64-bit division per slot */
+    while (((Py_ssize_t)1 << shift) < c->page_size) {
+        shift++;
+    }
+    int pow2 = ((Py_ssize_t)1 << shift) == c->page_size;
+    for (Py_ssize_t r = 0; c->num_seen && r < runs->num; r++) {
+        const int64_t *held = runs->ptrs[r];
+        for (Py_ssize_t j = 0; j < runs->counts[r]; j++) {
+            uint64_t page = pow2 ? (uint64_t)held[j] >> shift : (uint64_t)(held[j] / c->page_size);
+            if (held[j] >= 0 && page < (uint64_t)c->num_pages && c->flags[page]) {
+                PyErr_Format(PyExc_ValueError, "slot %lld is the tree's own: it may not be taken or freed again",
+                             (long long)held[j]);
+                return -1;
+            }
+        }
+    }
+    return 0;
 }
 
 /* plan_slots' walk along the path: ``nodes`` whole, then ``partial``'s first ``partial_len`` elements (or None).
@@ -220,7 +276,7 @@ static int check_taken(PageCheck *c, const int64_t *mine, PyObject *revived, Py_
  * ``*revived``. Returns the elements covered, or -1 on error. */
 static Py_ssize_t path_slots(PyObject *nodes, PyObject *partial, Py_ssize_t partial_len, PyObject *int64,
                              const int64_t *mine, Py_ssize_t len_mine, int64_t **out, Py_ssize_t *num_out,
-                             PyObject **revived) {
+                             PyObject **revived, HeldRuns *runs) {
     Py_ssize_t pos = 0, num_nodes = PyList_GET_SIZE(nodes);
     for (Py_ssize_t i = 0; i <= num_nodes; i++) {
         PyObject *node = i < num_nodes ? PyList_GET_ITEM(nodes, i) : partial;
@@ -235,7 +291,7 @@ static Py_ssize_t path_slots(PyObject *nodes, PyObject *partial, Py_ssize_t part
             return -1;
         }
         if (SLOT(node, device_value) != Py_None) {
-            if (add_mismatches(node, mine + pos, n, int64, out, num_out, len_mine) < 0) {
+            if (add_mismatches(node, mine + pos, n, int64, out, num_out, len_mine, runs) < 0) {
                 return -1;
             }
         } else {
@@ -256,9 +312,9 @@ static Py_ssize_t path_slots(PyObject *nodes, PyObject *partial, Py_ssize_t part
  * along a planned insert's path (``nodes`` whole, then ``partial``'s first ``partial_len`` elements, or None),
  * over the caller's slots ``mine`` (an int64 buffer): the caller's slots unequal to those of nodes holding
  * device slots (a bytearray, or None when all are equal), and the ranges (start, end) of ``mine`` that nodes
- * without device slots will take (a list, or None). When any slot is taken (those ranges, the new leaf's from
- * the path's end to ``num_elems``) or unequal, all of ``mine`` up to ``num_elems`` is checked against the
- * allocator's flags ``is_free`` (see check_taken): a ValueError, changing nothing, if they fail. */
+ * without device slots will take (a list, or None). Those, the new leaf's (from the path's end to
+ * ``num_elems``) and the unequal ones are checked against the allocator's flags ``is_free`` and against the
+ * path's own slots (see check_taken): a ValueError, changing nothing, if they fail. */
 PyObject *tierkv_plan_slots(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (nargs != 8 || !PyList_Check(args[1])) {
@@ -291,14 +347,15 @@ PyObject *tierkv_plan_slots(PyObject *self, PyObject *const *args, Py_ssize_t na
     int64_t *out = NULL;
     PyObject *revived = NULL, *result = NULL;
     PageCheck check = {vf.buf, vf.len, page_size, 0, 0, NULL};
-    pos = path_slots(args[1], args[2], partial_len, args[7], mine, len_mine, &out, &num_out, &revived);
+    HeldRuns runs = {NULL, NULL, 0, 0};
+    pos = path_slots(args[1], args[2], partial_len, args[7], mine, len_mine, &out, &num_out, &revived, &runs);
     if (pos < 0 || pos > num_elems) {
         if (!PyErr_Occurred()) {
             PyErr_SetString(PyExc_ValueError, "the path is longer than num_elems");
         }
         goto done;
     }
-    int bad = check_taken(&check, mine, revived, pos, num_elems, num_out);
+    int bad = check_taken(&check, mine, revived, pos, num_elems, out, num_out, &runs);
     pages_restore(&check);
     if (bad < 0) {
         goto done;
@@ -311,6 +368,8 @@ PyObject *tierkv_plan_slots(PyObject *self, PyObject *const *args, Py_ssize_t na
 done:
     Py_XDECREF(revived);
     PyMem_Free(out);
+    PyMem_Free(runs.ptrs);
+    PyMem_Free(runs.counts);
     PyBuffer_Release(&vm);
     PyBuffer_Release(&vf);
     return result;

@@ -8,7 +8,7 @@ agreement) and back a written node up to L3 (the L3 tier comes and goes with ``a
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -33,6 +33,7 @@ class Eviction:
         self.tree, self.config, self.priority = tree, config, priority
         self.device_pool, self.host_pool, self.transfer, self.stats = device_pool, host_pool, transfer, stats
         self.retire_loads, self.backed_up = retire_loads, backed_up
+        self._writes_on_evict = config.writes_on_evict  # frozen config: read once, not per eviction
         device_order, host_order = tier_orders(priority, config.tier_mode)
         self._device_heap = EvictionHeap(tree, "device", device_order)
         self._host_heap = EvictionHeap(tree, "host", host_order)
@@ -86,7 +87,7 @@ class Eviction:
         for). Lock contract: skips locked nodes, and nodes without an L2 copy whose host-only
         descendants are protected (host_ref: an L3 backup or prefetch reads them).
         """
-        write_back = self.config.writes_on_evict and self.transfer is not None
+        write_back = self._writes_on_evict and self.transfer is not None
         if not write_back:
             return self._evict_dropping(num_tokens)
         freed, batch, kept = 0, _WriteBackBatch(), []
@@ -139,7 +140,8 @@ class Eviction:
                 self._remove_with_host_subtree(node)
             on_evict(node, removed=removed)
         self.device_pool.allocator.free_each(slots, whole_pages=True)  # the tree's own, checked at insert
-        self.tree.mark_changed("device", kept)  # candidates again at the next call
+        if kept:
+            self.tree.mark_changed("device", kept)  # candidates again at the next call
         self.stats.evicted_device_tokens += freed
         return freed
 
@@ -160,7 +162,7 @@ class Eviction:
             self.stats.evicted_host_tokens += sum(len(v) for v in freed)
         self.tree.remove_leaf(node)
 
-    def _reserve_write_back(self, node: TreeNode, batch: "_WriteBackBatch") -> None:
+    def _reserve_write_back(self, node: TreeNode, batch: _WriteBackBatch) -> None:
         """Give ``node`` alone host slots, protected until the batch copy ends: its parent is in L1
         (an L1 victim is a leaf of the device subtree), so its path stays loadable."""
         num_tokens = len(node)
@@ -175,7 +177,7 @@ class Eviction:
         node.host_value = host_slots
         batch.protected.append(node)
 
-    def _finish_write_back(self, batch: "_WriteBackBatch") -> int:
+    def _finish_write_back(self, batch: _WriteBackBatch) -> int:
         """Copy the batch; on failure drop the copies. Returns the device tokens put back into L1."""
         if not batch.protected:
             return 0
@@ -206,7 +208,7 @@ class Eviction:
                 self._remove_with_host_subtree(n)
         return restored
 
-    def _put_back(self, node: TreeNode, batch: "_WriteBackBatch") -> int:
+    def _put_back(self, node: TreeNode, batch: _WriteBackBatch) -> int:
         """Give ``node`` and the ancestors evicted with it their device slots back (not freed yet);
         returns their tokens. Each such ancestor was evicted after it, in this same batch."""
         index = {id(n): i for i, (n, _) in enumerate(batch.evicted)}

@@ -134,10 +134,10 @@ class HiRadixCache:
         Slots duplicating KV the tree already holds are freed; slots past the returned count (a partial
         last page, or what lies below a node whose load failed) stay the caller's. The slots the tree takes
         (those of nodes it creates or revives) and those it frees must be allocated, whole pages, each given
-        once, none repeating one the tree keeps; a bad call changes nothing. Hits are
-        counted as HiCache counts them: not under write_back, not for a ``chunked`` insert (one chunk
-        of a prefill in progress: the prompt has not been reused), and not for nodes this insert
-        revived (recomputed KV for a host-only node).
+        once, none of them one the path's nodes keep; a bad call changes nothing. Slots equal to the tree's
+        own are not checked again. Hits are counted as HiCache counts them: not under write_back, not for a
+        ``chunked`` insert (one chunk of a prefill in progress: the prompt has not been reused), and not for
+        nodes this insert revived (recomputed KV for a host-only node).
         Lock contract: takes no lock; may lock nodes for a write-through.
         """
         if not isinstance(device_slots, torch.Tensor) or device_slots.dim() != 1 or device_slots.dtype != torch.int64:

@@ -51,8 +51,8 @@ def plan_slots(plan: InsertPlan, slots: np.ndarray,
     """For an insert of ``slots`` as ``plan`` says: the caller's slots unequal to those of the nodes on the
     path that hold device slots (copies of KV the tree holds, to be freed; None when there are none), and
     the ranges of ``slots`` that valueless nodes on the path take. Raises ValueError, changing nothing,
-    unless, when the insert takes or frees any slot, all of ``slots`` up to ``plan.num_elems`` are allocated
-    in ``allocator``, whole pages, each given once (a slot taken or freed may not repeat one the tree keeps)."""
+    unless the slots the insert takes (those ranges, the new leaf's and the unequal ones) are allocated in
+    ``allocator``, whole pages, each given once, none of them a page the path's nodes keep."""
     walk = plan.walk
     if native_plan_slots is not None:
         try:
@@ -63,15 +63,20 @@ def plan_slots(plan: InsertPlan, slots: np.ndarray,
             pass  # the reference names the problem
         else:
             return (None if mismatched is None else np.frombuffer(mismatched, dtype=np.int64)), revived or []
-    freed, revived = _plan_slots(walk, slots)
-    if revived or walk.end < plan.num_elems or freed is not None:
-        # all of them as one set: a slot taken or freed must not repeat one the tree keeps
-        allocator.check_taken([slots[:plan.num_elems]], "device_slots")
+    freed, revived, kept = _plan_slots(walk, slots)
+    taken = [slots[start:end] for start, end in revived] + [slots[walk.end:plan.num_elems]]
+    if freed is not None:
+        taken.append(freed)
+    allocator.check_taken(taken, "device_slots")
+    ps = allocator.page_size
+    clash = np.intersect1d(np.concatenate(taken) // ps, kept // ps) if kept is not None else ()
+    if len(clash):
+        raise ValueError(f"device_slots: page {int(clash[0])} is the tree's own: it may not be taken or freed again")
     return freed, revived
 
 
-def _plan_slots(walk: Walk, slots: np.ndarray) -> tuple[np.ndarray | None, list[tuple[int, int]]]:
-    """The numpy reference of ``plan_slots`` of tierkv/_radix_slots.c."""
+def _plan_slots(walk: Walk, slots: np.ndarray) -> tuple[np.ndarray | None, list[tuple[int, int]], np.ndarray | None]:
+    """The numpy reference of ``plan_slots`` of tierkv/_radix_slots.c, and the path's own slots (None if none)."""
     nodes = walk.nodes if walk.partial is None else [*walk.nodes, walk.partial]
     mine, held, revived, pos = [], [], [], 0
     for node in nodes:
@@ -83,10 +88,10 @@ def _plan_slots(walk: Walk, slots: np.ndarray) -> tuple[np.ndarray | None, list[
             held.append(node.device_value.numpy()[:end - pos])
         pos = end
     if not mine:
-        return None, revived
+        return None, revived, None
     mine, held = np.concatenate(mine), np.concatenate(held)
     unequal = mine[mine != held]
-    return (unequal if len(unequal) else None), revived
+    return (unequal if len(unequal) else None), revived, held
 
 
 def unpinned(device_slots: torch.Tensor, slots: np.ndarray, plan: InsertPlan,

@@ -21,7 +21,8 @@ from __future__ import annotations
 import heapq
 import itertools
 import operator
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from tierkv.eviction.base import Policy, eviction_order
 from tierkv.radix_key import load_native
@@ -49,6 +50,7 @@ class EvictionHeap:
         self._is_candidate = tree.is_device_leaf if tier == "device" else tree.is_host_leaf
         self._frontier = tree.device_leaves if tier == "device" else tree.host_leaves
         self._changed: set | None = None
+        self._frontiers: Any = None  # the tree's frontiers object that self._changed belongs to
         tree.changed_nodes(tier)  # the tree tracks changes for this tier from now on
         self._heap: list[tuple] = []
         self._live: dict[int, int] = {}  # node id -> sequence number of its one valid entry
@@ -119,15 +121,26 @@ class EvictionHeap:
         tree, native = self.tree, native_evict_device
         if native is None or tree.bigram or not getattr(self.order, "static", True):
             return self._evict_device_python(num_tokens, on_evict, keep_nodes, hand_back)
-        changed = tree.changed_nodes(self.tier)
-        if changed is not self._changed:  # as in victims(): first call, or the tree was reset
-            self._changed, self._heap, self._live = changed, [], {}
+        changed = self._current_changes()
         recheck = getattr(self.order, "keys_rise_untouched", True)
         slot = _SLOT_KEYS.get(type(self.order).key) if isinstance(self.order, Policy) else None
         result = native(tree, self._heap, self._live, changed, self._seq, slot or self._key, recheck, num_tokens,
                         _native_hook(on_evict), keep_nodes, hand_back, host)
         self._compact()
         return result
+
+    def _current_changes(self) -> set:
+        """The tree's change set for this tier; as in :meth:`victims`, a new one (first call, or the tree
+        was reset) starts the heap over. Why not ``changed_nodes`` on every call: an eviction of a node or
+        two spent a tenth of its time looking it up; a reset replaces the tree's frontiers object."""
+        frontiers = self.tree.root._frontiers
+        if frontiers is self._frontiers and self._changed is not None:
+            return self._changed
+        changed = self.tree.changed_nodes(self.tier)
+        if changed is not self._changed:
+            self._changed, self._heap, self._live = changed, [], {}
+        self._frontiers = frontiers
+        return changed
 
     def _evict_device_python(self, num_tokens: int, on_evict: Callable[[Any, bool], Any] | None,
                              keep_nodes: bool = True, hand_back: int = 0) -> tuple[int, list, list, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 
 import numpy as np
 import torch
@@ -18,6 +19,22 @@ _NATIVE_REFUSED = (ValueError, TypeError, BufferError, RuntimeError)
 # torch's dispatch guard that skips autograd's view tracking (what inference mode uses inside); None
 # where a torch build lacks it
 _BELOW_VIEW_TRACKING = getattr(torch._C, "_AutoDispatchBelowADInplaceOrView", None)
+
+
+def _native_free_whole_pages():
+    """``tierkv._radix.free_whole_pages``, or None: not built, an older build, or the pure-Python tree asked."""
+    if os.environ.get("TIERKV_PURE_PYTHON_TREE") == "1":
+        return None
+    try:
+        from tierkv import _radix
+    except ImportError:
+        return None
+    return getattr(_radix, "free_whole_pages", None)
+
+
+# free_each's compiled pass over whole-page tensors (tierkv/_radix_pages.c), None when not built (tests set it)
+_free_whole_pages = _native_free_whole_pages()
+_INT64 = np.dtype(np.int64)
 
 
 def plain_slot_slices() -> contextlib.AbstractContextManager:
@@ -222,6 +239,8 @@ class SlotAllocator:
         slots, checked when they were inserted and never changed since), so only each page's first slot
         is read, not every slot; freeing a page twice is still an error. Why: on page 16, reading every
         evicted slot was most of an eviction's time."""
+        if whole_pages and _free_whole_pages is not None and self._free_whole_pages(slot_tensors):
+            return
         if whole_pages and len(slot_tensors) > 1 and (
                 len(slot_tensors) >= 8 or sum(map(len, slot_tensors)) >= _READ_FIRSTS_MIN_SLOTS):
             self._free_pages_of(slot_tensors)
@@ -247,6 +266,18 @@ class SlotAllocator:
             start += count
         self._release(pages)
 
+    def _free_whole_pages(self, slot_tensors: list[torch.Tensor]) -> bool:
+        """:meth:`free_each` of whole-page tensors in one compiled pass (tierkv/_radix_pages.c): no numpy view
+        and no ``len`` per tensor, the two costliest steps of a steady eviction. False, nothing freed, when
+        it refuses them (not CPU contiguous int64 tensors, a bad or twice-freed page): the callers' paths then
+        free them or name the problem."""
+        try:
+            pages = _free_whole_pages(slot_tensors, self.page_size, self._is_free, torch.int64)
+        except _NATIVE_REFUSED:
+            return False
+        self._release(np.frombuffer(pages, _INT64))  # a dtype object: its lookup by name was half the call
+        return True
+
     def _free_pages_of(self, slot_tensors: list[torch.Tensor]) -> None:
         """:meth:`free_each` of whole-page tensors, reading each page's first slot only."""
         ps = self.page_size
@@ -255,8 +286,9 @@ class SlotAllocator:
         if len(pages) and (pages.min() < 0 or pages.max() >= self.num_pages):
             raise ValueError(f"slot out of range [0, {self.num_slots})")
         was_free = self._is_free[pages]
-        if was_free.any():
-            raise ValueError(f"double free of pages {pages[was_free].tolist()[:8]}")
+        if was_free.any() or (len(pages) > 1 and not _all_distinct(pages)):
+            bad = pages[was_free] if was_free.any() else _duplicates(pages)
+            raise ValueError(f"double free of pages {bad.tolist()[:8]}")
         self._is_free[pages] = True
         self._release(pages)
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tierkv.replay.trace import BLOCK_TOKENS, TraceRequest
+from tierkv.replay.trace import BLOCK_TOKENS, TraceRequest, TraceRequests
 
 _NEVER = 1 << 31  # a next use past every request (traces hold fewer than 2**31)
 _PAIR_SPAN = 1024  # > pages of one block (512 at page size 1): (node, pages) packed in one int
@@ -108,6 +108,8 @@ class _Workload:
 
 def _block_columns(requests: Sequence[TraceRequest]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Every request's block ids end to end, each request's block count, and its prompt length."""
+    if isinstance(requests, TraceRequests):
+        return requests.block_columns()
     lengths = np.fromiter((len(r.hash_ids) for r in requests), dtype=np.int64, count=len(requests))
     blocks = np.fromiter(itertools.chain.from_iterable(r.hash_ids for r in requests), dtype=np.int64,
                          count=int(lengths.sum()))
@@ -161,7 +163,7 @@ def belady_mins(requests: Sequence[TraceRequest], capacities_tokens: Sequence[in
         if capacity is not None and (not isinstance(capacity, int) or capacity < 0):
             raise ValueError(f"capacity_tokens must be an int >= 0 or None, got {capacity!r}")
     work = _Workload(requests, page_size)
-    prompt = sum(r.input_length for r in requests)
+    prompt = requests.prompt_tokens if isinstance(requests, TraceRequests) else sum(r.input_length for r in requests)
     results = []
     for capacity in capacities_tokens:
         per_request = _run_min(work, None if capacity is None else capacity // page_size, page_size)

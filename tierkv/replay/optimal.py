@@ -87,23 +87,26 @@ class _Workload:
         first_of_node = np.ones(len(pairs), dtype=bool)
         first_of_node[1:] = pair_node[1:] != pair_node[:-1]
         lo = np.where(first_of_node, 0, np.roll(pairs % _PAIR_SPAN, 1))
-        self.size = pairs % _PAIR_SPAN - lo
+        self.size = _as_array(pairs % _PAIR_SPAN - lo)
         node_depth = np.zeros(int(node.max(initial=-1)) + 1, dtype=np.int64)
         node_depth[node] = position
-        self.depth = node_depth[pair_node] * (BLOCK_TOKENS + 1) + lo
+        self.depth = _as_array(node_depth[pair_node] * (BLOCK_TOKENS + 1) + lo)
         del node_depth, lo, position
         # each used occurrence is the chain from its node's first segment to its own count's
         last = np.searchsorted(pairs, pair[used])
         first = np.searchsorted(pairs, node[used] * _PAIR_SPAN)
         del pair, node, pairs, pair_node, first_of_node
         per_occurrence = last - first + 1
-        self.segments = np.repeat(first, per_occurrence) + _ramps(per_occurrence)
+        segments = np.repeat(first, per_occurrence) + _ramps(per_occurrence)
+        del first, last
         used_before = np.zeros(len(used) + 1, dtype=np.int64)
         np.cumsum(used, out=used_before[1:])
         seg_before = np.zeros(len(per_occurrence) + 1, dtype=np.int64)
         np.cumsum(per_occurrence, out=seg_before[1:])
-        self.starts = seg_before[used_before[starts]]
-        self.next_uses = _next_uses(self.segments, self.starts)
+        self.starts = seg_before[used_before[starts]].tolist()
+        del seg_before, used_before, per_occurrence
+        self.next_uses = _as_array(_next_uses(segments, np.asarray(self.starts, dtype=np.int64)))
+        self.segments = _as_array(segments)  # array('q'): MIN's loop reads it item by item
 
 
 def _block_columns(requests: Sequence[TraceRequest]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -173,11 +176,10 @@ def belady_mins(requests: Sequence[TraceRequest], capacities_tokens: Sequence[in
 
 def _run_min(work: _Workload, capacity_pages: int | None, page_size: int) -> list[int]:
     """Hit tokens per request of MIN with ``capacity_pages`` (None: unbounded, nothing is dropped)."""
-    size, depth = _as_array(work.size), _as_array(work.depth)
+    size, depth = work.size, work.depth
     resident = array("q", bytes(8 * len(size)))
     next_use = array("q", [_NEVER]) * len(size)
-    segments, next_uses = _as_array(work.segments), _as_array(work.next_uses)
-    starts = work.starts.tolist()
+    segments, next_uses, starts = work.segments, work.next_uses, work.starts
     heap: list[int] = []
     heap_limit = _HEAP_SLACK
     used, per_request = 0, []
@@ -227,5 +229,5 @@ def _drop_farthest(heap: list[int], used: int, capacity_pages: int, resident: ar
 def _as_array(values: np.ndarray) -> array:
     """An int64 numpy array as an ``array('q')``: its items index as Python ints, ~3x faster than numpy's."""
     out = array("q")
-    out.frombytes(np.ascontiguousarray(values, dtype=np.int64).tobytes())
+    out.frombytes(memoryview(np.ascontiguousarray(values, dtype=np.int64)).cast("B"))  # no bytes copy
     return out

@@ -5,7 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierkv.replay.optimal import belady_min
+from tierkv.replay import optimal
+from tierkv.replay.optimal import belady_min, belady_mins
 from tierkv.replay.trace import TraceRequest, load_trace
 
 FIXTURE = Path(__file__).parent / "fixtures" / "conversation_200.jsonl"
@@ -97,3 +98,41 @@ def test_bad_arguments():
         belady_min([], 10, 0)
     with pytest.raises(ValueError, match="capacity_tokens"):
         belady_min([], -1, 16)
+
+
+def reference_min(requests, capacity_pages, page_size):
+    """MIN page by page (no segments, no packed heap): a page is (prefix of block ids, page index)."""
+    uses = []
+    for req in requests:
+        whole = req.input_length // page_size
+        uses.append([(tuple(req.hash_ids[: (k * page_size + page_size - 1) // 512 + 1]), k) for k in range(whole)])
+    following, nexts = {}, [None] * len(uses)
+    for r in range(len(uses) - 1, -1, -1):
+        nexts[r] = [following.get(p, 1 << 40) for p in uses[r]]
+        following.update((p, r) for p in uses[r])
+    cached, hits = {}, []  # page -> its next use
+    for pages, nxt in zip(uses, nexts):
+        hits.append(page_size * next((i for i, p in enumerate(pages) if p not in cached), len(pages)))
+        cached.update(zip(pages, nxt))
+        while len(cached) > capacity_pages:  # farthest next use, then deepest
+            del cached[max(cached, key=lambda p: (cached[p], p[1]))]
+    return hits
+
+
+@pytest.mark.parametrize("capacity_tokens", [3_000, 40_000])
+@pytest.mark.parametrize("heap_slack", [8, 4096])
+def test_min_matches_a_page_by_page_reference(capacity_tokens, heap_slack, monkeypatch):
+    # a slack of 8 compacts MIN's heap (drops its stale entries) every few requests
+    monkeypatch.setattr(optimal, "_HEAP_SLACK", heap_slack)
+    requests = load_trace(FIXTURE, limit=80).requests
+    got = belady_min(requests, capacity_tokens, 16).per_request_hit_tokens
+    assert got == reference_min(requests, capacity_tokens // 16, 16)
+
+
+def test_min_at_several_capacities_builds_one_workload_with_the_same_results():
+    requests = load_trace(FIXTURE).requests
+    capacities = [20_000, None, 5_000]
+    several = belady_mins(requests, capacities, 16)
+    assert [r.per_request_hit_tokens for r in several] == [
+        belady_min(requests, c, 16).per_request_hit_tokens for c in capacities]
+    assert [r.capacity_tokens for r in several] == capacities

@@ -147,3 +147,15 @@ def test_sweep_gives_l1_at_least_the_longest_prompt():
     tiered = sweep_config(config, 1_000_000, min_l1_tokens=126_195)
     assert tiered.l1_tokens == 126_208 and tiered.l1_tokens + tiered.l2_tokens <= 1_000_000
     assert sweep_config(config, 10_000_000, min_l1_tokens=126_195).l1_tokens == 1_111_104
+
+
+def test_per_request_hits_are_kept_as_columns_with_running_totals(requests):
+    from tierkv.replay.replay import RequestHits, RequestHitsLog
+
+    hits = [RequestHits(100, 16, 32, 0), RequestHits(50, cached=False), RequestHits(70, 0, 0, 64)]
+    log = RequestHitsLog(hits)
+    assert list(log) == hits and log == hits and log[-1] == hits[-1] and log[1:] == hits[1:]
+    assert log.totals == {"prompt_tokens": 220, "l1": 16, "l2": 32, "l3": 64, "cached": 2}
+    result = replay(requests[:40], ReplayConfig(l1_tokens=4096, l2_tokens=16384))
+    assert result.tier_hits() == {t: sum(getattr(r, t) for r in result.requests) for t in ("l1", "l2", "l3")}
+    assert result.prompt_tokens == sum(r.input_length for r in requests[:40])

@@ -123,3 +123,18 @@ def test_prompt_array_equals_prompt_tokens_on_the_fixture():
         array = req.prompt_array()
         assert array.dtype.name == "int64"
         assert array.tolist() == req.prompt_tokens()
+
+
+def test_requests_are_kept_as_columns_and_read_back_as_requests():
+    import pickle
+
+    from tierkv.replay.trace import TraceRequest, TraceRequests
+
+    plain = [TraceRequest(0, 1, 5, 600, 3, (7, 8)), TraceRequest(1, 3, 9, 10, 0, (2**31 - 1,))]
+    columns = TraceRequests(plain)
+    assert len(columns) == 2 and columns[1] == plain[1] and columns[-1] == plain[-1] and columns[:1] == plain[:1]
+    assert list(columns) == plain and columns == plain and columns != plain[:1]
+    assert pickle.loads(pickle.dumps(columns)) == columns
+    assert load_trace(FIXTURE).requests == list(load_trace(FIXTURE).requests)
+    with pytest.raises(IndexError):
+        columns[2]

@@ -17,17 +17,31 @@ any online prefix cache of the same capacity replaying the same trace.
 
 Computation: pages of one block that are always used together form a *segment*, handled as one heap
 entry with a resident page count (its pages share next uses and are dropped tail first, which is the
-deeper-first tie-break). This makes the bound take well under a second per 10k requests.
+deeper-first tie-break). The workload (segments, next uses) is built with numpy in flat arrays, once for
+any number of capacities (:func:`belady_mins`); MIN's heap holds one int per entry and is compacted when
+stale entries outnumber live ones, so its memory is bounded by the capacity, and the workload's is ~16 B
+per segment use of the trace.
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tierkv.replay.trace import BLOCK_TOKENS, TraceRequest
+import numpy as np
 
-_NEVER = 1 << 62
+from tierkv.replay.trace import BLOCK_TOKENS, TraceRequest, TraceRequests
+
+_NEVER = 1 << 31  # a next use past every request (traces hold fewer than 2**31)
+_PAIR_SPAN = 1024  # > pages of one block (512 at page size 1): (node, pages) packed in one int
+# A heap entry packs (far next use first, then deeper first, then smaller segment id) in one int:
+# next use in bits 57.., depth (block position x 513 + page offset < 2**25) in 32..56, segment id in 0..31.
+_DEPTH_SPAN = 1 << 25
+_SEGMENT_BITS = 32
+_HEAP_SLACK = 4096  # stale heap entries tolerated beyond the live ones before a compaction
 
 
 @dataclass
@@ -45,93 +59,175 @@ class OptimalResult:
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
-def _pages_per_block(input_length: int, num_blocks: int, page_size: int) -> list[int]:
-    """Whole pages of the prompt whose last token falls in each 512-token block."""
-    whole = input_length // page_size
-    return [min((i + 1) * BLOCK_TOKENS // page_size, whole) - min(i * BLOCK_TOKENS // page_size, whole)
-            for i in range(num_blocks)]
-
-
 class _Workload:
-    """Requests as lists of segment ids, with segment sizes (pages), depths and next uses."""
+    """Requests as runs of segment ids in flat arrays (``segments[starts[r]:starts[r + 1]]`` is request
+    ``r``'s, in prefix order, ``next_uses`` beside it), with each segment's size (pages) and depth.
 
-    def __init__(self, requests: list[TraceRequest], page_size: int) -> None:
-        node_ids: dict[tuple[int, int], int] = {}  # (parent node, block id) -> node: a trie of prefixes
-        occurrences: list[list[tuple[int, int]]] = []  # per request: (node, pages used of it)
-        node_depth: list[int] = []
-        counts: list[set[int]] = []
-        for req in requests:
-            parent, used = -1, []
-            for pos, (block_id, num_pages) in enumerate(
-                    zip(req.hash_ids, _pages_per_block(req.input_length, len(req.hash_ids), page_size))):
-                node = node_ids.setdefault((parent, block_id), len(node_ids))
-                if node == len(node_depth):
-                    node_depth.append(pos)
-                    counts.append(set())
-                if num_pages:
-                    counts[node].add(num_pages)
-                    used.append((node, num_pages))
-                parent = node
-            occurrences.append(used)
-        self.size: list[int] = []
-        self.depth: list[int] = []
-        first_segment: dict[int, dict[int, list[int]]] = {}  # node -> pages used -> its segments
-        for node, distinct in enumerate(counts):
-            lo, chain = 0, []
-            by_count = {}
-            for hi in sorted(distinct):
-                chain.append(len(self.size))
-                self.size.append(hi - lo)
-                self.depth.append(node_depth[node] * (BLOCK_TOKENS + 1) + lo)
-                by_count[hi] = list(chain)
-                lo = hi
-            first_segment[node] = by_count
-        self.requests: list[list[int]] = [
-            [s for node, n in used for s in first_segment[node][n]] for used in occurrences]
-        self.next_use: list[list[int]] = self._next_uses()
+    Built with numpy over every block occurrence at once: a per-block Python structure (a trie of dicts,
+    a list per request) cost ~100 MiB per 12k requests and was most of the replay's peak RSS.
+    """
 
-    def _next_uses(self) -> list[list[int]]:
-        following: dict[int, int] = {}
-        out: list[list[int]] = [[] for _ in self.requests]
-        for r in range(len(self.requests) - 1, -1, -1):
-            segs = self.requests[r]
-            out[r] = [following.get(s, _NEVER) for s in segs]
-            for s in segs:
-                following[s] = r
-        return out
+    def __init__(self, requests: Sequence[TraceRequest], page_size: int) -> None:
+        blocks, lengths, input_lengths = _block_columns(requests)
+        starts = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=starts[1:])
+        position = np.arange(len(blocks), dtype=np.int64) - np.repeat(starts[:-1], lengths)
+        node = _trie_nodes(blocks, position)
+        del blocks
+        whole = np.repeat(input_lengths // page_size, lengths)  # whole pages of each occurrence's prompt
+        pages = (np.minimum((position + 1) * BLOCK_TOKENS // page_size, whole)
+                 - np.minimum(position * BLOCK_TOKENS // page_size, whole))
+        del whole
+        # A node used with k distinct page counts is k segments (counts ascending), each the pages
+        # between one count and the next: the segments of a node are always used as a leading chain.
+        used = pages > 0
+        pair = node * _PAIR_SPAN + pages
+        pairs = np.unique(pair[used])
+        pair_node = pairs // _PAIR_SPAN
+        first_of_node = np.ones(len(pairs), dtype=bool)
+        first_of_node[1:] = pair_node[1:] != pair_node[:-1]
+        lo = np.where(first_of_node, 0, np.roll(pairs % _PAIR_SPAN, 1))
+        self.size = _as_array(pairs % _PAIR_SPAN - lo)
+        node_depth = np.zeros(int(node.max(initial=-1)) + 1, dtype=np.int64)
+        node_depth[node] = position
+        self.depth = _as_array(node_depth[pair_node] * (BLOCK_TOKENS + 1) + lo)
+        del node_depth, lo, position
+        # each used occurrence is the chain from its node's first segment to its own count's
+        last = np.searchsorted(pairs, pair[used])
+        first = np.searchsorted(pairs, node[used] * _PAIR_SPAN)
+        del pair, node, pairs, pair_node, first_of_node
+        per_occurrence = last - first + 1
+        segments = np.repeat(first, per_occurrence) + _ramps(per_occurrence)
+        del first, last
+        used_before = np.zeros(len(used) + 1, dtype=np.int64)
+        np.cumsum(used, out=used_before[1:])
+        seg_before = np.zeros(len(per_occurrence) + 1, dtype=np.int64)
+        np.cumsum(per_occurrence, out=seg_before[1:])
+        self.starts = seg_before[used_before[starts]].tolist()
+        del seg_before, used_before, per_occurrence
+        self.next_uses = _as_array(_next_uses(segments, np.asarray(self.starts, dtype=np.int64)))
+        self.segments = _as_array(segments)  # array('q'): MIN's loop reads it item by item
 
 
-def belady_min(requests: list[TraceRequest], capacity_tokens: int | None, page_size: int) -> OptimalResult:
+def _block_columns(requests: Sequence[TraceRequest]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every request's block ids end to end, each request's block count, and its prompt length."""
+    if isinstance(requests, TraceRequests):
+        return requests.block_columns()
+    lengths = np.fromiter((len(r.hash_ids) for r in requests), dtype=np.int64, count=len(requests))
+    blocks = np.fromiter(itertools.chain.from_iterable(r.hash_ids for r in requests), dtype=np.int64,
+                         count=int(lengths.sum()))
+    input_lengths = np.fromiter((r.input_length for r in requests), dtype=np.int64, count=len(requests))
+    return blocks, lengths, input_lengths
+
+
+def _trie_nodes(blocks: np.ndarray, position: np.ndarray) -> np.ndarray:
+    """A node id per block occurrence: equal ids exactly when the block ids up to it are equal (a trie
+    of prefixes, built one depth at a time: a node is its parent's node and its own block id)."""
+    node = np.empty(len(blocks), dtype=np.int64)
+    order = np.argsort(position, kind="stable")
+    bounds = np.searchsorted(position[order], np.arange(int(position.max(initial=-1)) + 2))
+    num_nodes = 0
+    for depth in range(len(bounds) - 1):
+        at = order[bounds[depth]:bounds[depth + 1]]
+        parent = node[at - 1] + 1 if depth else np.zeros(len(at), dtype=np.int64)
+        ids, inverse = np.unique(parent << 31 | blocks[at], return_inverse=True)
+        node[at] = inverse.reshape(-1) + num_nodes
+        num_nodes += len(ids)
+    return node
+
+
+def _ramps(lengths: np.ndarray) -> np.ndarray:
+    """0, 1, .., n - 1 for each n of ``lengths``, end to end."""
+    ends = np.cumsum(lengths)
+    return np.arange(int(ends[-1]) if len(ends) else 0, dtype=np.int64) - np.repeat(ends - lengths, lengths)
+
+
+def _next_uses(segments: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """For each use of a segment, the index of the next request using it (_NEVER when none does)."""
+    request = np.repeat(np.arange(len(starts) - 1, dtype=np.int64), np.diff(starts))
+    order = np.lexsort((request, segments))
+    following = np.full(len(segments), _NEVER, dtype=np.int64)
+    same = segments[order[1:]] == segments[order[:-1]]
+    following[order[:-1][same]] = request[order[1:][same]]
+    return following
+
+
+def belady_min(requests: Sequence[TraceRequest], capacity_tokens: int | None, page_size: int) -> OptimalResult:
     """MIN's hit tokens (see the module docstring) at ``capacity_tokens`` (None: never evict)."""
+    return belady_mins(requests, [capacity_tokens], page_size)[0]
+
+
+def belady_mins(requests: Sequence[TraceRequest], capacities_tokens: Sequence[int | None],
+                page_size: int) -> list[OptimalResult]:
+    """:func:`belady_min` at each of ``capacities_tokens``, building the workload once."""
     if not isinstance(page_size, int) or page_size < 1:
         raise ValueError(f"page_size must be a positive int, got {page_size!r}")
-    if capacity_tokens is not None and (not isinstance(capacity_tokens, int) or capacity_tokens < 0):
-        raise ValueError(f"capacity_tokens must be an int >= 0 or None, got {capacity_tokens!r}")
+    for capacity in capacities_tokens:
+        if capacity is not None and (not isinstance(capacity, int) or capacity < 0):
+            raise ValueError(f"capacity_tokens must be an int >= 0 or None, got {capacity!r}")
     work = _Workload(requests, page_size)
-    capacity = _NEVER if capacity_tokens is None else capacity_tokens // page_size
-    resident = [0] * len(work.size)
-    next_use = [_NEVER] * len(work.size)
-    heap: list[tuple[int, int, int]] = []
+    prompt = requests.prompt_tokens if isinstance(requests, TraceRequests) else sum(r.input_length for r in requests)
+    results = []
+    for capacity in capacities_tokens:
+        per_request = _run_min(work, None if capacity is None else capacity // page_size, page_size)
+        results.append(OptimalResult(capacity, page_size, prompt, sum(per_request), per_request))
+    return results
+
+
+def _run_min(work: _Workload, capacity_pages: int | None, page_size: int) -> list[int]:
+    """Hit tokens per request of MIN with ``capacity_pages`` (None: unbounded, nothing is dropped)."""
+    size, depth = work.size, work.depth
+    resident = array("q", bytes(8 * len(size)))
+    next_use = array("q", [_NEVER]) * len(size)
+    segments, next_uses, starts = work.segments, work.next_uses, work.starts
+    heap: list[int] = []
+    heap_limit = _HEAP_SLACK
     used, per_request = 0, []
-    for segs, nexts in zip(work.requests, work.next_use):
+    for r in range(len(starts) - 1):
+        segs, nexts = segments[starts[r]:starts[r + 1]], next_uses[starts[r]:starts[r + 1]]
         hit_pages = 0
         for s in segs:
             hit_pages += resident[s]
-            if resident[s] < work.size[s]:
+            if resident[s] < size[s]:
                 break
         per_request.append(hit_pages * page_size)
         for s, nxt in zip(segs, nexts):
-            used += work.size[s] - resident[s]
-            resident[s], next_use[s] = work.size[s], nxt
-            heapq.heappush(heap, (-nxt, -work.depth[s], s))
-        while used > capacity:
-            neg_next, neg_depth, s = heapq.heappop(heap)
-            if resident[s] == 0 or -neg_next != next_use[s]:
-                continue  # stale entry: the segment was evicted or used again since
-            drop = min(used - capacity, resident[s])
-            resident[s] -= drop
-            used -= drop
-            if resident[s]:
-                heapq.heappush(heap, (neg_next, neg_depth, s))
-    prompt = sum(r.input_length for r in requests)
-    return OptimalResult(capacity_tokens, page_size, prompt, sum(per_request), per_request)
+            used += size[s] - resident[s]
+            resident[s], next_use[s] = size[s], nxt
+            if capacity_pages is not None:
+                heapq.heappush(heap, (_NEVER - nxt) << 57 | (_DEPTH_SPAN - 1 - depth[s]) << _SEGMENT_BITS | s)
+        if capacity_pages is None or used <= capacity_pages:
+            continue
+        used = _drop_farthest(heap, used, capacity_pages, resident, next_use)
+        if len(heap) > heap_limit:  # stale entries (segments used again or dropped since) pile up
+            heap[:] = [k for k in heap if _is_live(k, resident, next_use)]
+            heapq.heapify(heap)
+            heap_limit = 2 * len(heap) + _HEAP_SLACK
+    return per_request
+
+
+def _is_live(key: int, resident: array, next_use: array) -> bool:
+    s = key & ((1 << _SEGMENT_BITS) - 1)
+    return resident[s] > 0 and _NEVER - (key >> 57) == next_use[s]
+
+
+def _drop_farthest(heap: list[int], used: int, capacity_pages: int, resident: array, next_use: array) -> int:
+    """Drop pages, farthest next use first, until ``used`` fits ``capacity_pages``; the pages now used."""
+    while used > capacity_pages:
+        key = heapq.heappop(heap)
+        if not _is_live(key, resident, next_use):
+            continue  # stale entry: the segment was evicted or used again since
+        s = key & ((1 << _SEGMENT_BITS) - 1)
+        drop = min(used - capacity_pages, resident[s])
+        resident[s] -= drop
+        used -= drop
+        if resident[s]:
+            heapq.heappush(heap, key)
+    return used
+
+
+def _as_array(values: np.ndarray) -> array:
+    """An int64 numpy array as an ``array('q')``: its items index as Python ints, ~3x faster than numpy's."""
+    out = array("q")
+    out.frombytes(memoryview(np.ascontiguousarray(values, dtype=np.int64)).cast("B"))  # no bytes copy
+    return out

@@ -20,18 +20,18 @@ from __future__ import annotations
 import json
 import time
 from array import array
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 import torch
 
-from tierkv.replay.trace import TraceRequest
 from tierkv.cache.config import CacheConfig
 from tierkv.cache.hicache import HiRadixCache, MatchResult
+from tierkv.cache.l3.controller import open_storage
 from tierkv.pools import DeviceKVPool, HostKVPool, KVSpec
 from tierkv.radix import RadixKey
-from tierkv.cache.l3.controller import open_storage
+from tierkv.replay.trace import TraceRequest
 from tierkv.storage.factory import redact_spec
 from tierkv.validate import check_bool, check_int, check_text
 
@@ -109,12 +109,48 @@ class RequestHits:
         return self.l1 + self.l2 + self.l3
 
 
+class RequestHitsLog(Sequence[RequestHits]):
+    """Every request's :class:`RequestHits`, kept as int columns (40 B a request, where the objects took
+    ~250 B), each item made when read; tier totals are kept as requests are added."""
+
+    _COLUMNS = ("prompt_tokens", "l1", "l2", "l3", "cached")
+
+    def __init__(self, hits: Iterable[RequestHits] = ()) -> None:
+        self._columns = {name: array("q") for name in self._COLUMNS}
+        self.totals = dict.fromkeys(self._COLUMNS, 0)
+        for h in hits:
+            self.append(h)
+
+    def append(self, hits: RequestHits) -> None:
+        for name, column in self._columns.items():
+            value = int(getattr(hits, name))
+            column.append(value)
+            self.totals[name] += value
+
+    def __len__(self) -> int:
+        return len(self._columns["l1"])
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        c = self._columns
+        return RequestHits(c["prompt_tokens"][i], c["l1"][i], c["l2"][i], c["l3"][i], bool(c["cached"][i]))
+
+    def __iter__(self) -> Iterator[RequestHits]:
+        return (self[i] for i in range(len(self)))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
 @dataclass
 class ReplayResult:
     """Per-request hits of one replay plus the cache's movement counters (in tokens)."""
 
     config: ReplayConfig
-    requests: list[RequestHits] = field(default_factory=list)
+    requests: RequestHitsLog = field(default_factory=RequestHitsLog)
     written_l1_l2_tokens: int = 0
     loaded_l2_l1_tokens: int = 0
     backed_up_l2_l3_tokens: int = 0
@@ -122,12 +158,16 @@ class ReplayResult:
     uncached_requests: int = 0
     wall_s: float = 0.0
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.requests, RequestHitsLog):
+            self.requests = RequestHitsLog(self.requests)
+
     def tier_hits(self) -> dict[str, int]:
-        return {t: sum(getattr(r, t) for r in self.requests) for t in ("l1", "l2", "l3")}
+        return {t: self.requests.totals[t] for t in ("l1", "l2", "l3")}
 
     @property
     def prompt_tokens(self) -> int:
-        return sum(r.prompt_tokens for r in self.requests)
+        return self.requests.totals["prompt_tokens"]
 
     @property
     def hit_ratio(self) -> float:

@@ -32,7 +32,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColu
 from rich.table import Table
 from rich.text import Text
 
-from tierkv.replay.optimal import OptimalResult, belady_min
+from tierkv.replay.optimal import OptimalResult, belady_min, belady_mins
 from tierkv.replay.replay import ReplayConfig, ReplayResult, replay
 from tierkv.replay.trace import Trace
 from tierkv.replay.ttft import TTFTModel
@@ -114,18 +114,29 @@ def optimal_capacity(config: ReplayConfig) -> int | None:
     return None if config.l3_tokens is None else config.total_tokens + config.l3_tokens
 
 
+def _optimal(requests: list, config: ReplayConfig) -> tuple[OptimalResult, OptimalResult, OptimalResult | None]:
+    """MIN at the run's capacity, at an unbounded one (the ideal) and, with an L3, at L1 + L2 alone."""
+    capacity = optimal_capacity(config)
+    capacities = [capacity] + ([None] if capacity is not None else [])
+    capacities += [config.total_tokens] if config.l3 != "none" else []
+    mins = belady_mins(requests, capacities, config.page_size)
+    return mins[0], mins[1] if capacity is not None else mins[0], mins[-1] if config.l3 != "none" else None
+
+
 def _baselines(requests: list, config: ReplayConfig, with_l1_only: bool
                ) -> tuple[ReplayResult | None, OptimalResult, OptimalResult, OptimalResult | None]:
-    """The L1-only replay and MIN, run in a second process while the tiered replay runs in the first."""
-    l1_only = None
-    if with_l1_only:
-        flat = replace(config, l1_tokens=config.total_tokens, l2_tokens=None, l3="none")
-        l1_only = replay(requests, flat, _count_request if _worker_progress is not None else None)
-    capacity = optimal_capacity(config)
-    optimal = belady_min(requests, capacity, config.page_size)
-    ideal = optimal if capacity is None else belady_min(requests, None, config.page_size)
-    l1_l2 = belady_min(requests, config.total_tokens, config.page_size) if config.l3 != "none" else None
-    return l1_only, optimal, ideal, l1_l2
+    """MIN and the L1-only replay, run in a second process while the tiered replay runs in the first.
+
+    MIN goes first: its workload (O(trace)) is freed before the replay's pools are made, so the peak RSS
+    is the larger of the two, not their sum."""
+    optimal, ideal, l1_l2 = _optimal(requests, config)
+    return _l1_only(requests, config) if with_l1_only else None, optimal, ideal, l1_l2
+
+
+def _l1_only(requests: list, config: ReplayConfig) -> ReplayResult:
+    """The L1-only baseline: one tier holding all of ``config``'s L1 + L2."""
+    flat = replace(config, l1_tokens=config.total_tokens, l2_tokens=None, l3="none")
+    return replay(requests, flat, _count_request if _worker_progress is not None else None)
 
 
 def run_all(trace: Trace, config: ReplayConfig, baselines: bool = True, console: Console | None = None,
@@ -141,8 +152,9 @@ def run_all(trace: Trace, config: ReplayConfig, baselines: bool = True, console:
         tiered_task = bar.add_task("tiered", total=len(requests))
         flat_task = bar.add_task("L1-only", total=len(requests)) if baselines else None
         if not parallel:
+            optimal, ideal, l1_l2 = _optimal(requests, config)  # first, as in _baselines
             tiered = replay(requests, config, lambda i: bar.advance(tiered_task))
-            l1_only, optimal, ideal, l1_l2 = _baselines(requests, config, baselines)
+            l1_only = _l1_only(requests, config) if baselines else None
             return RunOutcome(trace, tiered, l1_only, optimal, ideal, time.perf_counter() - start, l1_l2)
         ctx = multiprocessing.get_context("spawn")
         counter = ctx.Value("q", 0)

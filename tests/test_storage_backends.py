@@ -869,3 +869,16 @@ def test_mooncake_a_failed_put_range_costs_only_its_pages(mooncake_master, monke
     finally:
         store.clear()
         store.close()
+
+
+def test_file_bounded_store_keeps_the_newest_pages_of_a_batch_larger_than_its_bound(tmp_path):
+    """A bounded store cuts a batch into small packs: one pack over the bound would be evicted whole."""
+    max_bytes = 3 * PACK1_NBYTES
+    store = open_store(f"file:{tmp_path}", "ns", PAGE_NBYTES, {"max_bytes": max_bytes})
+    keys, pages = make_keys(13), make_pages(13)
+    assert store.batch_set(keys, pages) == [True] * 13
+    assert [store.batch_exists([k]) for k in keys] == [0] * 10 + [1] * 3
+    on_disk = sum(p.stat().st_size for p in tmp_path.rglob("*.pack"))
+    assert on_disk == store.size_bytes <= max_bytes
+    targets = empty_pages(3)
+    assert store.batch_get(keys[10:], targets) == [True] * 3 and all(map(torch.equal, targets, pages[10:]))

@@ -67,6 +67,9 @@ _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 # Write failures that the next batch would hit too: back off instead of failing batch by batch.
 _DISK_REFUSALS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
+# A bounded store cuts a batch into packs of at most 1/PACK_SHARE_DIVISOR of max_bytes, so that
+# evicting one pack frees a small share of the store, never most of it.
+PACK_SHARE_DIVISOR = 16
 _IOV_MAX = 1024  # buffers per preadv/pwritev call (Linux's UIO_MAXIOV)
 MAX_READ_THREADS = 4  # kept for bench/bench_storage.py's report of the raw baseline's threads
 
@@ -266,7 +269,7 @@ class FileStore(PageStore):
                 for i in range(run):
                     number = where[i][0]
                     if number not in checked:
-                        checked[number] = self._pack_present(dir_fd, number)
+                        checked[number] = self._pack_present(dir_fd, number, where[i][3])
                     if not checked[number]:
                         return i
         except FileNotFoundError:
@@ -279,11 +282,12 @@ class FileStore(PageStore):
                 self._index.touch(number)
         return run
 
-    def _pack_present(self, dir_fd: int, number: int) -> bool:
-        """Whether pack ``number`` is still a regular file (another process may have evicted it)."""
+    def _pack_present(self, dir_fd: int, number: int, size_bytes: int) -> bool:
+        """Whether pack ``number`` is still a regular file of its size (another process may have evicted
+        it, or it was truncated); one ``stat``, no read."""
         try:
             info = os.stat(pack_name(number), dir_fd=dir_fd, follow_symlinks=False)
-            if stat.S_ISREG(info.st_mode):
+            if stat.S_ISREG(info.st_mode) and info.st_size == size_bytes:
                 return True
         except FileNotFoundError:
             pass
@@ -401,6 +405,18 @@ class FileStore(PageStore):
 
     def batch_set(self, keys: list[str], values: list[torch.Tensor]) -> list[bool]:
         views = self._check_batch(keys, values)
+        step = len(keys) or 1
+        if self.max_bytes is not None:  # a bounded store evicts whole packs: keep each a small share of it
+            step = max(1, self.max_bytes // (PACK_SHARE_DIVISOR * self.format.blob_nbytes))
+        if len(keys) <= step:
+            return self._set_pack(keys, views)
+        done: list[bool] = []
+        for start in range(0, len(keys), step):
+            done += self._set_pack(keys[start:start + step], views[start:start + step])
+        return done
+
+    def _set_pack(self, keys: list[str], views: list[memoryview]) -> list[bool]:
+        """Write ``keys``' pages as one pack; all True, or all False if the write failed."""
         with self._timed("set"):
             if not self.write_backoff.ready():
                 self._count(errors=len(keys))

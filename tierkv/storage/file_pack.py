@@ -75,6 +75,21 @@ def read_pack_keys(fd: int, size_bytes: int, payload_nbytes: int) -> list[str] |
     return keys if len(keys) == count and len(raw) == keys_nbytes else None
 
 
+def pack_pages(path: str) -> list[tuple[str, int, int]]:
+    """(key, payload offset, payload bytes) of each page in the pack file at ``path`` (for tools and
+    tests that look at a store's files); [] if it is not a whole pack."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < FOOTER_NBYTES:
+            return []
+        magic, count, keys_nbytes = _FOOTER.unpack(os.pread(f.fileno(), FOOTER_NBYTES, size - FOOTER_NBYTES))
+        if magic != PACK_MAGIC or not count or (size - FOOTER_NBYTES - keys_nbytes) % count:
+            return []
+        payload_nbytes = (size - FOOTER_NBYTES - keys_nbytes) // count - HEADER_SIZE
+        keys = read_pack_keys(f.fileno(), size, payload_nbytes)
+    return [] if keys is None else [(key, slot * payload_nbytes, payload_nbytes) for slot, key in enumerate(keys)]
+
+
 class PackCounter:
     """The directory's shared pack counter: ``draw`` reserves the next number, ``peek`` reads how many
     have been drawn (8 bytes little-endian; ``flock`` excludes other processes, a lock this process's

@@ -1,0 +1,87 @@
+"""The file store's packs (tierkv/storage/file_pack.py): the index of pages in packs, the pack format, and
+finding packs that another store wrote by number."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from tests.test_storage_backends import PAGE_NBYTES, empty_pages, make_keys, make_pages
+from tierkv.storage.factory import open_store
+from tierkv.storage.file_pack import (
+    PENDING_WINDOW,
+    PackIndex,
+    pack_name,
+    pack_number,
+    pack_pages,
+)
+
+K = [f"{i:016x}" for i in range(8)]
+
+
+def test_a_later_pack_replaces_a_page_and_a_pack_without_live_pages_goes():
+    index = PackIndex(None)
+    assert index.add(0, K[:2], 100) == []
+    assert index.add(1, K[1:3], 100) == []
+    assert index.locate(K[1]) == (1, 0, 2) and index.locate(K[0]) == (0, 0, 2)
+    gone = index.add(2, [K[0]], 50)  # pack 0's last live page moves on: pack 0 is garbage
+    assert [number for number, _ in gone] == [0] and index.size_bytes == 150
+    assert index.locate(K[0]) == (2, 0, 1)
+
+
+def test_an_older_pack_found_late_never_replaces_a_newer_page():
+    index = PackIndex(None)
+    index.add(5, [K[0]], 10)
+    gone = index.add(3, [K[0]], 10)  # another process's older pack, found after ours
+    assert [number for number, _ in gone] == [3] and index.locate(K[0]) == (5, 0, 1)
+
+
+def test_a_bounded_index_evicts_whole_packs_least_recently_used_first():
+    index = PackIndex(250)
+    index.add(0, K[0:2], 100)
+    index.add(1, K[2:4], 100)
+    index.touch(0)
+    gone = index.add(2, K[4:6], 100)
+    assert [(number, info.live) for number, info in gone] == [(1, 2)]
+    assert index.locate(K[2]) is None and index.locate(K[0]) is not None and index.size_bytes == 200
+
+
+def test_dropping_pages_frees_their_pack_once_none_is_live():
+    index = PackIndex(None)
+    index.add(0, K[:2], 100)
+    assert index.drop_page(K[0]) is None
+    number, info = index.drop_page(K[1])
+    assert number == 0 and info.live == 0 and len(index) == 0 and index.size_bytes == 0
+
+
+def test_numbers_drawn_by_others_are_looked_for_until_found_or_too_old():
+    index = PackIndex(None)
+    index.drew(0)
+    index.drew(3)  # 1 and 2 were drawn by another process meanwhile
+    assert index.numbers_to_look_for(5) == [1, 2, 4]
+    index.add(2, [K[0]], 10)
+    assert index.numbers_to_look_for(5) == [1, 4]
+    assert index.numbers_to_look_for(5 + PENDING_WINDOW) == list(range(5, 5 + PENDING_WINDOW))
+
+
+def test_pack_names_round_trip_and_other_names_are_not_packs():
+    assert pack_number(pack_name(0xabc)) == 0xabc
+    for name in ("x.pack", "0000000000000abc.pack.1.tmp", ".packs", "000000000000000G.pack", "00.page"):
+        assert pack_number(name) is None
+
+
+def test_a_pack_lists_its_pages_and_another_store_finds_it_on_a_miss(tmp_path):
+    writer = open_store(f"file:{tmp_path}", "ns", PAGE_NBYTES)
+    reader = open_store(f"file:{tmp_path}", "ns", PAGE_NBYTES)  # opened before the pack exists
+    keys, pages = make_keys(3), make_pages(3)
+    assert writer.batch_set(keys, pages) == [True] * 3
+    pack = writer.path(keys[0])
+    assert [(key, at) for key, at, _ in pack_pages(pack)] == [(k, i * PAGE_NBYTES) for i, k in enumerate(keys)]
+    with open(pack, "rb") as f:
+        assert f.read(PAGE_NBYTES) == pages[0].numpy().tobytes()  # payloads first, at page multiples
+    targets = empty_pages(3)
+    assert reader.batch_get(keys, targets) == [True] * 3 and all(map(torch.equal, targets, pages))
+    assert sorted(os.listdir(writer.directory)) == [".packs", os.path.basename(pack)]
+    writer.close()
+    reader.close()

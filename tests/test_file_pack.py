@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 from tests.test_storage_backends import PAGE_NBYTES, empty_pages, make_keys, make_pages
 from tierkv.storage.factory import open_store
+from tierkv.storage.file import GROUP_NBYTES
 from tierkv.storage.file_pack import (
     PENDING_WINDOW,
     PackIndex,
@@ -85,3 +87,30 @@ def test_a_pack_lists_its_pages_and_another_store_finds_it_on_a_miss(tmp_path):
     assert sorted(os.listdir(writer.directory)) == [".packs", os.path.basename(pack)]
     writer.close()
     reader.close()
+
+
+@pytest.mark.parametrize("use_native", [True, False], ids=["native", "python"])
+@pytest.mark.parametrize("page_nbytes, num_pages", [(GROUP_NBYTES + 4097, 3), (40_000, 60)],
+                         ids=["pages-over-a-group", "batch-over-a-group"])
+def test_batches_over_a_group_round_trip_and_a_flipped_byte_is_a_miss(tmp_path, use_native, page_nbytes,
+                                                                      num_pages):
+    """Batches over GROUP_NBYTES are written and read group by group (a page over it chunk by chunk),
+    each checksummed while in cache: same bytes back, and a corrupt page is still caught."""
+    store = open_store(f"file:{tmp_path}", "ns", page_nbytes)
+    if not use_native:
+        store._native = None
+    g = torch.Generator().manual_seed(3)
+    pages = [torch.randint(0, 256, (page_nbytes,), dtype=torch.uint8, generator=g) for _ in range(num_pages)]
+    keys = make_keys(num_pages)
+    assert store.batch_set(keys, pages) == [True] * num_pages
+    targets = [torch.zeros(page_nbytes, dtype=torch.uint8) for _ in keys]
+    assert store.batch_get(keys, targets) == [True] * num_pages and all(map(torch.equal, targets, pages))
+    path, payload_at, _ = store.page_extent(keys[1])
+    with open(path, "r+b") as f:
+        f.seek(payload_at + page_nbytes - 3)  # in the last chunk of the page
+        byte = f.read(1)
+        f.seek(payload_at + page_nbytes - 3)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    found = store.batch_get(keys, [torch.zeros(page_nbytes, dtype=torch.uint8) for _ in keys])
+    assert found == [i != 1 for i in range(num_pages)] and store.stats.corrupt_pages == 1
+    store.close()

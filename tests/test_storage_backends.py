@@ -16,6 +16,7 @@ from tierkv.pools.spec import KVSpec
 from tierkv.storage import native
 from tierkv.storage.base import PageStore, StoreStats
 from tierkv.storage.factory import open_store
+from tierkv.storage.file import GROUP_NBYTES
 from tierkv.storage.file_pack import pack_name
 from tierkv.storage.page_format import HEADER_SIZE
 
@@ -737,9 +738,11 @@ def test_file_writes_make_no_directory_per_page(tmp_path, monkeypatch):
 
 def test_file_batch_is_one_pack_written_once_and_renamed_once(tmp_path, monkeypatch):
     """Issue 27, target 4: a batch costs one write and one rename, not an open, a write, a close and a
-    rename per page; a read opens each pack once and reads each run of its pages in one call."""
+    rename per page; a read opens each pack once and reads each run of its pages in one call (batches
+    within GROUP_NBYTES: larger ones go group by group, each checksummed while in cache)."""
     store = open_store(f"file:{tmp_path}", "ns", PAGE_NBYTES)
-    num_pages = 600
+    num_pages = 300
+    assert num_pages * PAGE_NBYTES <= GROUP_NBYTES
     keys, pages = make_keys(num_pages), make_pages(num_pages)
     calls: dict[str, int] = {}
     for name in ("open", "replace", "rename", "pwritev", "write", "preadv", "pread", "fsync", "mkdir"):

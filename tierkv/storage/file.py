@@ -44,6 +44,7 @@ from contextlib import contextmanager
 
 import numpy as np
 import torch
+import xxhash
 
 from tierkv.storage import native
 from tierkv.storage.base import Backoff, PageStore, check_key, check_max_bytes
@@ -54,12 +55,13 @@ from tierkv.storage.file_pack import (
     PackCounter,
     PackIndex,
     PackInfo,
+    slot_groups,
     pack_name,
     pack_number,
     pack_trailer,
     read_pack_keys,
 )
-from tierkv.storage.page_format import HEADER_SIZE, PageFormatError, checksum
+from tierkv.storage.page_format import CHUNK_NBYTES, HEADER_SIZE, PageFormatError, checksum
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # O_NONBLOCK: a FIFO planted as a pack must not hang the reader (no effect on a regular file).
@@ -70,6 +72,10 @@ _DISK_REFUSALS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.E
 # A bounded store cuts a batch into packs of at most 1/PACK_SHARE_DIVISOR of max_bytes, so that
 # evicting one pack frees a small share of the store, never most of it.
 PACK_SHARE_DIVISOR = 16
+# Pages are read (or written) and checksummed in groups of about this many bytes, so that the checksum
+# finds each group still in the core's cache (a whole 64 MiB batch read first and hashed after is a
+# second, cold pass over memory). A batch within one group is written in one call.
+GROUP_NBYTES = 1 << 20
 _IOV_MAX = 1024  # buffers per preadv/pwritev call (Linux's UIO_MAXIOV)
 MAX_READ_THREADS = 4  # kept for bench/bench_storage.py's report of the raw baseline's threads
 
@@ -343,7 +349,8 @@ class FileStore(PageStore):
                                   f"pack {name} of {info.st_size} bytes, expected {size_bytes}")
                 return
             got = _read_run(fd, [memoryview(headers).cast("B")], count * self.page_nbytes)
-            complete = got == count * HEADER_SIZE and self._read_payloads(fd, wanted, views)
+            digests = self._read_payloads(fd, wanted, views) if got == count * HEADER_SIZE else None
+            complete = digests is not None
             if complete and self.max_bytes is not None:
                 os.utime(fd)  # the pack's mtime is its last use: the LRU order after a restart
         except OSError as err:
@@ -356,23 +363,40 @@ class FileStore(PageStore):
             return
         with self._index_lock:
             self._index.touch(number)
-        self._verify(keys, views, headers, wanted, found)
+        self._verify(keys, views, headers, wanted, found, digests)
 
-    def _read_payloads(self, fd: int, wanted: list[tuple[int, int]], views: list[memoryview]) -> bool:
-        """Read the wanted slots (sorted), each run of consecutive slots in one call; False if short."""
-        start = 0
-        while start < len(wanted):
-            end = start + 1
-            while end < len(wanted) and wanted[end][0] == wanted[end - 1][0] + 1:
-                end += 1
-            run = [views[i] for _, i in wanted[start:end]]
-            if _read_run(fd, run, wanted[start][0] * self.page_nbytes) != (end - start) * self.page_nbytes:
-                return False
-            start = end
-        return True
+    def _read_payloads(self, fd: int, wanted: list[tuple[int, int]], views: list[memoryview]) -> list[int] | None:
+        """Read the wanted slots (sorted), each group of consecutive slots in one call, and checksum each
+        group right after it lands, while it is in cache (a page over GROUP_NBYTES: chunk by chunk);
+        the checksums in ``wanted`` order (none for a keyed store), or None if the pack was short."""
+        digests: list[int] = []
+        for start, end in slot_groups([slot for slot, _ in wanted], self.page_nbytes, GROUP_NBYTES):
+            offset = wanted[start][0] * self.page_nbytes
+            if end - start == 1 and self.page_nbytes > GROUP_NBYTES:
+                digest = self._read_large(fd, views[wanted[start][1]], offset)
+                if digest is None:
+                    return None
+                digests.append(digest)
+                continue
+            group = [views[i] for _, i in wanted[start:end]]
+            if _read_run(fd, group, offset) != len(group) * self.page_nbytes:
+                return None
+            digests += [] if self.format.keyed else self._checksums(group)
+        return digests
+
+    def _read_large(self, fd: int, view: memoryview, offset: int) -> int | None:
+        """Read one large page chunk by chunk, feeding each chunk to its checksum as it lands."""
+        state = None if self.format.keyed else xxhash.xxh3_64()
+        for start in range(0, len(view), CHUNK_NBYTES):
+            chunk = view[start:start + CHUNK_NBYTES]
+            if _read_run(fd, [chunk], offset + start) != len(chunk):
+                return None
+            if state is not None:
+                state.update(chunk)
+        return 0 if state is None else state.intdigest()
 
     def _verify(self, keys: list[str], views: list[memoryview], headers: np.ndarray,
-                wanted: list[tuple[int, int]], found: list[bool]) -> None:
+                wanted: list[tuple[int, int]], found: list[bool], digests: list[int]) -> None:
         """Check the pages read against their headers: unkeyed, all checksums in one call and one
         vectorised compare; keyed, each MAC. A page that fails is rejected (and dropped)."""
         batch = [i for _, i in wanted]
@@ -381,7 +405,7 @@ class FileStore(PageStore):
         if self.format.keyed:
             ok = [self._verified(k, h.tobytes(), v) for k, h, v in zip(sub_keys, sub_headers, sub_views)]
         else:
-            failures = self.format.check_headers(sub_keys, sub_headers, sub_views, self._checksums(sub_views))
+            failures = self.format.check_headers(sub_keys, sub_headers, sub_views, digests)
             ok = [True] * len(batch)
             for index, err in failures:
                 ok[index] = False
@@ -423,7 +447,6 @@ class FileStore(PageStore):
                 return [False] * len(keys)
             if not keys:
                 return []
-            headers = self._headers(keys, views)
             trailer = pack_trailer(keys)
             size = len(keys) * self.format.blob_nbytes + len(trailer)
             try:
@@ -431,7 +454,7 @@ class FileStore(PageStore):
                     number = self._counter.draw()
                     with self._index_lock:
                         self._index.drew(number)
-                    self._write_pack(dir_fd, number, [*views, headers, memoryview(trailer)])
+                    self._write_pack(dir_fd, number, keys, views, memoryview(trailer))
                     with self._index_lock:
                         gone = self._index.add(number, keys, size)
                     self._count(evicted_pages=sum(info.live for n, info in gone if n != number))
@@ -444,15 +467,37 @@ class FileStore(PageStore):
             self._update_ledger(size - removed)
             return [True] * len(keys)
 
-    def _headers(self, keys: list[str], views: list[memoryview]) -> memoryview:
-        """The headers of a batch back to back: unkeyed, all checksums in one native call."""
+    def _write_payloads(self, fd: int, keys: list[str], views: list[memoryview], trailer: memoryview) -> None:
+        """Write a pack: a batch within GROUP_NBYTES in one call, its checksums made first (one native call);
+        a larger one group by group, each checksummed right before it is written, while it is in cache,
+        then the headers and the key list. A keyed store's MACs are made page by page first."""
         if self.format.keyed:
-            return memoryview(b"".join(self.format.header(k, v) for k, v in zip(keys, views)))
-        return memoryview(self.format.filled_headers(keys, self._checksums(views))).cast("B")
+            headers = b"".join(self.format.header(k, v) for k, v in zip(keys, views))
+            _write_all(fd, [*views, memoryview(headers), trailer], 0)
+            return
+        if len(views) * self.page_nbytes <= GROUP_NBYTES:
+            headers = self.format.filled_headers(keys, self._checksums(views))
+            _write_all(fd, [*views, memoryview(headers).cast("B"), trailer], 0)
+            return
+        digests: list[int] = []
+        for start, end in slot_groups(list(range(len(views))), self.page_nbytes, GROUP_NBYTES):
+            if end - start == 1 and self.page_nbytes > GROUP_NBYTES:
+                state = xxhash.xxh3_64()
+                for at in range(0, self.page_nbytes, CHUNK_NBYTES):
+                    chunk = views[start][at:at + CHUNK_NBYTES]
+                    state.update(chunk)
+                    _write_all(fd, [chunk], start * self.page_nbytes + at)
+                digests.append(state.intdigest())
+                continue
+            digests += self._checksums(views[start:end])
+            _write_all(fd, views[start:end], start * self.page_nbytes)
+        headers = self.format.filled_headers(keys, digests)
+        _write_all(fd, [memoryview(headers).cast("B"), trailer], len(views) * self.page_nbytes)
 
-    def _write_pack(self, dir_fd: int, number: int, buffers: list[memoryview]) -> None:
-        """Write ``buffers`` to a temp file and rename it to pack ``number``; the temp file never
-        outlives a failure."""
+    def _write_pack(self, dir_fd: int, number: int, keys: list[str], views: list[memoryview],
+                    trailer: memoryview) -> None:
+        """Write pack ``number`` to a temp file and rename it into place; the temp file never outlives a
+        failure."""
         name = pack_name(number)
         temp = f"{name}.{os.getpid()}.tmp"
         try:
@@ -462,7 +507,7 @@ class FileStore(PageStore):
             fd = os.open(temp, _WRITE_FLAGS, 0o644, dir_fd=dir_fd)
         try:
             try:
-                _write_all(fd, buffers, 0)
+                self._write_payloads(fd, keys, views, trailer)
                 if self.fsync:
                     os.fsync(fd)
             finally:

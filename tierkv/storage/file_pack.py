@@ -90,6 +90,18 @@ def pack_pages(path: str) -> list[tuple[str, int, int]]:
     return [] if keys is None else [(key, slot * payload_nbytes, payload_nbytes) for slot, key in enumerate(keys)]
 
 
+def slot_groups(slots: list[int], page_nbytes: int, group_nbytes: int = 1 << 20) -> list[tuple[int, int]]:
+    """(start, end) index ranges of ``slots`` (sorted): runs of consecutive slots of at most
+    ``group_nbytes`` (at least one page each), each read or written in one call."""
+    per_group = max(1, group_nbytes // page_nbytes)
+    groups, start = [], 0
+    for end in range(1, len(slots) + 1):
+        if end == len(slots) or slots[end] != slots[end - 1] + 1 or end - start == per_group:
+            groups.append((start, end))
+            start = end
+    return groups
+
+
 class PackCounter:
     """The directory's shared pack counter: ``draw`` reserves the next number, ``peek`` reads how many
     have been drawn (8 bytes little-endian; ``flock`` excludes other processes, a lock this process's

@@ -2,17 +2,19 @@
 a restart.
 
 Layout: ``<root>/<namespace tag>/<number>.pack``, one pack per ``batch_set`` (see
-:mod:`tierkv.storage.file_pack`: the payloads, their 48-byte headers, their keys). A batch costs one
-``open``, one ``pwritev`` (more only past the kernel's 1,024 buffers a call), one ``close`` and one
-``rename``, whatever its number of pages; a file per page cost those four calls per page, and creating
-and renaming a small file per page was most of a replay's CPU (2,000 conversation requests at page 16:
-128 CPU-s, 86 of them in the kernel, against 7.3 without L3). Nothing is fsynced unless ``fsync`` is set:
-a cache loses only hits in a crash. Pages of the earlier one-file-per-page layout are misses here.
+:mod:`tierkv.storage.file_pack`: the payloads, their 48-byte headers, their keys). A batch within
+``GROUP_NBYTES`` (1 MiB: a replay's backups) costs one ``open``, one ``pwritev``, one ``close`` and one
+``rename``, whatever its number of pages (a larger batch: one ``pwritev`` per 1 MiB group); a file
+per page cost those four calls per page, and creating and renaming a small file per page was most of a
+replay's CPU (2,000 conversation requests at page 16: 128 CPU-s, 86 of them in the kernel, against 7.3
+without L3). Nothing is fsynced unless ``fsync`` is set: a cache loses only hits in a crash. Pages of the earlier one-file-per-page layout are misses here.
 
 Writes go to a temp file beside the pack and are renamed into place, so a reader sees a whole pack or
-none. A read opens each pack it needs once, reads the header block in one ``pread`` and each run of
-consecutive pages in one ``preadv`` straight into the caller's page tensors, then checks every page's
-checksum in one native call (no GIL) and the headers in one vectorised compare. A page that fails is a
+none. A read opens each pack it needs once, reads the header block in one ``preadv`` and each run of
+consecutive pages (up to 1 MiB) in one ``preadv`` straight into the caller's page tensors, checksums that
+group in one native call (no GIL) right after it lands, while it is in cache (a page over 1 MiB: chunk by
+chunk), and checks the headers in one vectorised compare. Writes checksum each group right before
+writing it, likewise. A page that fails is a
 miss, counted and dropped; a pack of the wrong size (truncated, planted) is a miss for all its pages.
 
 The pack index (which pack and slot holds each key) lives in memory: built from the packs' key lists
@@ -51,17 +53,24 @@ from tierkv.storage.base import Backoff, PageStore, check_key, check_max_bytes
 from tierkv.storage.file_budget import LEDGER_NAME, DirectoryBudget
 from tierkv.storage.file_pack import (
     COUNTER_NAME,
+    IOV_MAX,
     PACK_SUFFIX,
     PackCounter,
     PackIndex,
     PackInfo,
-    slot_groups,
     pack_name,
     pack_number,
     pack_trailer,
     read_pack_keys,
+    read_run,
+    slot_groups,
 )
-from tierkv.storage.page_format import CHUNK_NBYTES, HEADER_SIZE, PageFormatError, checksum
+from tierkv.storage.page_format import (
+    CHUNK_NBYTES,
+    HEADER_SIZE,
+    PageFormatError,
+    checksum,
+)
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # O_NONBLOCK: a FIFO planted as a pack must not hang the reader (no effect on a regular file).
@@ -76,7 +85,6 @@ PACK_SHARE_DIVISOR = 16
 # finds each group still in the core's cache (a whole 64 MiB batch read first and hashed after is a
 # second, cold pass over memory). A batch within one group is written in one call.
 GROUP_NBYTES = 1 << 20
-_IOV_MAX = 1024  # buffers per preadv/pwritev call (Linux's UIO_MAXIOV)
 MAX_READ_THREADS = 4  # kept for bench/bench_storage.py's report of the raw baseline's threads
 
 
@@ -91,30 +99,13 @@ def _write_all(fd: int, buffers: list[memoryview], offset: int) -> None:
     """Write ``buffers`` back to back from ``offset``: one ``pwritev`` per 1,024 buffers unless the kernel
     takes less."""
     while buffers:
-        written = os.pwritev(fd, buffers[:_IOV_MAX], offset)
+        written = os.pwritev(fd, buffers[:IOV_MAX], offset)
         offset += written
         while buffers and written >= len(buffers[0]):
             written -= len(buffers[0])
             buffers = buffers[1:]
         if buffers and written:
             buffers = [buffers[0][written:], *buffers[1:]]
-
-
-def _read_run(fd: int, views: list[memoryview], offset: int) -> int:
-    """Read into ``views`` back to back from ``offset`` (one ``preadv`` per 1,024 views unless the kernel
-    gives less); the bytes read, short only at the end of the file."""
-    done, total = 0, sum(len(v) for v in views)
-    while views:
-        got = os.preadv(fd, views[:_IOV_MAX], offset + done)
-        if got == 0:
-            break
-        done += got
-        while views and got >= len(views[0]):
-            got -= len(views[0])
-            views = views[1:]
-        if views and got:
-            views = [views[0][got:], *views[1:]]
-    return min(done, total)
 
 
 class FileStore(PageStore):
@@ -348,7 +339,7 @@ class FileStore(PageStore):
                 self._reject_pack(dir_fd, number, [keys[i] for _, i in wanted],
                                   f"pack {name} of {info.st_size} bytes, expected {size_bytes}")
                 return
-            got = _read_run(fd, [memoryview(headers).cast("B")], count * self.page_nbytes)
+            got = read_run(fd, [memoryview(headers).cast("B")], count * self.page_nbytes)
             digests = self._read_payloads(fd, wanted, views) if got == count * HEADER_SIZE else None
             complete = digests is not None
             if complete and self.max_bytes is not None:
@@ -379,7 +370,7 @@ class FileStore(PageStore):
                 digests.append(digest)
                 continue
             group = [views[i] for _, i in wanted[start:end]]
-            if _read_run(fd, group, offset) != len(group) * self.page_nbytes:
+            if read_run(fd, group, offset) != len(group) * self.page_nbytes:
                 return None
             digests += [] if self.format.keyed else self._checksums(group)
         return digests
@@ -389,7 +380,7 @@ class FileStore(PageStore):
         state = None if self.format.keyed else xxhash.xxh3_64()
         for start in range(0, len(view), CHUNK_NBYTES):
             chunk = view[start:start + CHUNK_NBYTES]
-            if _read_run(fd, [chunk], offset + start) != len(chunk):
+            if read_run(fd, [chunk], offset + start) != len(chunk):
                 return None
             if state is not None:
                 state.update(chunk)

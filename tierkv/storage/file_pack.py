@@ -35,6 +35,7 @@ FOOTER_NBYTES = _FOOTER.size
 # A number drawn but not yet seen as a pack (its writer is still writing, or it failed) is looked for
 # again on later misses, until this many newer numbers have been drawn; then it is given up.
 PENDING_WINDOW = 1024
+IOV_MAX = 1024  # buffers per preadv/pwritev call (Linux's UIO_MAXIOV)
 
 
 def pack_name(number: int) -> str:
@@ -100,6 +101,23 @@ def slot_groups(slots: list[int], page_nbytes: int, group_nbytes: int = 1 << 20)
             groups.append((start, end))
             start = end
     return groups
+
+
+def read_run(fd: int, views: list[memoryview], offset: int) -> int:
+    """Read into ``views`` back to back from ``offset`` (one ``preadv`` per 1,024 views unless the kernel
+    gives less); the bytes read, short only at the end of the file."""
+    done, total = 0, sum(len(v) for v in views)
+    while views:
+        got = os.preadv(fd, views[:IOV_MAX], offset + done)
+        if got == 0:
+            break
+        done += got
+        while views and got >= len(views[0]):
+            got -= len(views[0])
+            views = views[1:]
+        if views and got:
+            views = [views[0][got:], *views[1:]]
+    return min(done, total)
 
 
 class PackCounter:

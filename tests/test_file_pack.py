@@ -14,6 +14,7 @@ from tierkv.storage.file import GROUP_NBYTES
 from tierkv.storage.file_pack import (
     PENDING_WINDOW,
     PackIndex,
+    consumed,
     pack_name,
     pack_number,
     pack_pages,
@@ -114,3 +115,10 @@ def test_batches_over_a_group_round_trip_and_a_flipped_byte_is_a_miss(tmp_path, 
     found = store.batch_get(keys, [torch.zeros(page_nbytes, dtype=torch.uint8) for _ in keys])
     assert found == [i != 1 for i in range(num_pages)] and store.stats.corrupt_pages == 1
     store.close()
+
+
+def test_a_short_vectored_call_goes_on_from_the_byte_it_stopped_at():
+    parts = [memoryview(b"abc"), memoryview(b"de"), memoryview(b"f")]
+    assert [bytes(p) for p in consumed(parts, 4)] == [b"e", b"f"]
+    assert [bytes(p) for p in consumed(parts, 3)] == [b"de", b"f"] and consumed(parts, 6) == []
+    assert [bytes(p) for p in parts] == [b"abc", b"de", b"f"]  # the caller's list is left as it was

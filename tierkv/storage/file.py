@@ -58,6 +58,7 @@ from tierkv.storage.file_pack import (
     PackCounter,
     PackIndex,
     PackInfo,
+    consumed,
     pack_name,
     pack_number,
     pack_trailer,
@@ -101,11 +102,7 @@ def _write_all(fd: int, buffers: list[memoryview], offset: int) -> None:
     while buffers:
         written = os.pwritev(fd, buffers[:IOV_MAX], offset)
         offset += written
-        while buffers and written >= len(buffers[0]):
-            written -= len(buffers[0])
-            buffers = buffers[1:]
-        if buffers and written:
-            buffers = [buffers[0][written:], *buffers[1:]]
+        buffers = consumed(buffers, written)
 
 
 class FileStore(PageStore):

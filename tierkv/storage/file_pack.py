@@ -112,12 +112,20 @@ def read_run(fd: int, views: list[memoryview], offset: int) -> int:
         if got == 0:
             break
         done += got
-        while views and got >= len(views[0]):
-            got -= len(views[0])
-            views = views[1:]
-        if views and got:
-            views = [views[0][got:], *views[1:]]
+        views = consumed(views, got)
     return min(done, total)
+
+
+def consumed(buffers: list[memoryview], nbytes: int) -> list[memoryview]:
+    """``buffers`` less their first ``nbytes`` bytes (what one vectored call moved)."""
+    i = 0
+    while i < len(buffers) and nbytes >= len(buffers[i]):
+        nbytes -= len(buffers[i])
+        i += 1
+    rest = buffers[i:]
+    if rest and nbytes:
+        rest[0] = rest[0][nbytes:]
+    return rest
 
 
 class PackCounter:

@@ -122,3 +122,18 @@ def test_a_short_vectored_call_goes_on_from_the_byte_it_stopped_at():
     assert [bytes(p) for p in consumed(parts, 4)] == [b"e", b"f"]
     assert [bytes(p) for p in consumed(parts, 3)] == [b"de", b"f"] and consumed(parts, 6) == []
     assert [bytes(p) for p in parts] == [b"abc", b"de", b"f"]  # the caller's list is left as it was
+
+
+def test_a_newer_pack_of_a_known_page_written_by_another_store_wins(tmp_path):
+    """Regression: a reader that already knew a page kept reading its old pack after another process
+    rewrote it (a file per page always read the newest); now each batch first looks at the counter."""
+    first, second, reader = (open_store(f"file:{tmp_path}", "ns", PAGE_NBYTES) for _ in range(3))
+    keys, old, new = make_keys(2), make_pages(2, seed=1), make_pages(2, seed=2)
+    assert first.batch_set(keys, old) == [True] * 2
+    targets = empty_pages(2)
+    assert reader.batch_get(keys, targets) == [True] * 2 and torch.equal(targets[0], old[0])
+    assert second.batch_set(keys, new) == [True] * 2
+    assert reader.batch_exists(keys) == 2
+    assert reader.batch_get(keys, targets) == [True] * 2 and all(map(torch.equal, targets, new))
+    for store in (first, second, reader):
+        store.close()

@@ -173,11 +173,18 @@ class FileStore(PageStore):
 
     # ---- finding pages ---------------------------------------------------------------------------
     def _locate(self, dir_fd: int, keys: list[str]) -> list[tuple[int, int, int, int] | None]:
-        """(pack, slot, pages in the pack, pack bytes) of each key, None if no pack holds it; a miss
-        first looks for the packs other processes wrote since the last look."""
+        """(pack, slot, pages in the pack, pack bytes) of each key, None if no pack holds it. First the
+        packs other processes wrote since the last look (one read of the counter when there are none:
+        a newer pack of a known page must win, as a newer file did), then, on a miss, the numbers still
+        pending (drawn but not yet renamed then)."""
+        drawn = self._counter.peek()
+        with self._index_lock:
+            news = drawn > self._index.seen_up_to
+        if news:
+            self._look_for_new_packs(dir_fd, drawn)
         found = self._locate_known(keys)
-        if None in found:
-            self._look_for_new_packs(dir_fd)
+        if None in found and not news:
+            self._look_for_new_packs(dir_fd, drawn)
             found = self._locate_known(keys)
         return found
 
@@ -194,9 +201,9 @@ class FileStore(PageStore):
                     found.append((where[0], where[1], len(info.keys), info.size_bytes))
             return found
 
-    def _look_for_new_packs(self, dir_fd: int) -> None:
-        """Index the packs drawn by others since the last look (opened by number, no listing)."""
-        drawn = self._counter.peek()
+    def _look_for_new_packs(self, dir_fd: int, drawn: int) -> None:
+        """Index the packs drawn by others (``drawn``: the counter now) since the last look, and those
+        pending, opened by number (no listing)."""
         with self._index_lock:
             numbers = self._index.numbers_to_look_for(drawn)
         for number in numbers:

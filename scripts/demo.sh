@@ -3,9 +3,9 @@
 # data/traces/) through L1 -> L2 -> L3 (files in a temp dir) on CPU, beside the no-cache, L1-only and
 # Belady-optimal baselines. Everything it reads is inside this repository.
 #
-# Page size 512 (the trace's own block size) rather than the default 16: the file backend stores one file
-# per page, and at 16 tokens a page the full trace would write ~6 million files. Everything else is the
-# command's defaults: L1 500k tokens, L2 4M tokens, GDSF eviction, write_through, Llama-3-8B for the TTFT model.
+# Page size 512 (the trace's own block size) rather than the default 16: the trace's blocks are the unit of
+# its sharing (the file backend writes one pack file per backup batch, whatever the page size). Everything
+# else is the command's defaults: L1 500k tokens, L2 4M tokens, GDSF eviction, write_through, Llama-3-8B for the TTFT model.
 # Usage: bash scripts/demo.sh [TRACE [REPLAY ARGS...]]. Environment: see scripts/setup_env.sh (TIERKV_VENV,
 # TIERKV_TORCH_INDEX, TIERKV_SKIP_INSTALL); TIERKV_DEMO_OUT names the results folder (default: a new
 # /tmp/tierkv-demo.XXXXXX per run, so concurrent runs never overwrite each other), TIERKV_DEMO_JSON /
@@ -21,13 +21,13 @@ mkdir -p "$OUT_DIR"
 JSON="${TIERKV_DEMO_JSON:-$OUT_DIR/report.json}"
 PLOT="${TIERKV_DEMO_PLOT:-$OUT_DIR/hit_ratio.png}"
 L3_DIR="$(mktemp -d "${TMPDIR:-/tmp}/tierkv-demo-l3.XXXXXX")"
-# The L3 holds one file per page (~170k files for the whole trace): deleting them takes a minute or more,
-# so the folder is renamed at once and removed in the background, detached from this shell.
+# The L3 holds one pack file per backup batch (thousands of files, GBs for the whole trace): the folder is
+# renamed at once and removed in the background, detached from this shell.
 cleanup() {
     if [ -d "$L3_DIR" ]; then
         local trash="$L3_DIR.deleting"
         mv "$L3_DIR" "$trash" 2>/dev/null || trash="$L3_DIR"
-        echo "[demo] removing the L3 page files in $trash in the background" >&2
+        echo "[demo] removing the L3 pack files in $trash in the background" >&2
         (setsid nohup rm -rf "$trash" >/dev/null 2>&1 &) || rm -rf "$trash"
     fi
 }

@@ -192,13 +192,13 @@ def check_prefix_runs(root: str) -> dict:
     }
 
 
-def _page_file(ctrl, key: str, element: int) -> str:
-    name = f"{key}{element:02x}"
-    return os.path.join(ctrl.storage_backend.store.directory, name[:2], name + ".page")
+def _page_extent(ctrl, key: str, element: int) -> tuple[str, int, int]:
+    """(pack file, payload offset, header offset) of one element of page ``key``."""
+    return ctrl.storage_backend.store.page_extent(f"{key}{element:02x}")
 
 
 def check_corrupt(root: str) -> dict:
-    """A flipped byte (page 2's V element), a truncated page (page 4): misses from there, nothing wrong read."""
+    """A flipped byte (page 2's V element), a broken header (page 4): misses from there, nothing wrong read."""
     out = {}
     for layout in ("page_first", "layer_first"):
         ctrl = controller(host_pool("mha", layout), file_extra(os.path.join(root, layout)))
@@ -206,12 +206,16 @@ def check_corrupt(root: str) -> dict:
         _, pages = write(ctrl, stored, 8)
         keys = get_storage_hash_str(stored, None, PAGE_SIZE)
         elements = ctrl.storage_backend.geometry.elements_per_page
-        with open(_page_file(ctrl, keys[2], elements - 1), "r+b") as f:
-            f.seek(5)
+        pack, payload_at, _ = _page_extent(ctrl, keys[2], elements - 1)
+        with open(pack, "r+b") as f:
+            f.seek(payload_at + 5)
             byte = f.read(1)
-            f.seek(5)
+            f.seek(payload_at + 5)
             f.write(bytes([byte[0] ^ 0x10]))
-        os.truncate(_page_file(ctrl, keys[4], 0), 100)
+        pack, _, header_at = _page_extent(ctrl, keys[4], 0)  # the same pack: the backup was one batch
+        with open(pack, "r+b") as f:
+            f.seek(header_at)
+            f.write(b"XXXX")  # page 4's magic
         hit, got = read(ctrl, stored)
         hit_after, _ = read(ctrl, stored)
         out[layout] = {"hit": hit // PAGE_SIZE, "read": len(got), "exact": exact(pages, got),
@@ -269,7 +273,7 @@ def check_bounded(root: str) -> dict:
     _, pages = write(ctrl, stored, 13)
     hit, got = read(ctrl, stored[:2 * PAGE_SIZE])  # the first pages were written first: the LRU victims
     stored_bytes = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(os.path.join(root, "bounded"))
-                       for f in files if f.endswith(".page"))
+                       for f in files if f.endswith(".pack"))
     return {"max_bytes": max_bytes, "stored_bytes": stored_bytes, "hit": hit // PAGE_SIZE, "read": len(got),
             "exact": exact(pages, got)}
 

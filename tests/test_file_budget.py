@@ -10,7 +10,6 @@ from __future__ import annotations
 import multiprocessing as mp
 from pathlib import Path
 
-
 from tests.test_storage_backends import BLOB_NBYTES, PAGE_NBYTES, make_keys, make_pages
 from tierkv.storage.factory import open_store
 
@@ -20,8 +19,8 @@ MAX_PAGES = 16
 PAGES_PER_PROCESS = 3 * MAX_PAGES  # each process alone writes three times the bound
 
 
-def _pages_on_disk(root: str) -> list[Path]:
-    return [p for p in Path(root).rglob("*.page")]
+def _pages_on_disk(root: str) -> list[Path]:  # pack files: each batch of pages is one
+    return [p for p in Path(root).rglob("*.pack")]
 
 
 def _bytes_on_disk(root: str) -> int:

@@ -21,9 +21,11 @@ from tests.servers import RedisServer, running
 from tests.workload import WORK_PAGE, WORK_SPEC, make_cache, make_trace, serve
 from tierkv.hashing import HashNamespace, page_hashes
 from tierkv.radix import RadixKey
+from tierkv.storage.base import check_key
 from tierkv.storage.config import StorageConfig
 from tierkv.storage.factory import open_store
 from tierkv.storage.file import FileStore
+from tierkv.storage.file_pack import pack_name
 
 PAGE_NBYTES = WORK_PAGE * WORK_SPEC.bytes_per_token
 BASE = HashNamespace.for_spec("model-a", WORK_SPEC, "page_first")
@@ -62,9 +64,9 @@ def raw_copy(src, dst, key: str) -> None:
     """Copy the stored blob of ``key`` from ``src``'s place to ``dst``'s, bypassing the store API."""
     if hasattr(src, "blobs"):
         dst.blobs[dst._slot(key)] = bytearray(src.blobs[src._slot(key)])
-    elif isinstance(src, FileStore):
-        os.makedirs(os.path.dirname(dst.path(key)), exist_ok=True)
-        shutil.copyfile(src.path(key), dst.path(key))
+    elif isinstance(src, FileStore):  # the whole pack, under a number the reader will look for
+        os.makedirs(dst.directory, exist_ok=True)
+        shutil.copyfile(src.path(key), os.path.join(dst.directory, pack_name(dst._counter.draw())))
     else:
         src.client.copy(src.redis_key(key), dst.redis_key(key), replace=True)
 
@@ -142,10 +144,13 @@ def test_any_accepted_key_maps_inside_the_directory(tmp_path_factory, key):
     root = tmp_path_factory.getbasetemp() / "fuzz-l3"
     store = FileStore("ns", PAGE_NBYTES, root=str(root))
     try:
-        path = Path(store.path(key))
+        check_key(key)
     except ValueError:
         return
+    assert store.batch_set([key], pages(1, seed=0)) == [True]
+    path = Path(store.path(key))
     assert path.resolve().is_relative_to(Path(store.directory).resolve())
+    store.close()
 
 
 # ---- stored bytes are data, never code -------------------------------------------------------------------

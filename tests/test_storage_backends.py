@@ -16,6 +16,8 @@ from tierkv.pools.spec import KVSpec
 from tierkv.storage import native
 from tierkv.storage.base import PageStore, StoreStats
 from tierkv.storage.factory import open_store
+from tierkv.storage.file import GROUP_NBYTES
+from tierkv.storage.file_pack import pack_name
 from tierkv.storage.page_format import HEADER_SIZE
 
 PAGE_NBYTES = 3000  # deliberately not a power of two
@@ -97,7 +99,9 @@ class Backend:
         if self.name == "memory":
             store.blobs[store._slot(key)][offset] ^= 0xFF
         elif self.name.startswith("file"):
-            with open(store.path(key), "r+b") as f:
+            path, payload_at, header_at = store.page_extent(key)  # a page's payload and header lie apart
+            offset = payload_at + offset if offset < store.page_nbytes else header_at + offset - store.page_nbytes
+            with open(path, "r+b") as f:
                 f.seek(offset)
                 byte = f.read(1)
                 f.seek(offset)
@@ -325,21 +329,25 @@ def test_one_writer_and_one_reader_thread_never_see_a_torn_page(backend):
 
 
 BLOB_NBYTES = PAGE_NBYTES + HEADER_SIZE
+PACK1_NBYTES = BLOB_NBYTES + 64 + 16  # a file pack of one page: its blob, its 64-character key, the footer
 
 
 @pytest.mark.parametrize("backend", ["memory", "file", "file-python", "file-threads"], indirect=True)
 def test_max_bytes_bounds_the_store_evicting_the_least_recently_used(backend):
     """Issue 15, item 5: a bounded L3 evicts by recency (reads count as use) and never exceeds its bound."""
-    store = backend.open(max_bytes=4 * BLOB_NBYTES + 100)
+    max_bytes = 4 * BLOB_NBYTES + 400  # room for four file packs of one page (a pack adds its key list)
+    store = backend.open(max_bytes=max_bytes)
     keys, pages = make_keys(8), make_pages(8)
-    assert store.batch_set(keys[:4], pages[:4]) == [True] * 4
+    for i in range(4):  # one batch a page: the file store evicts whole batches (packs)
+        assert store.batch_set(keys[i:i + 1], pages[i:i + 1]) == [True]
     assert store.batch_get(keys[:1], empty_pages(1)) == [True]  # page 0 is now the most recent
     assert store.batch_set(keys[4:5], pages[4:5]) == [True]
     present = [store.batch_exists([k]) for k in keys[:5]]
     assert present == [1, 0, 1, 1, 1] and store.stats.evicted_pages == 1
-    assert store.batch_set(keys[5:], pages[5:]) == [True] * 3
+    for i in range(5, 8):
+        assert store.batch_set(keys[i:i + 1], pages[i:i + 1]) == [True]
     present = [store.batch_exists([k]) for k in keys]
-    assert sum(present) == 4 and present[5:] == [1, 1, 1] and store.size_bytes == 4 * BLOB_NBYTES
+    assert sum(present) == 4 and present[5:] == [1, 1, 1] and 4 * BLOB_NBYTES <= store.size_bytes <= max_bytes
     targets = empty_pages(8)
     found = store.batch_get(keys, targets)
     assert found == [bool(p) for p in present]
@@ -397,7 +405,7 @@ def test_file_survives_a_new_store_and_a_new_process(tmp_path):
 
 
 def _age(store, keys: list[str], start_s: float = 1_000_000.0) -> None:
-    """Give ``keys`` increasing modification times (oldest first): a deterministic recency order."""
+    """Give ``keys``' packs increasing modification times (oldest first): a deterministic recency order."""
     for i, key in enumerate(keys):
         os.utime(store.path(key), (start_s + i, start_s + i))
 
@@ -405,28 +413,31 @@ def _age(store, keys: list[str], start_s: float = 1_000_000.0) -> None:
 def test_file_max_bytes_index_survives_a_restart(tmp_path):
     """The file L3 rebuilds its index and size from the directory: the bound holds across restarts."""
     url, keys, pages = f"file://{tmp_path}", make_keys(6), make_pages(6)
-    first = open_store(url, "ns", PAGE_NBYTES, {"max_bytes": 8 * BLOB_NBYTES})
-    assert first.batch_set(keys[:5], pages[:5]) == [True] * 5
+    first = open_store(url, "ns", PAGE_NBYTES, {"max_bytes": 8 * PACK1_NBYTES})
+    for i in range(5):  # a pack each
+        assert first.batch_set(keys[i:i + 1], pages[i:i + 1]) == [True]
     _age(first, keys[:5])
+    packs = {k: first.path(k) for k in keys[:5]}
     (tmp_path / "stray.txt").write_text("not a page")  # ignored, never counted nor removed
-    again = open_store(url, "ns", PAGE_NBYTES, {"max_bytes": 8 * BLOB_NBYTES})
-    assert again.size_bytes == 5 * BLOB_NBYTES and again.batch_exists(keys[:5]) == 5
-    assert again.batch_get(keys[:1], empty_pages(1)) == [True]  # a hit refreshes page 0's mtime
-    # Restart with a smaller bound: the least recently used pages go at once (1 and 2, not 0).
-    smaller = open_store(url, "ns", PAGE_NBYTES, {"max_bytes": 3 * BLOB_NBYTES})
-    assert smaller.size_bytes == 3 * BLOB_NBYTES and smaller.stats.evicted_pages == 2
-    on_disk = lambda: [os.path.exists(smaller.path(k)) for k in keys]  # noqa: E731 (exists would touch)
-    assert on_disk() == [True, False, False, True, True, False]
-    assert smaller.batch_set(keys[5:], pages[5:]) == [True]  # evicts page 3, the oldest left
-    assert on_disk() == [True, False, False, False, True, True]
+    again = open_store(url, "ns", PAGE_NBYTES, {"max_bytes": 8 * PACK1_NBYTES})
+    assert again.size_bytes == 5 * PACK1_NBYTES and again.batch_exists(keys[:5]) == 5
+    assert again.batch_get(keys[:1], empty_pages(1)) == [True]  # a hit refreshes page 0's pack's mtime
+    # Restart with a smaller bound: the least recently used packs go at once (1 and 2, not 0).
+    smaller = open_store(url, "ns", PAGE_NBYTES, {"max_bytes": 3 * PACK1_NBYTES})
+    assert smaller.size_bytes == 3 * PACK1_NBYTES and smaller.stats.evicted_pages == 2
+    on_disk = lambda: [os.path.exists(packs[k]) for k in keys[:5]]  # noqa: E731 (batch_exists would touch)
+    assert on_disk() == [True, False, False, True, True]
+    assert smaller.batch_set(keys[5:], pages[5:]) == [True]  # evicts page 3's pack, the oldest left
+    assert on_disk() == [True, False, False, False, True] and os.path.exists(smaller.path(keys[5]))
     assert (tmp_path / "stray.txt").exists()
-    pages_on_disk = [p for p in tmp_path.rglob("*.page")]
-    assert len(pages_on_disk) == 3 and sum(p.stat().st_size for p in pages_on_disk) == smaller.size_bytes
+    packs_on_disk = [p for p in tmp_path.rglob("*.pack")]
+    assert len(packs_on_disk) == 3 and sum(p.stat().st_size for p in packs_on_disk) == smaller.size_bytes
 
 
 def test_file_keys_stay_inside_the_directory(tmp_path):
     store = open_store("file", "ns", PAGE_NBYTES, {"dir": str(tmp_path)})
     key = make_keys(1)[0]
+    assert store.batch_set([key], make_pages(1)) == [True]
     assert store.path(key).startswith(str(tmp_path) + os.sep)
     with pytest.raises(ValueError):
         store.path("../" + key)
@@ -437,24 +448,27 @@ def test_file_symlinks_planted_in_the_store_are_never_followed(tmp_path):
     outside = tmp_path / "outside"
     outside.mkdir()
     keys, pages = make_keys(3), make_pages(3)
-    # A subdirectory of the store replaced by a link to somewhere else (issue 11, item 10) ...
-    os.rmdir(os.path.join(store.directory, keys[0][:2]))
-    os.symlink(outside, os.path.join(store.directory, keys[0][:2]))
-    # ... and a page replaced by a link to a file outside, holding a valid page of that key.
+    # A pack replaced by a link to a file outside, holding a valid pack of that page (issue 11, item 10) ...
     assert store.batch_set(keys[1:2], pages[1:2]) == [True]
-    os.replace(store.path(keys[1]), outside / "stolen.page")
-    os.symlink(outside / "stolen.page", store.path(keys[1]))
+    pack = store.path(keys[1])
+    os.replace(pack, outside / "stolen.pack")
+    os.symlink(outside / "stolen.pack", pack)
+    # ... and links where the next pack and its temp file will be written.
+    following = pack_name(store._counter.peek())
+    os.symlink(outside / "next.pack", os.path.join(store.directory, following))
+    os.symlink(outside / "next.tmp", os.path.join(store.directory, f"{following}.{os.getpid()}.tmp"))
     before = sorted(p.name for p in outside.rglob("*"))
-    assert store.batch_set(keys[:1], pages[:1]) == [False]
-    assert store.batch_exists(keys[:1]) == 0 and store.batch_exists(keys[1:2]) == 0
-    assert store.batch_get(keys[:2], empty_pages(2)) == [False, False]
+    assert store.batch_get(keys[1:2], empty_pages(1)) == [False] and store.stats.errors == 1
+    assert store.batch_exists(keys[1:2]) == 0
+    # The write replaces the links themselves, never the files they point to.
+    assert store.batch_set(keys[:1], pages[:1]) == [True]
+    assert store.path(keys[0]).endswith(following) and not os.path.islink(store.path(keys[0]))
+    targets = empty_pages(1)
+    assert store.batch_get(keys[:1], targets) == [True] and torch.equal(targets[0], pages[0])
     assert sorted(p.name for p in outside.rglob("*")) == before  # nothing written outside the store
-    assert store.stats.errors >= 2 and store.stats.set_pages == 1
-    # A write over the planted page replaces the link itself, never the file it points to.
-    assert store.batch_set(keys[1:2], pages[1:2]) == [True]
-    assert not os.path.islink(store.path(keys[1])) and store.batch_exists(keys[1:2]) == 1
+    assert store.batch_set(keys[1:2], pages[1:2]) == [True] and store.batch_exists(keys[1:2]) == 1
     store.clear()
-    assert os.path.isfile(outside / "stolen.page") and sorted(p.name for p in outside.rglob("*")) == before
+    assert os.path.isfile(outside / "stolen.pack") and sorted(p.name for p in outside.rglob("*")) == before
 
 
 def test_file_write_error_is_false_and_counted(tmp_path, monkeypatch):
@@ -470,7 +484,7 @@ def test_file_write_error_is_false_and_counted(tmp_path, monkeypatch):
     assert store.stats.errors == 2 and store.stats.set_pages == 0
     monkeypatch.undo()
     assert store.batch_exists(keys) == 0
-    assert not [p for p in tmp_path.rglob("*") if p.is_file()]  # no temp file left behind
+    assert [p.name for p in tmp_path.rglob("*") if p.is_file()] == [".packs"]  # the counter, no temp file
 
 
 def _store_warnings(caplog) -> list:
@@ -516,7 +530,8 @@ def test_store_warnings_are_rate_limited_with_a_count(tmp_path, monkeypatch, cap
 
     monkeypatch.setattr(file_backend, "_write_all", io_error)
     with caplog.at_level("WARNING"):
-        assert store.batch_set(keys[:19], pages[:19]) == [False] * 19
+        for i in range(19):  # a batch a page: a file store writes a batch as one pack, one failure
+            assert store.batch_set(keys[i:i + 1], pages[i:i + 1]) == [False]
         assert len(_store_warnings(caplog)) == 1
         now[0] += store._error_log.interval_s
         assert store.batch_set(keys[19:], pages[19:]) == [False]
@@ -529,11 +544,11 @@ def test_file_truncated_page_is_a_miss(tmp_path):
     store = open_store(f"file:{tmp_path}", "ns", PAGE_NBYTES)
     keys, pages = make_keys(1), make_pages(1)
     store.batch_set(keys, pages)
-    with open(store.path(keys[0]), "r+b") as f:
+    pack = store.path(keys[0])
+    with open(pack, "r+b") as f:
         f.truncate(HEADER_SIZE + 10)
-    assert store.batch_exists(keys) == 0
     assert store.batch_get(keys, empty_pages(1)) == [False]
-    assert store.stats.corrupt_pages == 1 and not os.path.exists(store.path(keys[0]))
+    assert store.stats.corrupt_pages == 1 and not os.path.exists(pack) and store.batch_exists(keys) == 0
 
 
 def test_file_fsync_mode_round_trips(tmp_path):
@@ -721,29 +736,29 @@ def test_file_writes_make_no_directory_per_page(tmp_path, monkeypatch):
     assert store.batch_get(keys, targets) == [True] * 64 and all(map(torch.equal, targets, pages))
 
 
-def test_file_batch_opens_each_subdirectory_once(tmp_path, monkeypatch):
-    """A batch opens a subdirectory once for all its pages there, not once per page (issue 16)."""
+def test_file_batch_is_one_pack_written_once_and_renamed_once(tmp_path, monkeypatch):
+    """Issue 27, target 4: a batch costs one write and one rename, not an open, a write, a close and a
+    rename per page; a read opens each pack once and reads each run of its pages in one call (batches
+    within GROUP_NBYTES: larger ones go group by group, each checksummed while in cache)."""
     store = open_store(f"file:{tmp_path}", "ns", PAGE_NBYTES)
-    num_pages = 600  # more pages than the 256 subdirectories: some share one
+    num_pages = 300
+    assert num_pages * PAGE_NBYTES <= GROUP_NBYTES
     keys, pages = make_keys(num_pages), make_pages(num_pages)
-    subdirs = {key[:2] for key in keys}
-    assert len(subdirs) < num_pages
-    opened = []
-    real_open = os.open
-
-    def recording_open(path, flags, *args, **kwargs):
-        if flags & os.O_DIRECTORY and path in subdirs:
-            opened.append(path)
-        return real_open(path, flags, *args, **kwargs)
-    monkeypatch.setattr(os, "open", recording_open)
+    calls: dict[str, int] = {}
+    for name in ("open", "replace", "rename", "pwritev", "write", "preadv", "pread", "fsync", "mkdir"):
+        real = getattr(os, name)
+        monkeypatch.setattr(os, name, lambda *a, _real=real, _name=name, **k: (
+            calls.__setitem__(_name, calls.get(_name, 0) + 1), _real(*a, **k))[1])
     assert store.batch_set(keys, pages) == [True] * num_pages
-    assert sorted(opened) == sorted(subdirs)
-    opened.clear()
+    # the namespace directory and the pack's temp file; the pack counter (read and bumped under a lock)
+    assert calls == {"open": 2, "pwritev": 1, "replace": 1, "pread": 1}
+    calls.clear()
     targets = empty_pages(num_pages)
     assert store.batch_get(keys, targets) == [True] * num_pages and all(map(torch.equal, targets, pages))
-    assert sorted(opened) == sorted(subdirs)
-    opened.clear()
-    assert store.batch_exists(keys) == num_pages and sorted(opened) == sorted(subdirs)
+    # the directory and the pack; the headers, then the pages; the pack counter (no other writer since)
+    assert calls == {"open": 2, "preadv": 2, "pread": 1}
+    calls.clear()
+    assert store.batch_exists(keys) == num_pages and calls == {"open": 1, "pread": 1}
 
 
 def test_mooncake_batches_move_in_ranges_not_a_call_per_page(mooncake_master):
@@ -860,3 +875,16 @@ def test_mooncake_a_failed_put_range_costs_only_its_pages(mooncake_master, monke
     finally:
         store.clear()
         store.close()
+
+
+def test_file_bounded_store_keeps_the_newest_pages_of_a_batch_larger_than_its_bound(tmp_path):
+    """A bounded store cuts a batch into small packs: one pack over the bound would be evicted whole."""
+    max_bytes = 3 * PACK1_NBYTES
+    store = open_store(f"file:{tmp_path}", "ns", PAGE_NBYTES, {"max_bytes": max_bytes})
+    keys, pages = make_keys(13), make_pages(13)
+    assert store.batch_set(keys, pages) == [True] * 13
+    assert [store.batch_exists([k]) for k in keys] == [0] * 10 + [1] * 3
+    on_disk = sum(p.stat().st_size for p in tmp_path.rglob("*.pack"))
+    assert on_disk == store.size_bytes <= max_bytes
+    targets = empty_pages(3)
+    assert store.batch_get(keys[10:], targets) == [True] * 3 and all(map(torch.equal, targets, pages[10:]))

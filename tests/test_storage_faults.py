@@ -104,9 +104,9 @@ def test_corrupt_page_on_disk_is_a_miss(tmp_path):
     kv = compute_and_insert(cache, key, seed=8)
     cache.flush()
     hashes = cache.storage.path_hashes(cache.match_prefix(key).last_device_node)
-    path = store.path(hashes[3])
-    with open(path, "r+b") as f:  # flip one payload byte of page 3
-        f.seek(os.path.getsize(path) - 5)
+    path, payload_at, _ = store.page_extent(hashes[3])
+    with open(path, "r+b") as f:  # flip one payload byte of page 3 (its pack holds the others too)
+        f.seek(payload_at + store.page_nbytes - 5)
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0xFF]))

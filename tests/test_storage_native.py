@@ -1,7 +1,6 @@
 """The native page I/O (tierkv/_pageio.c): same checksums and files as the Python loops, faults still
 cost hits, never wrong bytes or a hang, and a batch is one call, not Python work per page."""
 
-import errno
 import json
 import os
 import subprocess
@@ -71,9 +70,9 @@ def test_native_and_python_file_stores_read_each_others_pages(tmp_path, writer_n
 
 
 def test_file_batches_do_no_python_work_per_page(tmp_path, monkeypatch):
-    """Regression (issue 16): a batch opened, read or wrote, and hashed each page from Python (~15 us a
-    page, half of a 128 KiB read); now it is one native call: no page file is opened here and no Python
-    hasher is made."""
+    """Regression (issues 16, 27): a batch opened, read or wrote, and hashed each page from Python (~15 us
+    a page, half of a 128 KiB read); now a batch is one pack file, opened once to write it and once to
+    read it back, and its checksums one native call: no Python hasher is made."""
     store = open_store(f"file:{tmp_path}", "ns", PAGE_NBYTES)
     keys, pages = make_keys(40), make_pages(40)
     opened = []
@@ -91,7 +90,7 @@ def test_file_batches_do_no_python_work_per_page(tmp_path, monkeypatch):
     assert store.batch_set(keys, pages) == [True] * 40
     targets = empty_pages(40)
     assert store.batch_get(keys, targets) == [True] * 40 and all(map(torch.equal, targets, pages))
-    assert opened == []
+    assert len(opened) == 2  # the pack's temp file, then the pack
 
 
 def test_mooncake_batches_hash_with_the_native_module(mooncake_master, monkeypatch):
@@ -126,19 +125,21 @@ def test_a_fifo_planted_as_a_page_is_a_miss_not_a_hang(tmp_path, use_native):
     if not use_native:
         store._native = None
     keys, pages = make_keys(3), make_pages(3)
-    assert store.batch_set(keys, pages) == [True] * 3
-    os.unlink(store.path(keys[1]))
-    os.mkfifo(store.path(keys[1]))
+    for i in range(3):  # a pack each
+        assert store.batch_set(keys[i:i + 1], pages[i:i + 1]) == [True]
+    pack = store.path(keys[1])
+    os.unlink(pack)
+    os.mkfifo(pack)
     found = []
     reader = threading.Thread(target=lambda: found.append(store.batch_get(keys, empty_pages(3))), daemon=True)
     reader.start()
     reader.join(60.0)  # a liveness bound, not a timing: the read returns at once or never
     if reader.is_alive():
-        with open(store.path(keys[1]), "wb"):  # unblock it so the thread ends
+        with open(pack, "wb"):  # unblock it so the thread ends
             pass
         pytest.fail("batch_get hung on a FIFO planted as a page")
     assert found == [[True, False, True]]
-    assert store.stats.corrupt_pages == 1 and not os.path.exists(store.path(keys[1]))
+    assert store.stats.corrupt_pages == 1 and not os.path.exists(pack)
 
 
 # Run in a child process: a file size limit holds for every write of the process, pytest's own
@@ -174,12 +175,13 @@ def _limited_writes(tmp_path, mode: str) -> tuple[dict, str]:
 
 
 def test_native_write_failures_are_false_counted_and_leave_no_temp_file(tmp_path):
-    """A real kernel refusal (EFBIG past a file size limit) that is not a full disk: each page is tried."""
+    """A real kernel refusal (EFBIG past a file size limit) that is not a full disk: each batch is tried
+    (one pack: all its pages fail, each counted)."""
     result, _ = _limited_writes(tmp_path, "error")
     assert result["native"] and result["written"] == [[False] * 5] * 2
     assert result["errors"] == 10 and result["set_pages"] == 0 and not result["backing_off"]
     assert result["read"] == [False] * 5
-    assert not [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert [p.name for p in tmp_path.rglob("*") if p.is_file()] == [".packs"]  # the counter, no temp file
 
 
 def test_native_disk_refusal_stops_the_batch_and_backs_off(tmp_path):
@@ -188,124 +190,7 @@ def test_native_disk_refusal_stops_the_batch_and_backs_off(tmp_path):
     result, log = _limited_writes(tmp_path, "refusal")
     assert result["native"] and result["written"] == [[False] * 5] * 2
     assert result["errors"] == 10 and result["backing_off"] and "disk full or read-only" in log
-    assert not [p for p in tmp_path.rglob("*") if p.is_file()]
-
-
-def test_native_read_statuses_name_each_fault(tmp_path):
-    """Absent, wrong size, wrong header and a symlink each get their own status; no byte is trusted."""
-    store = open_store(f"file:{tmp_path}", "ns", PAGE_NBYTES)
-    keys, pages = make_keys(5), make_pages(5)
-    assert store.batch_set(keys[:4], pages[:4]) == [True] * 4
-    with open(store.path(keys[1]), "r+b") as f:
-        f.truncate(PAGE_NBYTES)  # the header is gone
-    with open(store.path(keys[2]), "r+b") as f:
-        f.seek(PAGE_NBYTES - 1)
-        f.write(b"\x00" if pages[2][-1] else b"\x01")  # the last payload byte
-    os.unlink(store.path(keys[3]))
-    os.symlink(store.path(keys[0]), store.path(keys[3]))
-    subdirs = [os.open(os.path.dirname(store.path(k)), os.O_RDONLY | os.O_DIRECTORY) for k in keys]
-    try:
-        headers = bytearray(HEADER_SIZE * 5)
-        results = native.pageio.read_pages(subdirs, [(k + ".page").encode() for k in keys],
-                                           [memoryview(t.numpy()) for t in empty_pages(5)], headers,
-                                           store.format.header_templates(keys), PAGE_NBYTES, 1024, 32, False, 1)
-    finally:
-        for fd in subdirs:
-            os.close(fd)
-    assert [status for status, _ in results] == [0, 2, 3, -errno.ELOOP, 1]
-    assert results[1][1] == PAGE_NBYTES  # the size found
-    targets = empty_pages(5)
-    assert store.batch_get(keys, targets) == [True, False, False, False, False]
-    assert store.stats.corrupt_pages == 2 and store.stats.errors == 1 and torch.equal(targets[0], pages[0])
-
-
-def _native_threads() -> int:
-    return len(os.listdir("/proc/self/task"))
-
-
-@pytest.mark.parametrize("num_threads", [2, 4, 16])
-def test_threaded_reads_answer_each_page_as_one_thread_does(tmp_path, num_threads):
-    """Pages spread over reader threads: each fault (absent, truncated, corrupt payload, a symlink, a
-    directory planted as a page) is the same status for the same page as on one thread, every good page
-    lands in its own target, and the threads are gone when the call returns."""
-    num_pages = 24
-    store = open_store(f"file:{tmp_path}", "ns", PAGE_NBYTES)
-    keys, pages = make_keys(num_pages), make_pages(num_pages)
-    assert store.batch_set(keys[:-1], pages[:-1]) == [True] * (num_pages - 1)
-    with open(store.path(keys[3]), "r+b") as f:
-        f.truncate(PAGE_NBYTES + 7)
-    with open(store.path(keys[10]), "r+b") as f:
-        f.seek(PAGE_NBYTES // 2)
-        f.write(b"\x00" if pages[10][PAGE_NBYTES // 2] else b"\x01")
-    os.unlink(store.path(keys[11]))
-    os.symlink(store.path(keys[0]), store.path(keys[11]))
-    os.unlink(store.path(keys[17]))
-    os.mkdir(store.path(keys[17]))
-    subdirs = [os.open(os.path.dirname(store.path(k)), os.O_RDONLY | os.O_DIRECTORY) for k in keys]
-    answers = []
-    try:
-        for threads in (1, num_threads):
-            headers, targets = bytearray(HEADER_SIZE * num_pages), empty_pages(num_pages)
-            before = _native_threads()
-            results = native.pageio.read_pages(subdirs, [(k + ".page").encode() for k in keys],
-                                               [memoryview(t.numpy()) for t in targets], headers,
-                                               store.format.header_templates(keys), PAGE_NBYTES, 1024, 32, False,
-                                               threads)
-            assert _native_threads() == before
-            answers.append((results, bytes(headers), targets))
-    finally:
-        for fd in subdirs:
-            os.close(fd)
-    (one, one_headers, _), (many, many_headers, targets) = answers
-    assert many == one and many_headers == one_headers
-    statuses = [status for status, _ in many]
-    bad = {3: 2, 10: 3, 11: -errno.ELOOP, 17: 2, num_pages - 1: 1}
-    assert statuses == [bad.get(i, 0) for i in range(num_pages)]
-    assert all(torch.equal(targets[i], pages[i]) for i in range(num_pages) if i not in bad)
-
-
-@pytest.mark.parametrize("num_threads", [0, 17, -1])
-def test_read_thread_counts_out_of_range_are_refused(tmp_path, num_threads):
-    with pytest.raises(ValueError, match="num_threads"):
-        native.pageio.read_pages([], [], [], bytearray(), bytearray(), PAGE_NBYTES, 1024, 32, False, num_threads)
-
-
-def test_a_threaded_store_read_misses_only_its_bad_pages(tmp_path):
-    """A corrupt and a missing page inside a batch read on several threads are misses (the corrupt one
-    counted and dropped); their neighbours are hits with their own bytes; a second read still agrees."""
-    store = open_store(f"file:{tmp_path}", "ns", PAGE_NBYTES)
-    store.read_threads, store.parallel_read_min_nbytes = 4, 0
-    keys, pages = make_keys(32), make_pages(32)
-    assert store.batch_set(keys, pages) == [True] * 32
-    with open(store.path(keys[9]), "r+b") as f:
-        f.seek(PAGE_NBYTES + 40)  # the header's key digest: a page filed under another key
-        f.write(b"\xff")
-    os.unlink(store.path(keys[20]))
-    for _ in range(2):
-        targets = empty_pages(32)
-        assert store.batch_get(keys, targets) == [i not in (9, 20) for i in range(32)]
-        assert all(torch.equal(targets[i], pages[i]) for i in range(32) if i not in (9, 20))
-    assert store.stats.corrupt_pages == 1 and not os.path.exists(store.path(keys[9]))
-    assert store.stats.get_pages == 60 and store.stats.errors == 0
-
-
-def test_large_batches_read_on_several_threads_small_ones_on_one(tmp_path, monkeypatch):
-    """The store spreads a batch over its reader threads only when it is large enough to pay for them."""
-    store = open_store(f"file:{tmp_path}", "ns", PAGE_NBYTES)
-    store.read_threads = 3
-    keys, pages = make_keys(8), make_pages(8)
-    assert store.batch_set(keys, pages) == [True] * 8
-    calls = []
-    real = native.pageio.read_pages
-
-    def recording(*args):
-        calls.append(args[-1])
-        return real(*args)
-    monkeypatch.setattr(store, "_native", type("Native", (), {"read_pages": staticmethod(recording)}))
-    store.parallel_read_min_nbytes = 8 * PAGE_NBYTES
-    assert store.batch_get(keys, empty_pages(8)) == [True] * 8
-    assert store.batch_get(keys[:7], empty_pages(7)) == [True] * 7
-    assert calls == [3, 1]
+    assert [p.name for p in tmp_path.rglob("*") if p.is_file()] == [".packs"]  # the counter, no temp file
 
 
 def test_check_headers_explains_a_mismatch_verify_cannot_see():
@@ -316,61 +201,6 @@ def test_check_headers_explains_a_mismatch_verify_cannot_see():
     row[6] = 0x80  # a flag bit no version defines
     failures = fmt.check_headers([KEY], row.reshape(1, HEADER_SIZE), [payload], native.pageio.xxh3_many([payload]))
     assert len(failures) == 1 and isinstance(failures[0][1], PageFormatError)
-
-
-def test_large_batches_are_written_on_several_threads_small_ones_on_one(tmp_path, monkeypatch):
-    """A large batch is cut into one run of pages per writer thread, each run one native call on its own
-    thread with its own temp files; every page lands whole under its own key, in order."""
-    import threading
-
-    store = open_store(f"file:{tmp_path}", "ns", PAGE_NBYTES)
-    store.write_threads, store.parallel_write_min_nbytes = 3, 8 * PAGE_NBYTES
-    calls = []
-    real = native.pageio.write_pages
-
-    def recording(fds, temps, names, *rest):
-        calls.append((threading.get_ident(), len(names), temps[0].decode().rsplit(".", 2)[-2]))
-        return real(fds, temps, names, *rest)
-    monkeypatch.setattr(store, "_native", type("Native", (), {"write_pages": staticmethod(recording),
-                                                                "read_pages": staticmethod(native.pageio.read_pages)}))
-    keys, pages = make_keys(8), make_pages(8)
-    assert store.batch_set(keys, pages) == [True] * 8
-    assert sorted(n for _, n, _ in calls) == [2, 3, 3]  # 8 pages in runs of 2, 3 and 3
-    # the caller writes one run, two helper threads the others (a finished helper's id may be reused),
-    # each thread naming its temp files by its own id
-    assert [ident == threading.get_ident() for ident, _, _ in calls].count(True) == 1
-    assert all(tid == str(ident) for ident, _, tid in calls)
-    calls.clear()
-    assert store.batch_set(keys[:7], pages[:7]) == [True] * 7  # under the threshold: one call
-    assert [n for _, n, _ in calls] == [7]
-    targets = empty_pages(8)
-    assert store.batch_get(keys, targets) == [True] * 8
-    assert all(torch.equal(t, p) for t, p in zip(targets, pages))
-    assert store.stats.set_pages == 15 and store.stats.errors == 0
-    assert not [name for name in os.listdir(store.directory) if name.endswith(".tmp")]
-
-
-def test_a_write_thread_that_fails_costs_only_its_run(tmp_path, monkeypatch):
-    """A helper whose native call raises leaves its run unacknowledged (counted as errors); the other runs'
-    pages are stored and read back."""
-    import threading
-
-    store = open_store(f"file:{tmp_path}", "ns", PAGE_NBYTES)
-    store.write_threads, store.parallel_write_min_nbytes = 2, 0
-    real = native.pageio.write_pages
-    caller = threading.get_ident()
-
-    def failing_in_helpers(*args):
-        if threading.get_ident() != caller:
-            raise MemoryError("no memory for the run")
-        return real(*args)
-    monkeypatch.setattr(store, "_native", type("Native", (), {"write_pages": staticmethod(failing_in_helpers),
-                                                                "read_pages": staticmethod(native.pageio.read_pages)}))
-    monkeypatch.setattr(threading, "excepthook", lambda args: None)  # the helper's traceback, expected here
-    keys, pages = make_keys(6), make_pages(6)
-    assert store.batch_set(keys, pages) == [True] * 3 + [False] * 3
-    assert store.stats.errors == 3
-    assert store.batch_get(keys, empty_pages(6)) == [True] * 3 + [False] * 3
 
 
 @pytest.mark.parametrize("parallel_min_nbytes", [0, PAGE_NBYTES])

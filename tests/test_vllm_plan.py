@@ -17,6 +17,7 @@ from tierkv.integrations.vllm_io import WorkerTiers
 from tierkv.integrations.vllm_plan import SchedulerTiers
 from tierkv.storage.config import StorageConfig
 from tierkv.storage.factory import open_store
+from tierkv.storage.file_pack import pack_pages
 
 BLOCK, LAYERS, DEVICE_BLOCKS = 4, 2, 32
 BLOCK_SHAPE = (1, BLOCK, 8)  # kv_heads, block_size, K and V of head_dim 4
@@ -209,7 +210,7 @@ def test_two_salts_never_share_a_page_and_each_hits_its_own(tmp_path):
         assert pair.blocks_equal(source, [20, 21, 22])  # its own tenant's bytes
         pair.scheduler.request_finished(req_id)
     pair.wait_backups()
-    pages = sorted(p.name for p in tmp_path.rglob("*.page"))
+    pages = sorted(key for pack in tmp_path.rglob("*.pack") for key, _, _ in pack_pages(str(pack)))
     assert len(pages) == len(set(pages)) == 2 * HIT // BLOCK
     # a fresh process: L3 serves each salt its own pages only
     reader = Pair(tmp_path)
@@ -235,12 +236,15 @@ def test_salt_keys_are_disjoint_chains(tmp_path):
 
 
 def _corrupt(root: Path) -> int:
-    pages = sorted(root.rglob("*.page"))
-    for path in pages:
+    """Flip a payload byte of every page in the file L3 under ``root``; the number of pages."""
+    num_pages = 0
+    for path in sorted(root.rglob("*.pack")):
         data = bytearray(path.read_bytes())
-        data[10] ^= 0xFF
+        for _, payload_at, _ in pack_pages(str(path)):
+            data[payload_at + 10] ^= 0xFF
+            num_pages += 1
         path.write_bytes(bytes(data))
-    return len(pages)
+    return num_pages
 
 
 def test_corrupt_l3_pages_become_load_errors_and_are_not_planned_again(tmp_path):

@@ -62,14 +62,18 @@ def _flush_backups(llm, sampling, stats_path: str, timeout_s: float = 30.0) -> N
 
 
 def _corrupt_every_other_page(root: str) -> None:
-    """Flip bytes in the payload of every other page file of a file L3 (as a bad disk would)."""
+    """Flip bytes in the payload of every other page of a file L3 (as a bad disk would)."""
     from pathlib import Path
-    pages = sorted(Path(root).rglob("*.page"))
-    for path in pages[::2]:
-        data = bytearray(path.read_bytes())
-        middle = len(data) // 3
-        data[middle:middle + 16] = bytes(b ^ 0xFF for b in data[middle:middle + 16])
-        path.write_bytes(bytes(data))
+
+    from tierkv.storage.file_pack import pack_pages
+    pages = sorted((str(path), page) for path in Path(root).rglob("*.pack") for page in pack_pages(str(path)))
+    for path, (_, payload_at, payload_nbytes) in pages[::2]:
+        with open(path, "r+b") as f:
+            middle = payload_at + payload_nbytes // 3
+            f.seek(middle)
+            data = f.read(16)
+            f.seek(middle)
+            f.write(bytes(b ^ 0xFF for b in data))
 
 
 def run(scenario: dict) -> dict:

@@ -2,16 +2,17 @@
 
 Each :class:`tierkv.storage.file.FileStore` keeps its own LRU index, which bounds only what that
 process knows of. Several processes sharing one bounded directory would each fill it to the bound, so
-the directory also carries a ledger: ``.usage`` holds the bytes of pages written into it (8 bytes,
-little-endian), updated under an ``fcntl`` lock on that file by every process after each batch it
-writes. When a batch takes the ledger over ``max_bytes``, that process scans the directory (one stat
-per page), removes the least recently used pages (oldest modification time; a hit refreshes it) down
-to the low-water mark, and writes the exact total back.
+the directory also carries a ledger: ``.usage`` holds the bytes of pack files written into it (8
+bytes, little-endian), updated under an ``fcntl`` lock on that file by every process after each batch
+it writes (one pack per batch, see :mod:`tierkv.storage.file_pack`). When a batch takes the ledger
+over ``max_bytes``, that process scans the directory (one stat per pack), removes the least recently
+used packs (oldest modification time; a hit refreshes it) down to the low-water mark, and writes the
+exact total back.
 
-The ledger never counts less than the pages it was told of (a rewrite of an existing page, or a page
-another process's own LRU removed, only makes it count more, which costs an earlier scan), so the
-pages on disk exceed ``max_bytes`` by at most the batches written but not yet charged: one batch per
-writing thread, in every process, at any moment. A process that dies between the two leaves its last
+The ledger never counts less than the packs it was told of (a pack another process's own LRU removed
+only makes it count more, which costs an earlier scan), so the packs on disk exceed ``max_bytes`` by
+at most the batches written but not yet charged: one batch per writing thread, in every process, at
+any moment. A process that dies between the two leaves its last
 batch uncounted until the next scan.
 """
 
@@ -20,8 +21,8 @@ from __future__ import annotations
 import fcntl
 import os
 import stat
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 LEDGER_NAME = ".usage"
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
@@ -34,6 +35,7 @@ class DirectoryBudget:
     """The shared ledger of one namespace directory (see the module docstring)."""
 
     def __init__(self, directory: str, max_bytes: int, page_suffix: str) -> None:
+        """``page_suffix``: the ending of the names of the files it counts (the store's packs)."""
         self.directory, self.max_bytes, self.page_suffix = directory, max_bytes, page_suffix
         self.low_water_bytes = max_bytes - max_bytes // LOW_WATER_DIVISOR
         self.path = os.path.join(directory, LEDGER_NAME)
@@ -79,25 +81,14 @@ class DirectoryBudget:
             self._write(fd, 0)
 
     def _scan_and_cut(self, target_bytes: int) -> tuple[int, int]:
-        """Total the pages on disk and remove the least recently used down to ``target_bytes``; the total
-        left and the number removed. Caller holds the lock."""
+        """Total the pack files in the directory and remove the least recently used down to
+        ``target_bytes``; the total left and the number of files removed. Caller holds the lock."""
         self.scans += 1
         top = os.open(self.directory, _DIR_FLAGS)
-        subdirs: list[int] = []
         try:
-            pages = []  # (mtime, size, subdirectory fd, name)
-            with os.scandir(top) as entries:
-                names = [e.name for e in entries if e.is_dir(follow_symlinks=False)]
-            for name in names:
-                try:  # opened without following links, as every path of the store is
-                    subdirs.append(os.open(name, _DIR_FLAGS, dir_fd=top))
-                except OSError:  # removed meanwhile, or replaced by a link: not ours to scan
-                    continue
-                pages += self._pages(subdirs[-1])
-            return self._cut(pages, target_bytes)
+            return self._cut(self._pages(top), target_bytes)
         finally:
-            for fd in [*subdirs, top]:
-                os.close(fd)
+            os.close(top)
 
     def _pages(self, sub_fd: int) -> list[tuple[int, int, int, str]]:
         found = []

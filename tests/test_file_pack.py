@@ -1,0 +1,139 @@
+"""The file store's packs (tierkv/storage/file_pack.py): the index of pages in packs, the pack format, and
+finding packs that another store wrote by number."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.test_storage_backends import PAGE_NBYTES, empty_pages, make_keys, make_pages
+from tierkv.storage.factory import open_store
+from tierkv.storage.file import GROUP_NBYTES
+from tierkv.storage.file_pack import (
+    PENDING_WINDOW,
+    PackIndex,
+    consumed,
+    pack_name,
+    pack_number,
+    pack_pages,
+)
+
+K = [f"{i:016x}" for i in range(8)]
+
+
+def test_a_later_pack_replaces_a_page_and_a_pack_without_live_pages_goes():
+    index = PackIndex(None)
+    assert index.add(0, K[:2], 100) == []
+    assert index.add(1, K[1:3], 100) == []
+    assert index.locate(K[1]) == (1, 0, 2) and index.locate(K[0]) == (0, 0, 2)
+    gone = index.add(2, [K[0]], 50)  # pack 0's last live page moves on: pack 0 is garbage
+    assert [number for number, _ in gone] == [0] and index.size_bytes == 150
+    assert index.locate(K[0]) == (2, 0, 1)
+
+
+def test_an_older_pack_found_late_never_replaces_a_newer_page():
+    index = PackIndex(None)
+    index.add(5, [K[0]], 10)
+    gone = index.add(3, [K[0]], 10)  # another process's older pack, found after ours
+    assert [number for number, _ in gone] == [3] and index.locate(K[0]) == (5, 0, 1)
+
+
+def test_a_bounded_index_evicts_whole_packs_least_recently_used_first():
+    index = PackIndex(250)
+    index.add(0, K[0:2], 100)
+    index.add(1, K[2:4], 100)
+    index.touch(0)
+    gone = index.add(2, K[4:6], 100)
+    assert [(number, info.live) for number, info in gone] == [(1, 2)]
+    assert index.locate(K[2]) is None and index.locate(K[0]) is not None and index.size_bytes == 200
+
+
+def test_dropping_pages_frees_their_pack_once_none_is_live():
+    index = PackIndex(None)
+    index.add(0, K[:2], 100)
+    assert index.drop_page(K[0]) is None
+    number, info = index.drop_page(K[1])
+    assert number == 0 and info.live == 0 and len(index) == 0 and index.size_bytes == 0
+
+
+def test_numbers_drawn_by_others_are_looked_for_until_found_or_too_old():
+    index = PackIndex(None)
+    index.drew(0)
+    index.drew(3)  # 1 and 2 were drawn by another process meanwhile
+    assert index.numbers_to_look_for(5) == [1, 2, 4]
+    index.add(2, [K[0]], 10)
+    assert index.numbers_to_look_for(5) == [1, 4]
+    assert index.numbers_to_look_for(5 + PENDING_WINDOW) == list(range(5, 5 + PENDING_WINDOW))
+
+
+def test_pack_names_round_trip_and_other_names_are_not_packs():
+    assert pack_number(pack_name(0xabc)) == 0xabc
+    for name in ("x.pack", "0000000000000abc.pack.1.tmp", ".packs", "000000000000000G.pack", "00.page"):
+        assert pack_number(name) is None
+
+
+def test_a_pack_lists_its_pages_and_another_store_finds_it_on_a_miss(tmp_path):
+    writer = open_store(f"file:{tmp_path}", "ns", PAGE_NBYTES)
+    reader = open_store(f"file:{tmp_path}", "ns", PAGE_NBYTES)  # opened before the pack exists
+    keys, pages = make_keys(3), make_pages(3)
+    assert writer.batch_set(keys, pages) == [True] * 3
+    pack = writer.path(keys[0])
+    assert [(key, at) for key, at, _ in pack_pages(pack)] == [(k, i * PAGE_NBYTES) for i, k in enumerate(keys)]
+    with open(pack, "rb") as f:
+        assert f.read(PAGE_NBYTES) == pages[0].numpy().tobytes()  # payloads first, at page multiples
+    targets = empty_pages(3)
+    assert reader.batch_get(keys, targets) == [True] * 3 and all(map(torch.equal, targets, pages))
+    assert sorted(os.listdir(writer.directory)) == [".packs", os.path.basename(pack)]
+    writer.close()
+    reader.close()
+
+
+@pytest.mark.parametrize("use_native", [True, False], ids=["native", "python"])
+@pytest.mark.parametrize("page_nbytes, num_pages", [(GROUP_NBYTES + 4097, 3), (40_000, 60)],
+                         ids=["pages-over-a-group", "batch-over-a-group"])
+def test_batches_over_a_group_round_trip_and_a_flipped_byte_is_a_miss(tmp_path, use_native, page_nbytes,
+                                                                      num_pages):
+    """Batches over GROUP_NBYTES are written and read group by group (a page over it chunk by chunk),
+    each checksummed while in cache: same bytes back, and a corrupt page is still caught."""
+    store = open_store(f"file:{tmp_path}", "ns", page_nbytes)
+    if not use_native:
+        store._native = None
+    g = torch.Generator().manual_seed(3)
+    pages = [torch.randint(0, 256, (page_nbytes,), dtype=torch.uint8, generator=g) for _ in range(num_pages)]
+    keys = make_keys(num_pages)
+    assert store.batch_set(keys, pages) == [True] * num_pages
+    targets = [torch.zeros(page_nbytes, dtype=torch.uint8) for _ in keys]
+    assert store.batch_get(keys, targets) == [True] * num_pages and all(map(torch.equal, targets, pages))
+    path, payload_at, _ = store.page_extent(keys[1])
+    with open(path, "r+b") as f:
+        f.seek(payload_at + page_nbytes - 3)  # in the last chunk of the page
+        byte = f.read(1)
+        f.seek(payload_at + page_nbytes - 3)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    found = store.batch_get(keys, [torch.zeros(page_nbytes, dtype=torch.uint8) for _ in keys])
+    assert found == [i != 1 for i in range(num_pages)] and store.stats.corrupt_pages == 1
+    store.close()
+
+
+def test_a_short_vectored_call_goes_on_from_the_byte_it_stopped_at():
+    parts = [memoryview(b"abc"), memoryview(b"de"), memoryview(b"f")]
+    assert [bytes(p) for p in consumed(parts, 4)] == [b"e", b"f"]
+    assert [bytes(p) for p in consumed(parts, 3)] == [b"de", b"f"] and consumed(parts, 6) == []
+    assert [bytes(p) for p in parts] == [b"abc", b"de", b"f"]  # the caller's list is left as it was
+
+
+def test_a_newer_pack_of_a_known_page_written_by_another_store_wins(tmp_path):
+    """Regression: a reader that already knew a page kept reading its old pack after another process
+    rewrote it (a file per page always read the newest); now each batch first looks at the counter."""
+    first, second, reader = (open_store(f"file:{tmp_path}", "ns", PAGE_NBYTES) for _ in range(3))
+    keys, old, new = make_keys(2), make_pages(2, seed=1), make_pages(2, seed=2)
+    assert first.batch_set(keys, old) == [True] * 2
+    targets = empty_pages(2)
+    assert reader.batch_get(keys, targets) == [True] * 2 and torch.equal(targets[0], old[0])
+    assert second.batch_set(keys, new) == [True] * 2
+    assert reader.batch_exists(keys) == 2
+    assert reader.batch_get(keys, targets) == [True] * 2 and all(map(torch.equal, targets, new))
+    for store in (first, second, reader):
+        store.close()

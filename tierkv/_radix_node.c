@@ -314,3 +314,20 @@ int tierkv_intern_tree_attrs(void) {
     }
     return 0;
 }
+
+TensorAttrs tierkv_tensor_attrs;
+
+int tierkv_intern_tensor_attrs(void) {
+    if (tierkv_tensor_attrs.dtype != NULL) {
+        return 0;
+    }
+    PyObject **slots[] = {&tierkv_tensor_attrs.numel, &tierkv_tensor_attrs.data_ptr, &tierkv_tensor_attrs.is_contiguous,
+                          &tierkv_tensor_attrs.is_cpu, &tierkv_tensor_attrs.dtype};
+    const char *names[] = {"numel", "data_ptr", "is_contiguous", "is_cpu", "dtype"};
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
+        if (*slots[i] == NULL && (*slots[i] = PyUnicode_InternFromString(names[i])) == NULL) {
+            return -1;
+        }
+    }
+    return 0;
+}

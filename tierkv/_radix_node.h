@@ -55,6 +55,13 @@ typedef struct {
 extern TreeAttrs tierkv_tree_attrs;
 int tierkv_intern_tree_attrs(void);  /* 0, or -1 with an error set */
 
+/* The tensor methods and attributes the slot readers (_radix_slots.c, _radix_pages.c) call, interned once */
+typedef struct {
+    PyObject *numel, *data_ptr, *is_contiguous, *is_cpu, *dtype;
+} TensorAttrs;
+extern TensorAttrs tierkv_tensor_attrs;
+int tierkv_intern_tensor_attrs(void);  /* 0, or -1 with an error set */
+
 int tierkv_bind_layout(PyTypeObject *type);
 int tierkv_check_node(PyObject *node);  /* 0, or -1 with a TypeError */
 int tierkv_is_device_leaf(NodeCtx *c, PyObject *n);  /* RadixTree.is_device_leaf: 1, 0, or -1 on error */

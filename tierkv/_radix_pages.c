@@ -1,4 +1,5 @@
 #include "_radix_evict.h"
+#include "_radix_node.h"
 #include <stdint.h>
 #include <string.h>
 
@@ -24,20 +25,6 @@ typedef struct {
     Py_ssize_t num_slots;
 } SlotRun;
 
-static PyObject *str_numel, *str_data_ptr, *str_is_contiguous, *str_is_cpu, *str_dtype;
-
-static int intern_names(void) {
-    if (str_numel != NULL) {
-        return 0;
-    }
-    str_numel = PyUnicode_InternFromString("numel");
-    str_data_ptr = PyUnicode_InternFromString("data_ptr");
-    str_is_contiguous = PyUnicode_InternFromString("is_contiguous");
-    str_is_cpu = PyUnicode_InternFromString("is_cpu");
-    str_dtype = PyUnicode_InternFromString("dtype");
-    return str_numel && str_data_ptr && str_is_contiguous && str_is_cpu && str_dtype ? 0 : -1;
-}
-
 static PyObject *call0(PyObject *obj, PyObject *name) {
     PyObject *args[1] = {obj};
     return PyObject_VectorcallMethod(name, args, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
@@ -56,16 +43,16 @@ static int attr_is(PyObject *obj, PyObject *name, int call, PyObject *want) {
 
 /* The memory and length of one slot tensor; TypeError unless CPU, contiguous and of ``dtype``. */
 static int read_run(PyObject *t, PyObject *dtype, SlotRun *run) {
-    int ok = attr_is(t, str_is_cpu, 0, Py_True);
-    ok = ok == 1 ? attr_is(t, str_is_contiguous, 1, Py_True) : ok;
-    ok = ok == 1 ? attr_is(t, str_dtype, 0, dtype) : ok;
+    int ok = attr_is(t, tierkv_tensor_attrs.is_cpu, 0, Py_True);
+    ok = ok == 1 ? attr_is(t, tierkv_tensor_attrs.is_contiguous, 1, Py_True) : ok;
+    ok = ok == 1 ? attr_is(t, tierkv_tensor_attrs.dtype, 0, dtype) : ok;
     if (ok != 1) {
         if (ok == 0) {
             PyErr_SetString(PyExc_TypeError, "free_whole_pages takes CPU contiguous int64 tensors");
         }
         return -1;
     }
-    PyObject *numel = call0(t, str_numel), *ptr = call0(t, str_data_ptr);
+    PyObject *numel = call0(t, tierkv_tensor_attrs.numel), *ptr = call0(t, tierkv_tensor_attrs.data_ptr);
     run->num_slots = numel ? PyLong_AsSsize_t(numel) : -1;
     run->slots = ptr ? (const int64_t *)PyLong_AsVoidPtr(ptr) : NULL;
     Py_XDECREF(numel), Py_XDECREF(ptr);
@@ -129,7 +116,7 @@ PyObject *tierkv_free_whole_pages(PyObject *self, PyObject *const *args, Py_ssiz
     if (page_size == -1 && PyErr_Occurred()) {
         return NULL;
     }
-    if (page_size < 1 || intern_names() < 0) {
+    if (page_size < 1 || tierkv_intern_tensor_attrs() < 0) {
         if (!PyErr_Occurred()) {
             PyErr_Format(PyExc_ValueError, "page_size must be positive, got %zd", page_size);
         }

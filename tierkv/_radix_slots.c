@@ -8,20 +8,6 @@
 #include "_radix_node.h"
 #include <string.h>
 
-static PyObject *str_data_ptr, *str_is_contiguous, *str_numel, *str_is_cpu, *str_dtype;
-
-static int intern_names(void) {
-    if (str_data_ptr != NULL) {
-        return 0;
-    }
-    str_data_ptr = PyUnicode_InternFromString("data_ptr");
-    str_is_contiguous = PyUnicode_InternFromString("is_contiguous");
-    str_numel = PyUnicode_InternFromString("numel");
-    str_is_cpu = PyUnicode_InternFromString("is_cpu");
-    str_dtype = PyUnicode_InternFromString("dtype");
-    return str_dtype == NULL ? -1 : 0;
-}
-
 /* 1 when calling ``name`` on ``obj`` (or reading it, when ``call`` is 0) gives True, 0 when not, -1 on error */
 static int truth_of(PyObject *obj, PyObject *name, int call) {
     PyObject *v = call ? PyObject_CallMethodNoArgs(obj, name) : PyObject_GetAttr(obj, name);
@@ -48,18 +34,19 @@ static const int64_t *value_slots(PyObject *value, Py_ssize_t num_slots, PyObjec
         }
         return (const int64_t *)view->buf;
     }
-    PyObject *dtype = PyObject_GetAttr(value, str_dtype);
+    PyObject *dtype = PyObject_GetAttr(value, tierkv_tensor_attrs.dtype);
     if (dtype == NULL) {
         return NULL;
     }
     Py_DECREF(dtype);  /* compared by identity only: torch's dtypes are singletons */
-    if (dtype != int64 || truth_of(value, str_is_cpu, 0) != 1 || truth_of(value, str_is_contiguous, 1) != 1) {
+    if (dtype != int64 || truth_of(value, tierkv_tensor_attrs.is_cpu, 0) != 1
+        || truth_of(value, tierkv_tensor_attrs.is_contiguous, 1) != 1) {
         if (!PyErr_Occurred()) {
             PyErr_SetString(PyExc_TypeError, "a node value is not a contiguous int64 CPU tensor");
         }
         return NULL;
     }
-    PyObject *numel = PyObject_CallMethodNoArgs(value, str_numel);
+    PyObject *numel = PyObject_CallMethodNoArgs(value, tierkv_tensor_attrs.numel);
     Py_ssize_t n = numel == NULL ? -1 : PyLong_AsSsize_t(numel);
     Py_XDECREF(numel);
     if (n < num_slots) {
@@ -68,7 +55,7 @@ static const int64_t *value_slots(PyObject *value, Py_ssize_t num_slots, PyObjec
         }
         return NULL;
     }
-    PyObject *ptr = PyObject_CallMethodNoArgs(value, str_data_ptr);
+    PyObject *ptr = PyObject_CallMethodNoArgs(value, tierkv_tensor_attrs.data_ptr);
     void *p = ptr == NULL ? NULL : PyLong_AsVoidPtr(ptr);
     Py_XDECREF(ptr);
     if (p == NULL && !PyErr_Occurred() && num_slots > 0) {
@@ -93,7 +80,7 @@ PyObject *tierkv_gather_device_slots(PyObject *self, PyObject *const *args, Py_s
         PyErr_SetString(PyExc_TypeError, "gather_device_slots takes (nodes: list, int64)");
         return NULL;
     }
-    if (intern_names() < 0) {
+    if (tierkv_intern_tensor_attrs() < 0) {
         return NULL;
     }
     PyObject *nodes = args[0];
@@ -324,7 +311,7 @@ PyObject *tierkv_plan_slots(PyObject *self, PyObject *const *args, Py_ssize_t na
     }
     Py_ssize_t partial_len = PyLong_AsSsize_t(args[3]), num_elems = PyLong_AsSsize_t(args[4]);
     Py_ssize_t page_size = PyLong_AsSsize_t(args[5]);
-    if (PyErr_Occurred() || intern_names() < 0) {
+    if (PyErr_Occurred() || tierkv_intern_tensor_attrs() < 0) {
         return NULL;
     }
     Py_buffer vm, vf = {0};

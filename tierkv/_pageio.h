@@ -15,8 +15,8 @@
 #define PAGEIO_INTERNAL
 #endif
 
-/* Read results (the first item of each (status, value) pair). */
-enum { READ_OK = 0, READ_ABSENT = 1, READ_BAD_SIZE = 2, READ_MISMATCH = 3, READ_SHORT = 4, READ_NO_DIR = 5 };
+/* Copy results (the first item of each (status, checksum) pair). */
+enum { READ_OK = 0, READ_MISMATCH = 3 };
 
 typedef uint64_t (*xxh3_fn)(const void *, size_t);
 typedef void *(*create_fn)(void);

@@ -5,8 +5,8 @@
  * checksum; this costs one copy.
  *
  * Source addresses, when given as such, are trusted (the store's replica descriptors give them); buffers
- * and destinations are checked. A header is compared whole with its template holding the checksum, as read_pages
- * does; explaining a mismatch is the caller's.
+ * and destinations are checked. A header is compared whole with its template holding the checksum (magic,
+ * version, namespace, length, key digest and checksum in one memcmp); explaining a mismatch is the caller's.
  */
 #include "_pageio.h"
 

@@ -1,5 +1,5 @@
-"""The native page I/O (tierkv/_pageio.c): batched xxh3 checksums and the file store's reads and writes,
-one call per batch without the GIL. ``pageio`` is the module, or None when it is not built, is another
+"""The native page I/O (tierkv/_pageio.c): batched xxh3 checksums, and copies of replies into pages that
+checksum as they copy, one call per batch without the GIL. ``pageio`` is the module, or None when it is not built, is another
 version, or cannot reach the xxhash package's xxh3 (then the stores use their Python loops).
 
 The C side takes xxh3 from the xxhash package's own shared object, so both paths compute the same
@@ -15,7 +15,7 @@ import xxhash
 
 log = logging.getLogger(__name__)
 
-NATIVE_API_VERSION = 3  # the API_VERSION of tierkv/_pageio.c that the stores call
+NATIVE_API_VERSION = 4  # the API_VERSION of tierkv/_pageio.c that the stores call
 
 
 def bound(module: ModuleType | None) -> ModuleType | None:

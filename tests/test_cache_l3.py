@@ -53,6 +53,20 @@ def test_config_is_frozen_and_picklable():
     assert pickle.loads(pickle.dumps(cfg)) == cfg
 
 
+@pytest.mark.parametrize("backup_batch_pages, set_calls", [(None, 1), (8, 3)], ids=["default-128", "8"])
+def test_a_backup_carries_backup_batch_pages_a_store_call_hicaches_128_by_default(backup_batch_pages, set_calls):
+    # Backups took prefetch_batch_pages (16) a call: the file store wrote a pack file per 16 pages.
+    assert StorageConfig().backup_batch_pages == 128 and StorageConfig().prefetch_batch_pages == 16
+    cache = make_cache(page_size=PS, device_tokens=1024)
+    store = attach_fake(cache, **({} if backup_batch_pages is None else {"backup_batch_pages": backup_batch_pages}))
+    key = RadixKey(random_tokens(20 * PS, seed=5))
+    compute_and_insert(cache, key, seed=6)
+    cache.flush()
+    assert store.calls.count("set") == set_calls
+    assert cache.storage.stats.backed_up_tokens == len(key) and len(store.blobs) == 20
+    cache.close()
+
+
 # ---- prefetch -----------------------------------------------------------------------------------
 def _stored_cache(num_pages: int = 8, **overrides):
     """A cache whose store holds ``num_pages`` pages of a key, with L1 and L2 emptied."""
@@ -531,8 +545,8 @@ class StorageTraffic(RuleBasedStateMachine):
     def start(self, policy, write_policy):
         self.cache = make_cache(page_size=4, device_tokens=96, write_policy=write_policy)
         # waits for stuck I/O (flush, reset) give up soon; every loop below retries them
-        self.store = attach_fake(self.cache, prefetch_batch_pages=2, io_wait_timeout_s=0.05,
-                                 prefetch_stop_policy=policy, prefetch_threshold=4)
+        self.store = attach_fake(self.cache, prefetch_batch_pages=2, backup_batch_pages=2,
+                                 io_wait_timeout_s=0.05, prefetch_stop_policy=policy, prefetch_threshold=4)
         self.stalled = False
         self.bases = [list(range(1000 * b + 1, 1000 * b + 41)) for b in range(3)]
         self.next_token = 10_000

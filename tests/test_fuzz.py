@@ -324,7 +324,8 @@ def test_http_odd_content_length_is_a_4xx(completion_server, length):
 # ---- storage configs, specs and fault configs --------------------------------------------------------
 storage_keys = st.sampled_from(["prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token",
                                 "hicache_storage_pass_prefix_keys", "prefetch_stop_policy", "hash_algorithm",
-                                "prefetch_max_tokens_in_flight", "prefetch_batch_pages", "backup_max_pending_tokens",
+                                "prefetch_max_tokens_in_flight", "prefetch_batch_pages", "backup_batch_pages",
+                                "backup_max_pending_tokens",
                                 "io_wait_timeout_s", "backend_config", "password", "dir", "bogus"])
 
 

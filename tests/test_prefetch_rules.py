@@ -123,7 +123,8 @@ class _PrefixKeyStore(FakeStore):
 def test_prefix_keys_reach_stores_that_want_them(pass_prefix_keys: bool):
     cache = make_cache(page_size=PS, device_tokens=512, load_back_threshold=1)
     store = _PrefixKeyStore("ns", cache.host_pool.page_nbytes)
-    cache.attach_storage(store, storage_config(prefetch_batch_pages=2, prefetch_stop_policy="wait_complete",
+    cache.attach_storage(store, storage_config(prefetch_batch_pages=2, backup_batch_pages=2,
+                                               prefetch_stop_policy="wait_complete",
                                                hicache_storage_pass_prefix_keys=pass_prefix_keys), "test-model")
     key = RadixKey(random_tokens(6 * PS, seed=81))
     kv = compute_and_insert(cache, key, seed=82)

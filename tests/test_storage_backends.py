@@ -165,6 +165,89 @@ def test_host_pool_pages_round_trip_through_their_views(backend, layout):
     assert torch.equal(sink.buffer.view(torch.uint8), source.buffer.view(torch.uint8))
 
 
+@pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])
+@pytest.mark.parametrize("page_key", [None, "k" * 20], ids=["checksum", "mac"])
+def test_pool_rows_round_trip_shuffled_and_match_the_tensor_path(backend, layout, page_key):
+    # batch_set_rows / batch_get_rows (the cache's backups and prefetches on page-first pools) store the
+    # same blobs as batch_set / batch_get of the same pages: either path reads what the other wrote.
+    spec = KVSpec(num_layers=3, kv_heads=2, head_dim=8, dtype=torch.bfloat16)
+    source, sink = (HostKVPool(spec, 128, 16, layout=layout, pin_memory=False) for _ in range(2))
+    source.buffer.copy_(torch.randn(source.buffer.shape).to(torch.bfloat16))
+    store = backend.open(page_nbytes=source.page_nbytes, **({"page_key": page_key} if page_key else {}))
+    keys = make_keys(source.num_pages)
+    order = torch.randperm(source.num_pages, generator=torch.Generator().manual_seed(3)).tolist()
+    half = len(keys) // 2
+    assert store.batch_set_rows(keys[:half], source.page_bytes_array(), order[:half]) == [True] * half
+    assert store.batch_set(keys[half:], [source.page_bytes(p) for p in order[half:]]) == [True] * (len(keys) - half)
+    assert store.batch_get_rows(keys, sink.page_bytes_array(), order) == [True] * len(keys)
+    assert torch.equal(sink.buffer.view(torch.uint8), source.buffer.view(torch.uint8))
+    targets = [torch.zeros(source.page_nbytes, dtype=torch.uint8) for _ in keys[:half]]
+    assert store.batch_get(keys[:half], targets) == [True] * half
+    assert all(torch.equal(t, source.page_bytes(p)) for t, p in zip(targets, order[:half]))
+    assert store.stats.set_pages == len(keys) and store.stats.corrupt_pages == 0
+
+
+def test_bad_page_rows_are_refused_naming_the_value_and_nothing_is_written(backend):
+    spec = KVSpec(num_layers=1, kv_heads=1, head_dim=8, dtype=torch.bfloat16)
+    pool = HostKVPool(spec, 64, 16, layout="page_first", pin_memory=False)
+    store = backend.open(page_nbytes=pool.page_nbytes)
+    rows, keys = pool.page_bytes_array(), make_keys(2)
+    cases = [(rows, [0, pool.num_pages], "page row 4 is outside the 4 rows"),
+             (rows, [-1, 0], "page row -1"),
+             (rows, [0], "2 keys need as many integer page rows"),
+             (rows, [0.0, 1.0], "integer page rows"),
+             (rows[:, :-1], [0, 1], f"C-contiguous 2-D uint8 array of {pool.page_nbytes}-byte rows"),
+             (rows.view("<u2"), [0, 1], "uint16"),
+             (rows[::2], [0, 1], "C-contiguous"),
+             (torch.from_numpy(rows), [0, 1], "got Tensor")]
+    for bad_rows, pages, message in cases:
+        with pytest.raises(ValueError, match=message):
+            store.batch_set_rows(keys, bad_rows, pages)
+        with pytest.raises(ValueError, match=message):
+            store.batch_get_rows(keys, rows if bad_rows is rows else bad_rows, pages)
+    with pytest.raises(ValueError, match="page key"):
+        store.batch_set_rows([keys[0], "x"], rows, [0, 1])
+    assert store.batch_exists(keys) == 0 and store.stats.set_pages == 0
+
+
+@pytest.mark.parametrize("store_class", ["file", "memory"])
+def test_a_subclass_or_wrapper_that_intercepts_batch_set_and_get_sees_the_pool_rows_too(tmp_path, store_class):
+    # The file and memory stores take pool rows in place; a subclass overriding batch_set/get (and a
+    # wrapper delegating by attribute, which the cache hands no rows) must still see every page.
+    from tierkv.storage.base import takes_rows
+    from tierkv.storage.file import FileStore
+    from tierkv.storage.memory import MemoryStore
+    base = FileStore if store_class == "file" else MemoryStore
+
+    class Counting(base):
+        pages_set = pages_got = 0
+
+        def batch_set(self, keys, values):
+            self.pages_set += len(keys)
+            return super().batch_set(keys, values)
+
+        def batch_get(self, keys, targets):
+            self.pages_got += len(keys)
+            return super().batch_get(keys, targets)
+
+    spec = KVSpec(num_layers=1, kv_heads=1, head_dim=8, dtype=torch.bfloat16)
+    pool = HostKVPool(spec, 64, 16, layout="page_first", pin_memory=False)
+    pool.buffer.copy_(torch.randn(pool.buffer.shape).to(torch.bfloat16))
+    extra = {"root": str(tmp_path)} if store_class == "file" else {}
+    store, keys = Counting("ns", pool.page_nbytes, **extra), make_keys(3)
+    assert store.batch_set_rows(keys, pool.page_bytes_array(), [2, 0, 3]) == [True] * 3 and store.pages_set == 3
+    assert store.batch_get_rows(keys, pool.page_bytes_array(), [2, 0, 3]) == [True] * 3 and store.pages_got == 3
+
+    class Delegating:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+    assert takes_rows(store) and not takes_rows(Delegating(store))
+    store.close()
+
+
 def test_exists_is_the_leading_run(backend):
     store = backend.open()
     keys, pages = make_keys(6), make_pages(6)

@@ -157,7 +157,7 @@ def test_redis_killed_mid_run(redis_server):
 def test_integrity_through_mixed_traffic(policy):
     """Many overlapping prompts with prefetches, aborts and evictions: slots always balance."""
     cache = make_cache(page_size=PS, device_tokens=256)
-    attach_fake(cache, prefetch_stop_policy=policy, prefetch_batch_pages=1)
+    attach_fake(cache, prefetch_stop_policy=policy, prefetch_batch_pages=1, backup_batch_pages=1)
     base = random_tokens(8 * PS, seed=15)
     truth = {}
     for i in range(12):

@@ -352,7 +352,7 @@ def _start_ranks(world_size: int, out_dir: Path, options: dict, num_steps: int,
     (4, dict(page_size=4, write_policy="write_through_selective", host_layout="page_first",
              io_backend="direct", eviction_policy="lfu",
              storage=dict(prefetch_threshold=8, prefetch_stop_policy="timeout", prefetch_timeout_base=0.002,
-                          prefetch_timeout_per_ki_token=0.01, prefetch_batch_pages=2))),
+                          prefetch_timeout_per_ki_token=0.01, prefetch_batch_pages=2, backup_batch_pages=2))),
 ])
 def test_ranks_with_different_delays_keep_identical_trees(tmp_path: Path, world_size: int,
                                                            options: dict) -> None:

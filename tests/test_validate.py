@@ -78,6 +78,7 @@ def test_the_tables_cover_the_issues_examples():
     ('{"io_wait_timeout_s": -Infinity}', "io_wait_timeout_s"),
     ('{"prefetch_threshold": true}', "prefetch_threshold"),
     ('{"prefetch_batch_pages": 2.0}', "prefetch_batch_pages"),
+    ('{"backup_batch_pages": 0}', "backup_batch_pages"),
     ('{"hicache_storage_pass_prefix_keys": 1}', "hicache_storage_pass_prefix_keys"),
     ('{"prefetch_stop_policy": ["timeout"]}', "prefetch_stop_policy"),
 ])

@@ -195,6 +195,10 @@ class HostKVPool(PagedKVBuffer):
         if pin_memory is None:
             pin_memory = torch.cuda.is_available()
         super().__init__(spec, num_tokens, page_size, "cpu", pin_memory=pin_memory)
+        # Page-first layouts keep each page contiguous: one uint8 row per page, made once, so that a page's
+        # bytes are one index (~1 us) instead of a select, a reshape and a view (~4 us) per page.
+        self._page_rows = (None if layout == "layer_first"
+                           else self.buffer.view(self.num_pages, -1).view(torch.uint8))
 
     def _shape(self) -> tuple[int, ...]:
         s = self.spec
@@ -213,9 +217,12 @@ class HostKVPool(PagedKVBuffer):
 
     def page_bytes(self, page: int) -> torch.Tensor | None:
         """A writable uint8 view of one page's bytes when the layout keeps a page contiguous, else None."""
-        if self.layout == "layer_first":
-            return None
-        return self.paged.select(0, page).reshape(-1).view(torch.uint8)
+        return None if self._page_rows is None else self._page_rows[page]
+
+    def page_bytes_array(self) -> np.ndarray | None:
+        """The whole pool as a writable (num_pages, page_nbytes) uint8 array, row ``p`` page ``p``'s bytes
+        (the page stores' batch_set_rows / batch_get_rows take it); None when the layout splits a page."""
+        return None if self._page_rows is None else self._page_rows.numpy()
 
     def read_page(self, page: int) -> torch.Tensor:
         """One page as contiguous uint8 bytes (a view for page-first layouts, a copy for layer_first)."""

@@ -199,6 +199,13 @@ def check_keys(keys: list[str]) -> None:
             check_key(key)
 
 
+def takes_rows(store: Any) -> bool:
+    """Whether the cache may hand ``store`` pool rows (``batch_set_rows`` / ``batch_get_rows``): only a
+    PageStore. A duck-typed store or a wrapper that delegates by attribute gets ``batch_set`` /
+    ``batch_get`` as before, so a wrapper that intercepts those still sees every page."""
+    return isinstance(store, PageStore)
+
+
 def page_view(page: torch.Tensor, page_nbytes: int) -> memoryview:
     """A writable 1-D byte view of a contiguous uint8 CPU page tensor (no copy); ValueError otherwise.
 
@@ -255,6 +262,18 @@ class PageStore(ABC):
     @abstractmethod
     def batch_set(self, keys: list[str], values: list[torch.Tensor]) -> list[bool]:
         """Store each uint8 page under its key; False where the write failed."""
+
+    def batch_get_rows(self, keys: list[str], rows: np.ndarray, pages: Any, **kwargs: Any) -> list[bool]:
+        """:meth:`batch_get` into rows ``pages[i]`` of ``rows``, a writable 2-D C-contiguous uint8 array whose
+        rows are whole pages (``HostKVPool.page_bytes_array``); ValueError naming a bad row or page, nothing read.
+        The default makes a tensor per row; stores that work on byte views override it (no tensor a page)."""
+        self._row_views(keys, rows, pages)
+        return self.batch_get(keys, [torch.from_numpy(rows[p]) for p in np.asarray(pages).tolist()], **kwargs)
+
+    def batch_set_rows(self, keys: list[str], rows: np.ndarray, pages: Any, **kwargs: Any) -> list[bool]:
+        """:meth:`batch_set` of rows ``pages[i]`` of ``rows`` (as :meth:`batch_get_rows`)."""
+        self._row_views(keys, rows, pages)
+        return self.batch_set(keys, [torch.from_numpy(rows[p]) for p in np.asarray(pages).tolist()], **kwargs)
 
     @abstractmethod
     def clear(self) -> None:
@@ -336,6 +355,28 @@ class PageStore(ABC):
             yield
         finally:
             self._count(**{f"{op}_seconds": time.perf_counter() - start})
+
+    def _rows_in_place(self, owner: type, method: str) -> bool:
+        """For a store class ``owner`` whose rows calls work in place: False when a subclass overrides its
+        ``method`` (``batch_set`` / ``batch_get``), whose rows must then go through that override."""
+        return getattr(type(self), method) is getattr(owner, method)
+
+    def _row_views(self, keys: list[str], rows: np.ndarray, pages: Any) -> list[memoryview]:
+        """Byte views of rows ``pages`` of ``rows`` (checked once for the whole batch, not page by page)."""
+        if (not isinstance(rows, np.ndarray) or rows.dtype != np.uint8 or rows.ndim != 2
+                or not rows.flags.c_contiguous or rows.shape[1] != self.page_nbytes):
+            raise ValueError(f"page rows must be a C-contiguous 2-D uint8 array of {self.page_nbytes}-byte rows, "
+                             f"got {type(rows).__name__} {getattr(rows, 'dtype', '')} "
+                             f"{getattr(rows, 'shape', '')}")
+        index = np.asarray(pages)
+        if index.ndim != 1 or len(index) != len(keys) or (len(index) and index.dtype.kind not in "iu"):
+            raise ValueError(f"{len(keys)} keys need as many integer page rows, got {index.dtype} {index.shape}")
+        if len(index) and (index.min() < 0 or index.max() >= len(rows)):
+            bad = index[(index < 0) | (index >= len(rows))][0]
+            raise ValueError(f"page row {int(bad)} is outside the {len(rows)} rows given")
+        check_keys(keys)
+        flat, nbytes = memoryview(rows).cast("B"), self.page_nbytes
+        return [flat[p * nbytes:(p + 1) * nbytes] for p in index.tolist()]
 
     def _check_batch(self, keys: list[str], tensors: list[torch.Tensor]) -> list[memoryview]:
         if len(keys) != len(tensors):

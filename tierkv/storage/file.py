@@ -7,7 +7,8 @@ Layout: ``<root>/<namespace tag>/<number>.pack``, one pack per ``batch_set`` (se
 ``rename``, whatever its number of pages (a larger batch: one ``pwritev`` per 1 MiB group); a file
 per page cost those four calls per page, and creating and renaming a small file per page was most of a
 replay's CPU (2,000 conversation requests at page 16: 128 CPU-s, 86 of them in the kernel, against 7.3
-without L3). Nothing is fsynced unless ``fsync`` is set: a cache loses only hits in a crash. Pages of the earlier one-file-per-page layout are misses here.
+without L3). Nothing is fsynced unless ``fsync`` is set: a cache loses only hits in a crash. Pages of the
+earlier one-file-per-page layout are misses here.
 
 Writes go to a temp file beside the pack and are renamed into place, so a reader sees a whole pack or
 none. A read opens each pack it needs once, reads the header block in one ``preadv`` and each run of
@@ -43,13 +44,14 @@ import stat
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 import torch
 import xxhash
 
 from tierkv.storage import native
-from tierkv.storage.base import Backoff, PageStore, check_key, check_max_bytes
+from tierkv.storage.base import Backoff, PageStore, check_key, check_keys, check_max_bytes
 from tierkv.storage.file_budget import LEDGER_NAME, DirectoryBudget
 from tierkv.storage.file_pack import (
     COUNTER_NAME,
@@ -172,9 +174,9 @@ class FileStore(PageStore):
             os.close(fd)
 
     # ---- finding pages ---------------------------------------------------------------------------
-    def _locate(self, dir_fd: int, keys: list[str]) -> list[tuple[int, int, int, int] | None]:
-        """(pack, slot, pages in the pack, pack bytes) of each key, None if no pack holds it. First the
-        packs other processes wrote since the last look (one read of the counter when there are none:
+    def _locate(self, dir_fd: int, keys: list[str]) -> tuple[list[tuple[int, int] | None], dict[int, tuple[int, int]]]:
+        """(pack, slot) of each key (None if no pack holds it), and (pages, bytes) of each pack named. First
+        the packs other processes wrote since the last look (one read of the counter when there are none:
         a newer pack of a known page must win, as a newer file did), then, on a miss, the numbers still
         pending (drawn but not yet renamed then)."""
         drawn = self._counter.peek()
@@ -182,24 +184,19 @@ class FileStore(PageStore):
             news = drawn > self._index.seen_up_to
         if news:
             self._look_for_new_packs(dir_fd, drawn)
-        found = self._locate_known(keys)
+        found, packs = self._locate_known(keys)
         if None in found and not news:
             self._look_for_new_packs(dir_fd, drawn)
-            found = self._locate_known(keys)
-        return found
+            found, packs = self._locate_known(keys)
+        return found, packs
 
-    def _locate_known(self, keys: list[str]) -> list[tuple[int, int, int, int] | None]:
+    def _locate_known(self, keys: list[str]) -> tuple[list[tuple[int, int] | None], dict[int, tuple[int, int]]]:
         with self._index_lock:
-            pages, packs = self._index.pages, self._index.packs
-            found: list[tuple[int, int, int, int] | None] = []
-            for key in keys:
-                where = pages.get(key)
-                if where is None:
-                    found.append(None)
-                else:
-                    info = packs[where[0]]
-                    found.append((where[0], where[1], len(info.keys), info.size_bytes))
-            return found
+            found = list(map(self._index.pages.get, keys))  # one C call for the batch, not a tuple a key
+            known = self._index.packs
+            packs = {number: (len(known[number].keys), known[number].size_bytes)
+                     for number in {where[0] for where in found if where is not None}}
+            return found, packs
 
     def _look_for_new_packs(self, dir_fd: int, drawn: int) -> None:
         """Index the packs drawn by others (``drawn``: the counter now) since the last look, and those
@@ -260,17 +257,16 @@ class FileStore(PageStore):
     # ---- PageStore -------------------------------------------------------------------------------
     def batch_exists(self, keys: list[str]) -> int:
         self._count(exists_calls=1)
-        for key in keys:
-            check_key(key)
+        check_keys(keys)
         try:
             with self._namespace() as dir_fd:
-                where = self._locate(dir_fd, keys)
+                where, packs = self._locate(dir_fd, keys)
                 run = where.index(None) if None in where else len(where)
                 checked: dict[int, bool] = {}
                 for i in range(run):
                     number = where[i][0]
                     if number not in checked:
-                        checked[number] = self._pack_present(dir_fd, number, where[i][3])
+                        checked[number] = self._pack_present(dir_fd, number, packs[number][1])
                     if not checked[number]:
                         return i
         except FileNotFoundError:
@@ -300,19 +296,25 @@ class FileStore(PageStore):
         return False
 
     def batch_get(self, keys: list[str], targets: list[torch.Tensor]) -> list[bool]:
-        views = self._check_batch(keys, targets)
+        return self._get_views(keys, self._check_batch(keys, targets))
+
+    def batch_get_rows(self, keys: list[str], rows: np.ndarray, pages: Any) -> list[bool]:
+        if not self._rows_in_place(FileStore, "batch_get"):
+            return super().batch_get_rows(keys, rows, pages)
+        return self._get_views(keys, self._row_views(keys, rows, pages))
+
+    def _get_views(self, keys: list[str], views: list[memoryview]) -> list[bool]:
         with self._timed("get"):
             found = [False] * len(keys)
             try:
                 with self._namespace() as dir_fd:
                     by_pack: dict[int, list[tuple[int, int]]] = {}
-                    sizes: dict[int, tuple[int, int]] = {}
-                    for i, where in enumerate(self._locate(dir_fd, keys)):
+                    wheres, packs = self._locate(dir_fd, keys)
+                    for i, where in enumerate(wheres):
                         if where is not None:
                             by_pack.setdefault(where[0], []).append((where[1], i))
-                            sizes[where[0]] = (where[2], where[3])
                     for number, wanted in by_pack.items():
-                        self._read_pack(dir_fd, number, *sizes[number], wanted, keys, views, found)
+                        self._read_pack(dir_fd, number, *packs[number], wanted, keys, views, found)
             except FileNotFoundError:
                 return found
             except OSError as err:
@@ -423,7 +425,14 @@ class FileStore(PageStore):
         self._credit(self._remove_packs(dir_fd, [] if info is None else [(number, info)]))
 
     def batch_set(self, keys: list[str], values: list[torch.Tensor]) -> list[bool]:
-        views = self._check_batch(keys, values)
+        return self._set_views(keys, self._check_batch(keys, values))
+
+    def batch_set_rows(self, keys: list[str], rows: np.ndarray, pages: Any) -> list[bool]:
+        if not self._rows_in_place(FileStore, "batch_set"):
+            return super().batch_set_rows(keys, rows, pages)
+        return self._set_views(keys, self._row_views(keys, rows, pages))
+
+    def _set_views(self, keys: list[str], views: list[memoryview]) -> list[bool]:
         step = len(keys) or 1
         if self.max_bytes is not None:  # a bounded store evicts whole packs: keep each a small share of it
             step = max(1, self.max_bytes // (PACK_SHARE_DIVISOR * self.format.blob_nbytes))

@@ -202,14 +202,17 @@ class PackIndex:
         self.packs[number] = info
         self.size_bytes += size_bytes
         dead = []
-        for slot, key in enumerate(keys):
-            old = self.pages.get(key)
-            if old is not None and old[0] > number:  # a newer pack already holds this page
-                continue
-            self.pages[key] = (number, slot)
-            info.live += 1
-            if old is not None and self._release(old[0]):
+        # One dict for the whole pack (a key twice: its last slot), merged in one update; only the keys
+        # another pack holds already are looked at one by one, in slot order.
+        fresh = {key: (number, slot) for slot, key in enumerate(keys)}
+        for key in sorted(fresh.keys() & self.pages.keys(), key=fresh.__getitem__):
+            old = self.pages[key]
+            if old[0] > number:  # a newer pack already holds this page
+                del fresh[key]
+            elif self._release(old[0]):
                 dead.append(old[0])
+        self.pages.update(fresh)
+        info.live = len(fresh)
         if not info.live:
             dead.append(number)
         return [(pack, self._forget(pack)) for pack in dead] + self._over_bound(number)

@@ -1,6 +1,6 @@
 """The native page I/O (tierkv/_pageio.c): batched xxh3 checksums, and copies of replies into pages that
-checksum as they copy, one call per batch without the GIL. ``pageio`` is the module, or None when it is not built, is another
-version, or cannot reach the xxhash package's xxh3 (then the stores use their Python loops).
+checksum as they copy, one call per batch without the GIL. ``pageio`` is the module, or None when it is not
+built, is another version, or cannot reach the xxhash package's xxh3 (then the stores use their Python loops).
 
 The C side takes xxh3 from the xxhash package's own shared object, so both paths compute the same
 checksum; a known digest is checked here before the module is used.

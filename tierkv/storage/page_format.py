@@ -153,17 +153,27 @@ class PageFormat:
     def header_templates(self, keys: list[str]) -> bytearray:
         """The unkeyed headers of pages ``keys`` back to back, each with its checksum field (at
         ``CHECKSUM_OFFSET``) zero: the native I/O fills it in a write and checks a read against it."""
-        if self.page_key is not None:
-            raise ValueError("a keyed store's header holds a MAC, not a checksum: no template")
-        prefix = _HEADER.pack(MAGIC, FORMAT_VERSION, 0, self._namespace_digest, self.payload_nbytes, 0,
-                              bytes(8))[:CHECKSUM_OFFSET + 8]
-        return bytearray(b"".join([prefix + _key_digest(key) for key in keys]))
+        return bytearray(self._header_rows(keys))
 
     def filled_headers(self, keys: list[str], digests: list[int]) -> np.ndarray:
         """The unkeyed headers of pages ``keys`` with payload checksums ``digests``: (pages, 48) uint8."""
-        headers = np.frombuffer(self.header_templates(keys), np.uint8).reshape(len(keys), HEADER_SIZE)
+        headers = self._header_rows(keys)
         headers[:, CHECKSUM_OFFSET:CHECKSUM_OFFSET + 8] = (
             np.array(digests, dtype="<u8").view(np.uint8).reshape(len(keys), 8))
+        return headers
+
+    def _header_rows(self, keys: list[str]) -> np.ndarray:
+        """Unkeyed headers as (pages, 48) uint8 rows, checksums zero: one row broadcast, then the key
+        digests as one column (a header built and joined per page cost twice as much)."""
+        if self.page_key is not None:
+            raise ValueError("a keyed store's header holds a MAC, not a checksum: no template")
+        row = np.frombuffer(_HEADER.pack(MAGIC, FORMAT_VERSION, 0, self._namespace_digest, self.payload_nbytes, 0,
+                                         bytes(8)), np.uint8)
+        headers = np.empty((len(keys), HEADER_SIZE), np.uint8)
+        headers[:] = row
+        # the key digest field holds xxh64's canonical (big-endian) digest of the key, as _key_digest
+        key_digests = np.fromiter(map(xxhash.xxh64_intdigest, map(str.encode, keys)), ">u8", len(keys))
+        headers[:, CHECKSUM_OFFSET + 8:] = key_digests.view(np.uint8).reshape(len(keys), 8)
         return headers
 
     def check_headers(self, keys: list[str], headers: np.ndarray, payloads: list[memoryview],

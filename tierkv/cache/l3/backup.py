@@ -12,7 +12,7 @@ import torch
 from tierkv.cache.l3.cost_model import CostModel
 from tierkv.pools.kv import HostKVPool
 from tierkv.radix import TreeNode
-from tierkv.storage.base import PageStore, prefix_keys_arg
+from tierkv.storage.base import PageStore, prefix_keys_arg, takes_rows
 
 log = logging.getLogger(__name__)
 
@@ -55,12 +55,18 @@ class Backup:
         started_cpu_s = time.thread_time()
         try:
             self.skipped_pages = store.batch_exists(self.hashes, **self._prefix_keys(0))
+            # page-first layouts: the store reads the pool's rows in place
+            rows = host_pool.page_bytes_array() if takes_rows(store) else None
             for start in range(self.skipped_pages, len(self.hashes), batch_pages):
                 if self.cancel.is_set():  # the cache was reset: these pages are no longer wanted
                     return
                 end = min(len(self.hashes), start + batch_pages)
-                values = [host_pool.read_page(p) for p in self.host_pages[start:end]]
-                ok = store.batch_set(self.hashes[start:end], values, **self._prefix_keys(start))
+                keys, prefix = self.hashes[start:end], self._prefix_keys(start)
+                if rows is not None:
+                    ok = store.batch_set_rows(keys, rows, self.host_pages[start:end], **prefix)
+                else:
+                    values = [host_pool.read_page(p) for p in self.host_pages[start:end]]
+                    ok = store.batch_set(keys, values, **prefix)
                 self.written_pages += sum(ok)
                 self.failed_pages += len(ok) - sum(ok)
         except Exception as exc:  # L3 is a cache: a failed backup only costs a future miss

@@ -386,7 +386,7 @@ class StorageController:
             backup.done.set()
             return
         self._backup_worker.submit(self.pacer.paced(partial(backup.run, self.store, self.host_pool,
-                                                            self.config.prefetch_batch_pages)))
+                                                            self.config.backup_batch_pages)))
 
     def _retire_backup(self, backup: Backup) -> None:
         self.tree.dec_host_ref(backup.node)

@@ -34,7 +34,7 @@ import torch
 from tierkv.cache.l3.cost_model import CostModel
 from tierkv.pools.kv import HostKVPool
 from tierkv.radix import RadixKey, TreeNode
-from tierkv.storage.base import PageStore, prefix_keys_arg
+from tierkv.storage.base import PageStore, prefix_keys_arg, takes_rows
 
 log = logging.getLogger(__name__)
 
@@ -200,6 +200,15 @@ class Prefetch:
 
     def _read(self, store: PageStore, host_pool: HostKVPool, start: int, end: int) -> bool:
         pages = self.host_pages[start:end]
+        rows = host_pool.page_bytes_array() if takes_rows(store) else None
+        if rows is not None:  # page-first layouts: the store writes the pool's rows in place
+            started_s = time.perf_counter()
+            ok = store.batch_get_rows(self.hashes[start:end], rows, pages, **self._prefix_keys(start))
+            if self.costs is not None:
+                self.costs.observe_l3_get(time.perf_counter() - started_s, end - start)
+            num_ok = ok.index(False) if False in ok else len(ok)  # a miss ends the usable prefix
+            self.completed_pages = start + num_ok
+            return num_ok == len(ok)
         direct = [host_pool.page_bytes(p) for p in pages]
         targets = [d if d is not None else torch.empty(host_pool.page_nbytes, dtype=torch.uint8) for d in direct]
         started_s = time.perf_counter()

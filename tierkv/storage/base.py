@@ -266,14 +266,13 @@ class PageStore(ABC):
     def batch_get_rows(self, keys: list[str], rows: np.ndarray, pages: Any, **kwargs: Any) -> list[bool]:
         """:meth:`batch_get` into rows ``pages[i]`` of ``rows``, a writable 2-D C-contiguous uint8 array whose
         rows are whole pages (``HostKVPool.page_bytes_array``); ValueError naming a bad row or page, nothing read.
-        The default makes a tensor per row; stores that work on byte views override it (no tensor a page)."""
-        self._row_views(keys, rows, pages)
-        return self.batch_get(keys, [torch.from_numpy(rows[p]) for p in np.asarray(pages).tolist()], **kwargs)
+        A store whose batch_get is its check then ``_get_views`` reads into the rows in place (no tensor a
+        page); any other goes through its batch_get, a tensor a row."""
+        return self._rows_call("batch_get", "_get_views", keys, rows, pages, kwargs)
 
     def batch_set_rows(self, keys: list[str], rows: np.ndarray, pages: Any, **kwargs: Any) -> list[bool]:
-        """:meth:`batch_set` of rows ``pages[i]`` of ``rows`` (as :meth:`batch_get_rows`)."""
-        self._row_views(keys, rows, pages)
-        return self.batch_set(keys, [torch.from_numpy(rows[p]) for p in np.asarray(pages).tolist()], **kwargs)
+        """:meth:`batch_set` of rows ``pages[i]`` of ``rows`` (as :meth:`batch_get_rows`, with ``_set_views``)."""
+        return self._rows_call("batch_set", "_set_views", keys, rows, pages, kwargs)
 
     @abstractmethod
     def clear(self) -> None:
@@ -356,10 +355,15 @@ class PageStore(ABC):
         finally:
             self._count(**{f"{op}_seconds": time.perf_counter() - start})
 
-    def _rows_in_place(self, owner: type, method: str) -> bool:
-        """For a store class ``owner`` whose rows calls work in place: False when a subclass overrides its
-        ``method`` (``batch_set`` / ``batch_get``), whose rows must then go through that override."""
-        return getattr(type(self), method) is getattr(owner, method)
+    def _rows_call(self, method: str, view_method: str, keys: list[str], rows: np.ndarray, pages: Any,
+                   kwargs: dict[str, Any]) -> list[bool]:
+        views = self._row_views(keys, rows, pages)
+        # in place only through the class that defines the view call, and only if ``method`` is still that
+        # class's own: a subclass that overrides batch_get/batch_set must see every page
+        owner = next((c for c in type(self).__mro__ if view_method in vars(c)), None)
+        if owner is not None and not kwargs and getattr(type(self), method) is getattr(owner, method):
+            return getattr(self, view_method)(keys, views)
+        return getattr(self, method)(keys, [torch.from_numpy(rows[p]) for p in np.asarray(pages).tolist()], **kwargs)
 
     def _row_views(self, keys: list[str], rows: np.ndarray, pages: Any) -> list[memoryview]:
         """Byte views of rows ``pages`` of ``rows`` (checked once for the whole batch, not page by page)."""

@@ -44,7 +44,6 @@ import stat
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import numpy as np
 import torch
@@ -298,11 +297,6 @@ class FileStore(PageStore):
     def batch_get(self, keys: list[str], targets: list[torch.Tensor]) -> list[bool]:
         return self._get_views(keys, self._check_batch(keys, targets))
 
-    def batch_get_rows(self, keys: list[str], rows: np.ndarray, pages: Any) -> list[bool]:
-        if not self._rows_in_place(FileStore, "batch_get"):
-            return super().batch_get_rows(keys, rows, pages)
-        return self._get_views(keys, self._row_views(keys, rows, pages))
-
     def _get_views(self, keys: list[str], views: list[memoryview]) -> list[bool]:
         with self._timed("get"):
             found = [False] * len(keys)
@@ -426,11 +420,6 @@ class FileStore(PageStore):
 
     def batch_set(self, keys: list[str], values: list[torch.Tensor]) -> list[bool]:
         return self._set_views(keys, self._check_batch(keys, values))
-
-    def batch_set_rows(self, keys: list[str], rows: np.ndarray, pages: Any) -> list[bool]:
-        if not self._rows_in_place(FileStore, "batch_set"):
-            return super().batch_set_rows(keys, rows, pages)
-        return self._set_views(keys, self._row_views(keys, rows, pages))
 
     def _set_views(self, keys: list[str], views: list[memoryview]) -> list[bool]:
         step = len(keys) or 1

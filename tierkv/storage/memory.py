@@ -9,9 +9,7 @@ dropped when a write takes it over the bound.
 from __future__ import annotations
 
 import threading
-from typing import Any
 
-import numpy as np
 import torch
 
 from tierkv.storage.base import PageStore, check_key, check_max_bytes
@@ -61,11 +59,6 @@ class MemoryStore(PageStore):
     def batch_get(self, keys: list[str], targets: list[torch.Tensor]) -> list[bool]:
         return self._get_views(keys, self._check_batch(keys, targets))
 
-    def batch_get_rows(self, keys: list[str], rows: np.ndarray, pages: Any) -> list[bool]:
-        if not self._rows_in_place(MemoryStore, "batch_get"):
-            return super().batch_get_rows(keys, rows, pages)
-        return self._get_views(keys, self._row_views(keys, rows, pages))
-
     def _get_views(self, keys: list[str], views: list[memoryview]) -> list[bool]:
         found = []
         with self._timed("get"):
@@ -90,11 +83,6 @@ class MemoryStore(PageStore):
 
     def batch_set(self, keys: list[str], values: list[torch.Tensor]) -> list[bool]:
         return self._set_views(keys, self._check_batch(keys, values))
-
-    def batch_set_rows(self, keys: list[str], rows: np.ndarray, pages: Any) -> list[bool]:
-        if not self._rows_in_place(MemoryStore, "batch_set"):
-            return super().batch_set_rows(keys, rows, pages)
-        return self._set_views(keys, self._row_views(keys, rows, pages))
 
     def _set_views(self, keys: list[str], views: list[memoryview]) -> list[bool]:
         with self._timed("set"):

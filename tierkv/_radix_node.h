@@ -55,12 +55,10 @@ typedef struct {
 extern TreeAttrs tierkv_tree_attrs;
 int tierkv_intern_tree_attrs(void);  /* 0, or -1 with an error set */
 
-/* The tensor methods and attributes the slot readers (_radix_slots.c, _radix_pages.c) call, interned once */
-typedef struct {
-    PyObject *numel, *data_ptr, *is_contiguous, *is_cpu, *dtype;
-} TensorAttrs;
-extern TensorAttrs tierkv_tensor_attrs;
-int tierkv_intern_tensor_attrs(void);  /* 0, or -1 with an error set */
+/* The memory of a CPU, contiguous tensor of ``dtype`` (an int64 one, as the slot readers pass): its data
+ * pointer (NULL when empty) and element count. 1; 0 when ``t`` is not such a tensor (no error set, the
+ * caller names what it wanted); -1 on error. */
+int tierkv_tensor_memory(PyObject *t, PyObject *dtype, const int64_t **data, Py_ssize_t *numel);
 
 int tierkv_bind_layout(PyTypeObject *type);
 int tierkv_check_node(PyObject *node);  /* 0, or -1 with a TypeError */

@@ -25,38 +25,13 @@ typedef struct {
     Py_ssize_t num_slots;
 } SlotRun;
 
-static PyObject *call0(PyObject *obj, PyObject *name) {
-    PyObject *args[1] = {obj};
-    return PyObject_VectorcallMethod(name, args, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
-}
-
-/* 1 when ``attr`` of ``obj`` (or ``obj.attr()`` when ``call``) is ``want``, 0 when not, -1 on error */
-static int attr_is(PyObject *obj, PyObject *name, int call, PyObject *want) {
-    PyObject *v = call ? call0(obj, name) : PyObject_GetAttr(obj, name);
-    if (v == NULL) {
-        return -1;
-    }
-    int same = v == want;
-    Py_DECREF(v);
-    return same;
-}
-
 /* The memory and length of one slot tensor; TypeError unless CPU, contiguous and of ``dtype``. */
 static int read_run(PyObject *t, PyObject *dtype, SlotRun *run) {
-    int ok = attr_is(t, tierkv_tensor_attrs.is_cpu, 0, Py_True);
-    ok = ok == 1 ? attr_is(t, tierkv_tensor_attrs.is_contiguous, 1, Py_True) : ok;
-    ok = ok == 1 ? attr_is(t, tierkv_tensor_attrs.dtype, 0, dtype) : ok;
-    if (ok != 1) {
-        if (ok == 0) {
-            PyErr_SetString(PyExc_TypeError, "free_whole_pages takes CPU contiguous int64 tensors");
-        }
-        return -1;
+    int ok = tierkv_tensor_memory(t, dtype, &run->slots, &run->num_slots);
+    if (ok == 0) {
+        PyErr_SetString(PyExc_TypeError, "free_whole_pages takes CPU contiguous int64 tensors");
     }
-    PyObject *numel = call0(t, tierkv_tensor_attrs.numel), *ptr = call0(t, tierkv_tensor_attrs.data_ptr);
-    run->num_slots = numel ? PyLong_AsSsize_t(numel) : -1;
-    run->slots = ptr ? (const int64_t *)PyLong_AsVoidPtr(ptr) : NULL;
-    Py_XDECREF(numel), Py_XDECREF(ptr);
-    return PyErr_Occurred() ? -1 : 0;
+    return ok == 1 ? 0 : -1;
 }
 
 /* Each page's id into ``pages``, its flag flipped to free; on a bad page, the flags flipped so far are
@@ -116,10 +91,8 @@ PyObject *tierkv_free_whole_pages(PyObject *self, PyObject *const *args, Py_ssiz
     if (page_size == -1 && PyErr_Occurred()) {
         return NULL;
     }
-    if (page_size < 1 || tierkv_intern_tensor_attrs() < 0) {
-        if (!PyErr_Occurred()) {
-            PyErr_Format(PyExc_ValueError, "page_size must be positive, got %zd", page_size);
-        }
+    if (page_size < 1) {
+        PyErr_Format(PyExc_ValueError, "page_size must be positive, got %zd", page_size);
         return NULL;
     }
     PyObject *list = args[0], *result = NULL;

@@ -8,17 +8,6 @@
 #include "_radix_node.h"
 #include <string.h>
 
-/* 1 when calling ``name`` on ``obj`` (or reading it, when ``call`` is 0) gives True, 0 when not, -1 on error */
-static int truth_of(PyObject *obj, PyObject *name, int call) {
-    PyObject *v = call ? PyObject_CallMethodNoArgs(obj, name) : PyObject_GetAttr(obj, name);
-    if (v == NULL) {
-        return -1;
-    }
-    int t = v == Py_True ? 1 : (v == Py_False ? 0 : PyObject_IsTrue(v));
-    Py_DECREF(v);
-    return t;
-}
-
 /* The int64 slots of ``value`` (``num_slots`` of them). A buffer is held in ``view`` (release it after);
  * a tensor is checked (CPU, int64, contiguous, at least that long) and read at its data pointer. */
 static const int64_t *value_slots(PyObject *value, Py_ssize_t num_slots, PyObject *int64, Py_buffer *view) {
@@ -34,34 +23,23 @@ static const int64_t *value_slots(PyObject *value, Py_ssize_t num_slots, PyObjec
         }
         return (const int64_t *)view->buf;
     }
-    PyObject *dtype = PyObject_GetAttr(value, tierkv_tensor_attrs.dtype);
-    if (dtype == NULL) {
-        return NULL;
-    }
-    Py_DECREF(dtype);  /* compared by identity only: torch's dtypes are singletons */
-    if (dtype != int64 || truth_of(value, tierkv_tensor_attrs.is_cpu, 0) != 1
-        || truth_of(value, tierkv_tensor_attrs.is_contiguous, 1) != 1) {
-        if (!PyErr_Occurred()) {
+    const int64_t *p = NULL;
+    Py_ssize_t n = -1;
+    int ok = tierkv_tensor_memory(value, int64, &p, &n);
+    if (ok != 1) {
+        if (ok == 0) {
             PyErr_SetString(PyExc_TypeError, "a node value is not a contiguous int64 CPU tensor");
         }
         return NULL;
     }
-    PyObject *numel = PyObject_CallMethodNoArgs(value, tierkv_tensor_attrs.numel);
-    Py_ssize_t n = numel == NULL ? -1 : PyLong_AsSsize_t(numel);
-    Py_XDECREF(numel);
     if (n < num_slots) {
-        if (!PyErr_Occurred()) {
-            PyErr_Format(PyExc_ValueError, "node value of %zd slots, expected at least %zd", n, num_slots);
-        }
+        PyErr_Format(PyExc_ValueError, "node value of %zd slots, expected at least %zd", n, num_slots);
         return NULL;
     }
-    PyObject *ptr = PyObject_CallMethodNoArgs(value, tierkv_tensor_attrs.data_ptr);
-    void *p = ptr == NULL ? NULL : PyLong_AsVoidPtr(ptr);
-    Py_XDECREF(ptr);
-    if (p == NULL && !PyErr_Occurred() && num_slots > 0) {
+    if (p == NULL && num_slots > 0) {
         PyErr_SetString(PyExc_ValueError, "a node value has no data");
     }
-    return (const int64_t *)p;
+    return p;
 }
 
 /* a node's key length (its slot count, by the tree's invariant) */
@@ -78,9 +56,6 @@ PyObject *tierkv_gather_device_slots(PyObject *self, PyObject *const *args, Py_s
     (void)self;
     if (nargs != 2 || !PyList_Check(args[0])) {
         PyErr_SetString(PyExc_TypeError, "gather_device_slots takes (nodes: list, int64)");
-        return NULL;
-    }
-    if (tierkv_intern_tensor_attrs() < 0) {
         return NULL;
     }
     PyObject *nodes = args[0];
@@ -311,7 +286,7 @@ PyObject *tierkv_plan_slots(PyObject *self, PyObject *const *args, Py_ssize_t na
     }
     Py_ssize_t partial_len = PyLong_AsSsize_t(args[3]), num_elems = PyLong_AsSsize_t(args[4]);
     Py_ssize_t page_size = PyLong_AsSsize_t(args[5]);
-    if (PyErr_Occurred() || tierkv_intern_tensor_attrs() < 0) {
+    if (PyErr_Occurred()) {
         return NULL;
     }
     Py_buffer vm, vf = {0};

@@ -199,26 +199,22 @@ class Prefetch:
         return self.costs.l3_pages_to_fetch(self.anchor_len, usable, self.page_size)
 
     def _read(self, store: PageStore, host_pool: HostKVPool, start: int, end: int) -> bool:
-        pages = self.host_pages[start:end]
+        pages, keys, prefix = self.host_pages[start:end], self.hashes[start:end], self._prefix_keys(start)
+        # page-first layouts: a page store writes the pool's rows in place; otherwise a tensor a page
+        # (a view of the pool where the layout has one, a staging copy where not)
         rows = host_pool.page_bytes_array() if takes_rows(store) else None
-        if rows is not None:  # page-first layouts: the store writes the pool's rows in place
-            started_s = time.perf_counter()
-            ok = store.batch_get_rows(self.hashes[start:end], rows, pages, **self._prefix_keys(start))
-            if self.costs is not None:
-                self.costs.observe_l3_get(time.perf_counter() - started_s, end - start)
-            num_ok = ok.index(False) if False in ok else len(ok)  # a miss ends the usable prefix
-            self.completed_pages = start + num_ok
-            return num_ok == len(ok)
-        direct = [host_pool.page_bytes(p) for p in pages]
+        direct = [] if rows is not None else [host_pool.page_bytes(p) for p in pages]
         targets = [d if d is not None else torch.empty(host_pool.page_nbytes, dtype=torch.uint8) for d in direct]
         started_s = time.perf_counter()
-        ok = store.batch_get(self.hashes[start:end], targets, **self._prefix_keys(start))
+        if rows is not None:
+            ok = store.batch_get_rows(keys, rows, pages, **prefix)
+        else:
+            ok = store.batch_get(keys, targets, **prefix)
         if self.costs is not None:
             self.costs.observe_l3_get(time.perf_counter() - started_s, end - start)
-        for i, (page, view, target) in enumerate(zip(pages, direct, targets)):
-            if not ok[i]:
-                return False  # a missing or corrupt page ends the usable prefix
+        num_ok = ok.index(False) if False in ok else len(ok)  # a missing or corrupt page ends the usable prefix
+        for page, view, target in zip(pages[:num_ok], direct, targets):
             if view is None:
                 host_pool.write_page(page, target)
-            self.completed_pages = start + i + 1
-        return True
+        self.completed_pages = start + num_ok
+        return num_ok == len(ok)

@@ -1,5 +1,7 @@
 """The L3 controller: config parsing, prefetch policies, revoke/abort/rate limit, backup, TP counts."""
 
+import time
+
 import pytest
 import torch
 
@@ -177,6 +179,46 @@ def test_wait_complete_waits_for_all_pages():
     cache.flush()
     assert cache.check_prefetch_progress("r")
     assert torch.equal(load_hit(cache, key), kv)
+    cache.check_integrity()
+    cache.close()
+
+
+def test_wait_complete_has_no_time_budget_as_hicache():
+    """A slow store (here: held past a zero budget) still gives every page: the timeout policy's budget
+    is not wait_complete's (before the fix a run slower than 1 s + 0.25 s/Ki tokens got no L3 hit)."""
+    cache, store, key, kv = _stored_cache(num_pages=8, prefetch_stop_policy="wait_complete",
+                                          prefetch_timeout_base=0.0, prefetch_timeout_per_ki_token=0.0)
+    store.hang.clear()
+    m = cache.match_prefix(key)
+    assert cache.prefetch_from_storage("r", m.last_host_node, key)
+    time.sleep(0.05)
+    cache.step()
+    assert not cache.check_prefetch_progress("r")
+    store.hang.set()
+    cache.flush()
+    assert cache.check_prefetch_progress("r")
+    assert torch.equal(load_hit(cache, key), kv)
+    cache.check_integrity()
+    cache.close()
+
+
+def test_wait_complete_gives_up_on_a_store_that_makes_no_progress_for_io_wait_timeout_s():
+    cache, store, key, kv = _stored_cache(num_pages=8, prefetch_stop_policy="wait_complete",
+                                          io_wait_timeout_s=0.2)
+    store.hang.clear()
+    try:
+        m = cache.match_prefix(key)
+        calls = len(store.calls)
+        assert cache.prefetch_from_storage("r", m.last_host_node, key)
+        store.wait_for_calls(calls + 1)  # the lookup is stuck inside the store
+        time.sleep(0.25)
+        cache.step()
+        assert cache.check_prefetch_progress("r")  # no progress for io_wait_timeout_s: goes without L3
+        assert cache.match_prefix(key).host_hit_length == 0
+        assert cache.storage.owned_host_slots() == []
+    finally:
+        store.hang.set()
+    cache.flush()
     cache.check_integrity()
     cache.close()
 

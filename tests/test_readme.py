@@ -30,19 +30,20 @@ def _readme_python(marker: str) -> str:
     return next(body for _, _, body in _blocks("python") if marker in body)
 
 
-def _run_python(code: str, tmp_path: Path) -> None:
+def _run_python(code: str, tmp_path: Path) -> subprocess.CompletedProcess:
     code = code.replace("file:///tmp/", f"file://{tmp_path}/")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc
 
 
 def test_the_readme_cache_snippet_runs_twice_and_the_second_run_hits_l3(tmp_path):
     code = _readme_python("open_storage(cache, \"file:///tmp/tierkv-l3\"")
-    _run_python(code, tmp_path)
-    code = code.replace("file:///tmp/", f"file://{tmp_path}/")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert re.search(r"storage_hit_tokens=[1-9]", proc.stdout), proc.stdout[-1000:]
+    first = _run_python(code, tmp_path)
+    second = _run_python(code, tmp_path)
+    # the README promises the whole prompt (992 of its 1000 tokens: whole pages) from L3, on any machine
+    assert "storage_hit_tokens=992," in second.stdout, (  # the warnings the cache logged say why not
+        f"first run:\n{first.stdout}{first.stderr[-1500:]}\nsecond run:\n{second.stdout}{second.stderr[-1500:]}")
 
 
 def test_the_tensor_parallel_snippet_runs_as_written(tmp_path):

@@ -223,11 +223,16 @@ class StorageController:
                             config.prefetch_timeout_base, config.prefetch_timeout_per_ki_token * ps / 1024,
                             min_found_pages=-(-config.prefetch_threshold // ps),
                             prefix_hashes=anchor_hashes if self.pass_prefix_keys else None,
-                            page_size=ps, costs=self.costs)
+                            page_size=ps, costs=self.costs, stall_timeout_s=self._stall_timeout_s())
         self.prefetches[request_id] = prefetch
         self._prefetch_worker.submit(partial(prefetch.lookup, self.store))
         self.stats.prefetch_started += 1
         return True
+
+    def _stall_timeout_s(self) -> float | None:
+        """``wait_complete`` has no time budget (HiCache): it gives up only on a store that makes no
+        progress for ``io_wait_timeout_s``, the bound of every other wait on a storage thread."""
+        return self.config.io_wait_timeout_s if self.config.prefetch_stop_policy == "wait_complete" else None
 
     @property
     def tokens_in_flight(self) -> int:

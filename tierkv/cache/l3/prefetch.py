@@ -57,7 +57,10 @@ class Prefetch:
     stay empty until the scheduler grants slots for the agreed pages found (:meth:`grant`); the worker
     waits for that after ``exists`` and reads only the granted pages. A run under ``min_found_pages``
     counts as nothing found. The timeout budget is ``timeout_base_s`` plus ``timeout_per_page_s`` per
-    page found (agreed), HiCache's rule. ``costs`` (the cache's cost model) gets every call's time and
+    page found (agreed), HiCache's rule; with ``stall_timeout_s`` set (the ``wait_complete`` policy) there
+    is no budget, as in HiCache, and the prefetch times out only once ``stall_timeout_s`` has passed
+    since its last progress (a store call returned, slots were granted): a store that hangs, not one
+    that is merely slow. ``costs`` (the cache's cost model) gets every call's time and
     cuts the pages found to those cheaper to fetch than to recompute; the rest are recomputed.
     """
 
@@ -71,6 +74,8 @@ class Prefetch:
     host_slots: torch.Tensor = _NO_SLOTS  # granted by the scheduler once the pages found are agreed
     host_pages: list[int] = field(default_factory=list)
     started_s: float = field(default_factory=time.monotonic)
+    stall_timeout_s: float | None = None  # set: no budget, only a bound on no progress (wait_complete)
+    progress_s: float = field(default_factory=time.monotonic)  # the last progress (either thread writes it)
     state: str = "running"
     min_found_pages: int = 0
     prefix_hashes: list[str] | None = None  # the anchor path's page hashes, for stores that want them
@@ -103,6 +108,7 @@ class Prefetch:
     def grant(self, host_slots: torch.Tensor, host_pages: list[int]) -> None:
         """Scheduler thread: the slots for the agreed pages found; the caller then submits :meth:`read`."""
         self.host_slots, self.host_pages = host_slots, host_pages
+        self.progress_s = time.monotonic()
         self.granted.set()
 
     def local_counts(self) -> tuple[list[int], list[int]]:
@@ -110,7 +116,10 @@ class Prefetch:
         (terminated)."""
         finished = self.finished.is_set()  # read first: once set, completed_pages and failed are final
         found = 1 + self.found_pages if self.exists_done.is_set() else 0
-        timed_out = time.monotonic() - self.started_s >= self.budget_s
+        if self.stall_timeout_s is None:
+            timed_out = time.monotonic() - self.started_s >= self.budget_s
+        else:  # a finished rank times out too, stall_timeout_s after its end: the MIN waits for the others
+            timed_out = time.monotonic() - self.progress_s >= self.stall_timeout_s
         return [self.completed_pages, int(finished), found, int(timed_out)], [int(finished and self.failed)]
 
     @property
@@ -170,6 +179,7 @@ class Prefetch:
             self.failed = True
             log.warning("prefetch %s: storage lookup failed: %s: %s", self.request_id, type(exc).__name__, exc)
         finally:  # a failed exists finds 0 pages: the other ranks must not wait for this one
+            self.progress_s = time.monotonic()
             self.exists_done.set()
             if not self.found_pages or self.cancel.is_set():  # no read will follow
                 self.finished.set()
@@ -217,4 +227,5 @@ class Prefetch:
             if view is None:
                 host_pool.write_page(page, target)
         self.completed_pages = start + num_ok
+        self.progress_s = time.monotonic()
         return num_ok == len(ok)

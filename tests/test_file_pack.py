@@ -137,3 +137,24 @@ def test_a_newer_pack_of_a_known_page_written_by_another_store_wins(tmp_path):
     assert reader.batch_get(keys, targets) == [True] * 2 and all(map(torch.equal, targets, new))
     for store in (first, second, reader):
         store.close()
+
+
+@pytest.mark.parametrize("run", [0, 1, 15, 16, 17, 47, 48, 49, 150, 200])
+def test_exists_counts_the_leading_run_wherever_the_first_miss_falls(tmp_path, run):
+    """exists maps keys in growing chunks (16, 32, 64, ...) up to the first miss: the run is exact at and
+    around every chunk boundary, a hit after the miss does not count, and a pack another store wrote
+    since is still found."""
+    store = open_store(f"file:{tmp_path}", "ns", PAGE_NBYTES)
+    keys = make_keys(200)
+    present = keys[:run] + keys[run + 1:]  # every key but the one at ``run``
+    for start in range(0, len(present), 64):
+        chunk = present[start:start + 64]
+        assert store.batch_set(chunk, make_pages(len(chunk))) == [True] * len(chunk)
+    assert store.batch_exists(keys) == run
+    if run < len(keys):  # 200: every key present
+        assert store.batch_exists(keys[run + 1:]) == len(keys) - run - 1
+        other = open_store(f"file:{tmp_path}", "ns", PAGE_NBYTES)
+        assert other.batch_set([keys[run]], make_pages(1)) == [True]
+        assert store.batch_exists(keys) == len(keys)
+        other.close()
+    store.close()

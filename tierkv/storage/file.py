@@ -87,6 +87,9 @@ PACK_SHARE_DIVISOR = 16
 # finds each group still in the core's cache (a whole 64 MiB batch read first and hashed after is a
 # second, cold pass over memory). A batch within one group is written in one call.
 GROUP_NBYTES = 1 << 20
+# exists maps keys in chunks of 16, 32, 64, ... up to the first miss: most lookups miss early, and
+# mapping a whole 4,000-page prompt cost more than the rest of the call (dict probes into a big index)
+LEADING_CHUNK_KEYS = 16
 MAX_READ_THREADS = 4  # kept for bench/bench_storage.py's report of the raw baseline's threads
 
 
@@ -173,41 +176,55 @@ class FileStore(PageStore):
             os.close(fd)
 
     # ---- finding pages ---------------------------------------------------------------------------
-    def _locate(self, dir_fd: int, keys: list[str]) -> tuple[list[tuple[int, int] | None], dict[int, tuple[int, int]]]:
+    def _locate(self, dir_fd: int, keys: list[str], leading: bool = False
+                ) -> tuple[list[tuple[int, int] | None], dict[int, tuple[int, int]]]:
         """(pack, slot) of each key (None if no pack holds it), and (pages, bytes) of each pack named. First
         the packs other processes wrote since the last look (one read of the counter when there are none:
         a newer pack of a known page must win, as a newer file did), then, on a miss, the numbers still
-        pending (drawn but not yet renamed then)."""
+        pending (drawn but not yet renamed then), looked up again only if one of them was indexed.
+        ``leading``: only the leading run of present keys is wanted; the list may end after its first miss."""
         drawn = self._counter.peek()
         with self._index_lock:
             news = drawn > self._index.seen_up_to
         if news:
             self._look_for_new_packs(dir_fd, drawn)
-        found, packs = self._locate_known(keys)
-        if None in found and not news:
-            self._look_for_new_packs(dir_fd, drawn)
-            found, packs = self._locate_known(keys)
+        found, packs = self._locate_known(keys, leading)
+        if None in found and not news and self._look_for_new_packs(dir_fd, drawn):
+            found, packs = self._locate_known(keys, leading)
         return found, packs
 
-    def _locate_known(self, keys: list[str]) -> tuple[list[tuple[int, int] | None], dict[int, tuple[int, int]]]:
+    def _locate_known(self, keys: list[str], leading: bool
+                      ) -> tuple[list[tuple[int, int] | None], dict[int, tuple[int, int]]]:
         with self._index_lock:
-            found = list(map(self._index.pages.get, keys))  # one C call for the batch, not a tuple a key
+            get = self._index.pages.get
+            if leading:  # a lookup usually misses early: map growing chunks, up to the first miss
+                found: list[tuple[int, int] | None] = []
+                start, size, missed = 0, LEADING_CHUNK_KEYS, False
+                while start < len(keys) and not missed:
+                    chunk = list(map(get, keys[start:start + size]))
+                    found += chunk
+                    start, size, missed = start + size, size * 2, None in chunk
+            else:
+                found = list(map(get, keys))  # one C call for the batch, not a tuple a key
             known = self._index.packs
             packs = {number: (len(known[number].keys), known[number].size_bytes)
                      for number in {where[0] for where in found if where is not None}}
             return found, packs
 
-    def _look_for_new_packs(self, dir_fd: int, drawn: int) -> None:
+    def _look_for_new_packs(self, dir_fd: int, drawn: int) -> bool:
         """Index the packs drawn by others (``drawn``: the counter now) since the last look, and those
-        pending, opened by number (no listing)."""
+        pending, opened by number (no listing); whether any was indexed."""
         with self._index_lock:
             numbers = self._index.numbers_to_look_for(drawn)
+        indexed = False
         for number in numbers:
             keys, size = self._pack_keys(dir_fd, pack_name(number))
             if keys is not None:
                 with self._index_lock:
                     gone = self._index.add(number, keys, size)
                 self._remove_packs(dir_fd, gone)
+                indexed = True
+        return indexed
 
     def _pack_keys(self, dir_fd: int, name: str) -> tuple[list[str] | None, int]:
         """The keys and size of pack ``name``; None if it is absent or not a whole pack."""
@@ -259,7 +276,7 @@ class FileStore(PageStore):
         check_keys(keys)
         try:
             with self._namespace() as dir_fd:
-                where, packs = self._locate(dir_fd, keys)
+                where, packs = self._locate(dir_fd, keys, leading=True)
                 run = where.index(None) if None in where else len(where)
                 checked: dict[int, bool] = {}
                 for i in range(run):

@@ -70,12 +70,14 @@ def facts(tmp_path_factory) -> dict:
     if proc.returncode != 0:
         raise AssertionError(f"sglang_driver failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1]
-    return json.loads(line.removeprefix("RESULT "))
+    found = json.loads(line.removeprefix("RESULT "))
+    found["driver_log"] = proc.stderr[-6000:]  # the stores' warnings: why a page was not read, if one was not
+    return found
 
 
-def _whole(fact: dict) -> None:
+def _whole(fact: dict, driver_log: str = "") -> None:
     """Every page backed up, found, read and bit-exact."""
-    assert fact["backed_up"] == fact["hit"] == fact["read"] == fact["exact"] == NUM_PAGES, fact
+    assert fact["backed_up"] == fact["hit"] == fact["read"] == fact["exact"] == NUM_PAGES, f"{fact}\n{driver_log}"
 
 
 def test_every_layout_and_interface_round_trips_bit_exact(facts):
@@ -168,4 +170,4 @@ def test_remote_stores_round_trip_with_a_page_key(facts, store):
     if facts[store] is None:
         pytest.skip(f"no {store} server here (scripts/setup_env.sh installs them)")
     for kind, fact in facts[store].items():
-        _whole(fact)
+        _whole(fact, facts["driver_log"])

@@ -69,7 +69,14 @@ def controller(pool, extra: dict, tp_rank: int = 0, tp_size: int = 1, backend: s
     ctrl.page_get_func, ctrl.page_set_func = ctrl._generic_page_get, ctrl._generic_page_set
     if backend == "dynamic" and extra_config.get("interface_v1", 0):
         ctrl.page_get_func, ctrl.page_set_func = ctrl._page_get_zero_copy, ctrl._page_set_zero_copy
+    _LIVE.append(ctrl)
     return ctrl
+
+
+# Every controller stays alive until the driver exits. A Mooncake client that the garbage collector closes
+# unmounts its segment, and the master may have put another client's pages there: those pages would
+# vanish mid-check (a lost hit, not wrong KV, but the checks expect every page back).
+_LIVE: list = []
 
 
 def tokens(seed: int, num_pages: int = NUM_PAGES, page_size: int = PAGE_SIZE) -> list[int]:

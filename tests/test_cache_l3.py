@@ -166,13 +166,14 @@ def test_best_effort_takes_what_is_done():
     cache.close()
 
 
-def test_wait_complete_waits_for_all_pages():
-    cache, store, key, kv = _stored_cache(num_pages=8, prefetch_stop_policy="wait_complete",
-                                          prefetch_batch_pages=2)
+def _held_prefetch_waits_then_gets_every_page(cache, store, key, kv, steps: int = 1, pause_s: float = 0.0):
+    """Hold the store, start a prefetch: after ``pause_s`` and ``steps`` steps it is still waiting; released,
+    it ends with every page in L2, bit-exact."""
     store.hang.clear()
     m = cache.match_prefix(key)
     assert cache.prefetch_from_storage("r", m.last_host_node, key)
-    for _ in range(3):
+    time.sleep(pause_s)
+    for _ in range(steps):
         cache.step()
         assert not cache.check_prefetch_progress("r")
     store.hang.set()
@@ -183,23 +184,18 @@ def test_wait_complete_waits_for_all_pages():
     cache.close()
 
 
+def test_wait_complete_waits_for_all_pages():
+    cache, store, key, kv = _stored_cache(num_pages=8, prefetch_stop_policy="wait_complete",
+                                          prefetch_batch_pages=2)
+    _held_prefetch_waits_then_gets_every_page(cache, store, key, kv, steps=3)
+
+
 def test_wait_complete_has_no_time_budget_as_hicache():
     """A slow store (here: held past a zero budget) still gives every page: the timeout policy's budget
     is not wait_complete's (before the fix a run slower than 1 s + 0.25 s/Ki tokens got no L3 hit)."""
     cache, store, key, kv = _stored_cache(num_pages=8, prefetch_stop_policy="wait_complete",
                                           prefetch_timeout_base=0.0, prefetch_timeout_per_ki_token=0.0)
-    store.hang.clear()
-    m = cache.match_prefix(key)
-    assert cache.prefetch_from_storage("r", m.last_host_node, key)
-    time.sleep(0.05)
-    cache.step()
-    assert not cache.check_prefetch_progress("r")
-    store.hang.set()
-    cache.flush()
-    assert cache.check_prefetch_progress("r")
-    assert torch.equal(load_hit(cache, key), kv)
-    cache.check_integrity()
-    cache.close()
+    _held_prefetch_waits_then_gets_every_page(cache, store, key, kv, pause_s=0.05)
 
 
 def test_wait_complete_gives_up_on_a_store_that_makes_no_progress_for_io_wait_timeout_s():
@@ -241,16 +237,7 @@ def test_timeout_policy_gives_up():
 def test_timeout_policy_waits_within_budget():
     cache, store, key, kv = _stored_cache(num_pages=8, prefetch_stop_policy="timeout",
                                           prefetch_timeout_base=3600.0)
-    store.hang.clear()
-    m = cache.match_prefix(key)
-    assert cache.prefetch_from_storage("r", m.last_host_node, key)
-    cache.step()
-    assert not cache.check_prefetch_progress("r")
-    store.hang.set()
-    cache.flush()
-    assert cache.check_prefetch_progress("r")
-    assert torch.equal(load_hit(cache, key), kv)
-    cache.close()
+    _held_prefetch_waits_then_gets_every_page(cache, store, key, kv)
 
 
 def test_revoke_when_nothing_is_stored():

@@ -113,6 +113,32 @@ def test_a_slot_repeating_one_the_tree_keeps_is_refused(slots_impl, page_size, w
     cache.check_integrity(caller_device_slots=fresh)
 
 
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("repeat", ["lowest", "highest", "none, in the gap"])
+def test_the_kept_slots_check_skips_only_runs_whose_range_misses_the_pages_taken(slots_impl, page_size, repeat):
+    """The compiled check reads the path's kept slots only where their range meets the pages taken (a
+    3,000-token prompt at page 1 cost 3,000 reads an insert). A node keeping two distant runs of pages (a gap
+    the caller owns between them): a new page inside its range but in the gap is taken; the node's lowest
+    or highest page given again is refused, the cache unchanged."""
+    cache = make_cache(page_size)
+    low, gap, high = (cache.alloc_device(4 * page_size) for _ in range(3))
+    kept = torch.cat([low, high])
+    cache.insert(RadixKey(list(range(8 * page_size))), kept)
+    new_page = {"lowest": low[:page_size], "highest": high[-page_size:], "none, in the gap": gap[:page_size]}[repeat]
+    slots = torch.cat([kept, new_page])
+    key = RadixKey(list(range(9 * page_size)))
+    before = state(cache)
+    if repeat == "none, in the gap":
+        assert cache.insert(key, slots) == 9 * page_size
+        assert cache.match_prefix(key).device_indices.tolist() == slots.tolist()
+        cache.check_integrity(caller_device_slots=gap[page_size:])
+        return
+    with pytest.raises(ValueError, match="tree's own"):
+        cache.insert(key, slots)
+    assert state(cache) == before
+    cache.check_integrity(caller_device_slots=gap)
+
+
 def test_a_misaligned_page_is_refused(slots_impl):
     cache = make_cache(page_size=4)
     new = cache.alloc_device(8)

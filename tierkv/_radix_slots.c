@@ -157,7 +157,25 @@ typedef struct {
     char *flags;
     Py_ssize_t num_pages, page_size, num_seen, room;
     int64_t *seen;
+    int64_t lo, hi;  /* the lowest and highest slot of the pages seen */
 } PageCheck;
+
+/* The smallest and largest of ``n`` (> 0) slots. Why: check_taken reads a flag per slot the path keeps (a
+ * shared 3,000-token prompt at page 1 is 3,000 flag reads per insert, a tenth of a fan-out insert); a run
+ * whose range misses every page taken needs none. Branch-free, so it vectorises (AVX2 where the CPU has it:
+ * SSE2 has no 64-bit compare). */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target_clones("avx2", "default")))
+#endif
+static void slots_range(const int64_t *slots, Py_ssize_t n, int64_t *lo, int64_t *hi) {
+    int64_t a = slots[0], b = slots[0];
+    for (Py_ssize_t i = 1; i < n; i++) {
+        int64_t v = slots[i];
+        a = v < a ? v : a;
+        b = v > b ? v : b;
+    }
+    *lo = a, *hi = b;
+}
 
 static int pages_take(PageCheck *c, const int64_t *slots, Py_ssize_t n) {
     Py_ssize_t ps = c->page_size;
@@ -185,6 +203,8 @@ static int pages_take(PageCheck *c, const int64_t *slots, Py_ssize_t n) {
         }
         c->flags[first / ps] = 1;
         c->seen[c->num_seen++] = first / ps;
+        c->lo = first < c->lo ? first : c->lo;
+        c->hi = first + ps - 1 > c->hi ? first + ps - 1 : c->hi;
     }
     return 0;
 }
@@ -221,6 +241,14 @@ static int check_taken(PageCheck *c, const int64_t *mine, PyObject *revived, Py_
     int pow2 = ((Py_ssize_t)1 << shift) == c->page_size;
     for (Py_ssize_t r = 0; c->num_seen && r < runs->num; r++) {
         const int64_t *held = runs->ptrs[r];
+        int64_t run_lo, run_hi;
+        if (runs->counts[r] == 0) {
+            continue;
+        }
+        slots_range(held, runs->counts[r], &run_lo, &run_hi);
+        if (run_hi < c->lo || run_lo > c->hi) {
+            continue;  /* no slot of this run lies in a page taken */
+        }
         for (Py_ssize_t j = 0; j < runs->counts[r]; j++) {
             uint64_t page = pow2 ? (uint64_t)held[j] >> shift : (uint64_t)(held[j] / c->page_size);
             if (held[j] >= 0 && page < (uint64_t)c->num_pages && c->flags[page]) {
@@ -308,7 +336,7 @@ PyObject *tierkv_plan_slots(PyObject *self, PyObject *const *args, Py_ssize_t na
     Py_ssize_t len_mine = vm.len / 8, num_out = 0, pos;
     int64_t *out = NULL;
     PyObject *revived = NULL, *result = NULL;
-    PageCheck check = {vf.buf, vf.len, page_size, 0, 0, NULL};
+    PageCheck check = {vf.buf, vf.len, page_size, 0, 0, NULL, INT64_MAX, INT64_MIN};
     HeldRuns runs = {NULL, NULL, 0, 0};
     pos = path_slots(args[1], args[2], partial_len, args[7], mine, len_mine, &out, &num_out, &revived, &runs);
     if (pos < 0 || pos > num_elems) {

@@ -110,17 +110,28 @@ class MatchPath:
 
 @dataclass(slots=True)  # cheaper to make: one per insert
 class InsertResult:
-    """Where an insert met the existing tree.
-
-    ``shared`` lists ``(node, start, end)`` for nodes that already held the device value of
-    ``value[start:end]``; ``revived`` those that had none and adopted it; ``new_node`` is the new leaf.
-    """
+    """Where an insert met the existing tree: ``path`` (root side first, the new leaf last), the first
+    ``prefix_len`` elements of which the tree held before; ``revived`` the nodes on it that had no device
+    value and adopted theirs; ``new_node`` the new leaf."""
 
     prefix_len: int
-    shared: list[tuple[TreeNode, int, int]] = field(default_factory=list)
-    revived: list[TreeNode] = field(default_factory=list)
+    path: list[TreeNode]
+    revived: list[TreeNode]
     new_node: TreeNode | None = None
-    path: list[TreeNode] = field(default_factory=list)
+
+    @property
+    def shared(self) -> list[tuple[TreeNode, int, int]]:
+        """``(node, start, end)`` for the nodes that already held the device value of ``value[start:end]``
+        (derived on demand: the cache never asks, and a list built per insert cost it)."""
+        out, pos = [], 0
+        for node in self.path:
+            if node is self.new_node:
+                break
+            end = min(pos + len(node.key), self.prefix_len)
+            if all(node is not r for r in self.revived):
+                out.append((node, pos, end))
+            pos = end
+        return out
 
 
 @dataclass(slots=True)  # cheaper to make: one per insert
@@ -255,7 +266,7 @@ class RadixTree:
         elems, num_elems = self._walk_elements(key)
         if num_values < num_elems:
             raise ValueError(f"value of length {num_values} is shorter than the key's {num_elems} elements")
-        return InsertPlan(key, elems, num_elems, Walk(*self._walk(elems, num_elems, key.extra_key)))
+        return InsertPlan(key, elems, num_elems, Walk._make(self._walk(elems, num_elems, key.extra_key)))
 
     def insert(self, key: RadixKey, value: Any, priority: int = 0) -> InsertResult:
         """Insert ``key`` with device ``value`` (len(value) >= len(elements)); see :class:`InsertResult`.
@@ -268,34 +279,38 @@ class RadixTree:
         """Carry out ``plan`` (from :meth:`plan_insert`, the tree unchanged since) with device ``value``:
         split the node matched in part, give valueless nodes on the path their part of ``value``, add the
         rest as a new leaf. Lock contract: takes no lock; nodes revived or created are unlocked."""
-        walk, extra_key, num_elems = plan.walk, plan.key.extra_key, plan.num_elems
+        walk, num_elems = plan.walk, plan.num_elems
         path = walk.nodes
         if walk.partial is not None:
             path.append(self._split(walk.partial, walk.partial_len))
-        tick = self._touch()
-        result = InsertResult(prefix_len=walk.end, path=path)
+        self._tick += 1
+        tick = self._tick
+        result = InsertResult(walk.num_matched + walk.partial_len, path, [])
         pos = 0
         for child in path:
-            end = pos + len(child.key)
             child.last_access_time = tick
             if priority > child.priority:
                 child.priority = priority
             if child._device_value is None:
+                end = pos + len(child.key)
                 self._attach(child, self._slice_value(value, pos, end))
                 result.revived.append(child)
-            else:
-                result.shared.append((child, pos, end))
-            pos = end
-        if pos < num_elems:
-            node = path[-1] if path else self.root
-            leaf = TreeNode(self._leaf_key(plan.elems, pos, num_elems), extra_key, node, tick)
-            leaf.priority = priority
-            node.children[self.child_key(leaf.key, extra_key)] = leaf
-            whole = not pos and self._slice_value is _plain_slice and len(value) == num_elems  # no slice needed
-            self._attach(leaf, value if whole else self._slice_value(value, pos, num_elems))
-            result.new_node = leaf
-            path.append(leaf)
-        self.root._frontiers.touched_path(path)  # re-ranked by eviction heaps
+            pos += len(child.key)
+        frontiers = self.root._frontiers
+        if pos >= num_elems:
+            frontiers.touched_path(path)  # re-ranked by eviction heaps
+            return result
+        extra_key = plan.key.extra_key
+        node = path[-1] if path else self.root
+        leaf = TreeNode(self._leaf_key(plan.elems, pos, num_elems), extra_key, node, tick)
+        leaf.priority = priority
+        node.children[self.child_key(leaf.key, extra_key)] = leaf
+        whole = not pos and self._slice_value is _plain_slice and len(value) == num_elems  # no slice needed
+        leaf._device_value = value if whole else self._slice_value(value, pos, num_elems)
+        self.evictable_size += num_elems - pos  # a new leaf is unlocked
+        result.new_node = leaf
+        path.append(leaf)
+        frontiers.leaf_added(path)  # its value, and the path touched: re-ranked by eviction heaps
         return result
 
     def _leaf_key(self, elems: Any, start: int, end: int) -> Any:

@@ -48,6 +48,19 @@ class Frontiers:
         if self.host_changed is not None:
             self.host_changed.update(path)
 
+    def leaf_added(self, path: list) -> None:
+        """:meth:`value_changed` of a new device leaf (``path[-1]``, unlocked) then :meth:`touched_path` of
+        ``path``, in one call: what an insert that adds a leaf does, for a tenth of its cost."""
+        leaf = path[-1]
+        if self.device is not None:
+            self.device.add(leaf)
+        changed = self.device_changed
+        if changed is not None:
+            changed.discard(leaf.parent)  # not a candidate while this child holds slots (see touched_path)
+            changed.add(leaf)
+        if self.host_changed is not None:
+            self.host_changed.update(path)
+
     def value_changed(self, node: Any, has_value: bool, device: bool) -> None:
         """``node`` got (``has_value``) or lost its value in the device (``device``) or host tier: it, or
         its parent (which may have lost its last child there), may be a leaf there now, and the other tier

@@ -4,8 +4,7 @@ matches, changing nothing. The compiled walk (``walk`` of tierkv/_radix.c) does 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from tierkv.radix_key import load_native
 
@@ -40,8 +39,7 @@ native_common_prefix_len = load_native("common_prefix_len")
 native_walk = load_native("walk")
 
 
-@dataclass(slots=True)  # cheaper to make: one per insert
-class Walk:
+class Walk(NamedTuple):  # a tuple: made from the walk's tuple in one C call, one per insert
     """Where a key meets the tree: ``nodes`` matched whole (root side first) covering ``num_matched``
     elements, then ``partial`` matched in its first ``partial_len`` elements (whole pages), or None."""
 

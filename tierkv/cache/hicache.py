@@ -61,6 +61,7 @@ class HiRadixCache:
         self.tree = RadixTree(self.config.page_size, bigram=self.config.bigram, slice_value=owned_slot_slice)
         self.priority = get_policy(self.config.eviction_policy)
         self.tree.split_hook = self.priority.on_split  # a split node's halves keep its rank
+        self._write_threshold = self.config.write_threshold  # the config is frozen; read once per insert
         self.tp = tp or TPGroup.single()
         self.stats = CacheStats()
         self.host_pool = host_pool
@@ -146,7 +147,8 @@ class HiRadixCache:
             raise TypeError(f"priority must be an int, got {priority!r}")
         if not isinstance(chunked, bool):
             raise TypeError(f"chunked must be a bool, got {chunked!r}")
-        self._note_failed_loads()
+        if self.transfer is not None and self.transfer.loads:  # _note_failed_loads, inline: once per insert
+            self.failed_loads.note(self.transfer.loads)
         if self.failed_loads:
             key, device_slots = self.failed_loads.cut_key(key, device_slots)
         slots = slot_array(device_slots)
@@ -166,7 +168,7 @@ class HiRadixCache:
         used = result.path  # revived nodes hold recomputed KV: not a use
         if result.revived:
             used = [n for n in used if all(n is not r for r in result.revived)]
-        threshold = self.config.write_threshold
+        threshold = self._write_threshold
         if threshold is not None or self.priority.counts_uses_under_write_back:  # LFU's not under write_back
             self.priority.on_access_all(used)  # the policy counts uses itself (Policy.uses)
         if threshold is not None:  # the seed's hit_count counts for write-through only

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tierkv.pools.allocator import SlotAllocator, slack_bytes
+from tierkv.pools.allocator import SLICE_SLACK_BYTES, SlotAllocator, slack_bytes
 from tierkv.radix import InsertPlan, TreeNode
 from tierkv.radix_key import load_native
 from tierkv.radix_walk import Walk
@@ -99,11 +99,12 @@ def unpinned(device_slots: torch.Tensor, slots: np.ndarray, plan: InsertPlan,
     """``slots`` (the array of ``device_slots``), or a copy of it when a node would keep a view of it (the new
     leaf, or a node ``revived``) and that view would keep alive a larger buffer under ``device_slots`` (the
     scheduler passes ``request.slots[:n]``)."""
-    own = plan.num_elems - plan.walk.end
+    walk = plan.walk
+    own = plan.num_elems - walk.num_matched - walk.partial_len
     for start, end in revived:
         own = max(own, end - start)
     own *= 8
-    if not own or slots.nbytes - own > slack_bytes(own):
+    if not own or slots.nbytes - own > max(SLICE_SLACK_BYTES, own >> 3):  # slack_bytes(own), inline: per insert
         return slots  # every part taken is copied anyway (see owned_array_slice)
     if device_slots.untyped_storage().nbytes() - slots.nbytes > slack_bytes(own):
         return slots.copy()

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Iterable, Iterator
 
 from tierkv import radix_walk

@@ -139,6 +139,29 @@ def test_the_kept_slots_check_skips_only_runs_whose_range_misses_the_pages_taken
     cache.check_integrity(caller_device_slots=gap)
 
 
+@pytest.mark.parametrize("flaw", ["misaligned", "past the pool", "a free page inside", "none"])
+def test_a_new_part_given_as_one_run_of_slots_is_checked_page_by_page(slots_impl, flaw):
+    """The compiled check takes an ascending run of slots (what the allocator hands out) as one range of
+    pages: it must still refuse a run that starts inside a page, reaches past the pool or holds a free page,
+    changing nothing, and take a sound one."""
+    cache = make_cache(page_size=4, num_slots=64)
+    held = cache.alloc_device(64)
+    cache.device_pool.free(held[:16])  # the last 48 slots stay the caller's
+    num_slots = 64
+    runs = {"misaligned": torch.arange(18, 34), "past the pool": torch.arange(num_slots - 8, num_slots + 8),
+            "a free page inside": torch.arange(4, 20), "none": torch.arange(16, 32)}
+    slots = runs[flaw].to(torch.int64)
+    before = state(cache)
+    if flaw == "none":
+        assert cache.insert(RadixKey(list(range(16))), slots) == 16
+        cache.check_integrity(caller_device_slots=held[32:])
+        return
+    with pytest.raises(ValueError):
+        cache.insert(RadixKey(list(range(16))), slots)
+    assert state(cache) == before
+    cache.check_integrity(caller_device_slots=held[16:])
+
+
 def test_a_misaligned_page_is_refused(slots_impl):
     cache = make_cache(page_size=4)
     new = cache.alloc_device(8)

@@ -46,6 +46,11 @@ int tierkv_bind_layout(PyTypeObject *type) {
 }
 
 int tierkv_check_node(PyObject *node) {
+    /* nothing bound yet (no walk so far: a compiled helper called first): bind the node's type, which must
+     * have the slots of a tree node; reading the slots of an unbound layout crashed the process */
+    if (tierkv_node_layout.type == NULL && tierkv_bind_layout(Py_TYPE(node)) < 0) {
+        return -1;
+    }
     if (!Py_IS_TYPE(node, tierkv_node_layout.type)) {
         PyErr_Format(PyExc_TypeError, "expected a %s, got %s", tierkv_node_layout.type->tp_name, Py_TYPE(node)->tp_name);
         return -1;

@@ -34,12 +34,22 @@ class Eviction:
         self.device_pool, self.host_pool, self.transfer, self.stats = device_pool, host_pool, transfer, stats
         self.retire_loads, self.backed_up = retire_loads, backed_up
         self._writes_on_evict = config.writes_on_evict  # frozen config: read once, not per eviction
-        device_order, host_order = tier_orders(priority, config.tier_mode)
+        device_order, self._host_order = tier_orders(priority, config.tier_mode)
         self._device_heap = EvictionHeap(tree, "device", device_order)
-        self._host_heap = EvictionHeap(tree, "host", host_order)
+        # made when L2 first evicts, where there is no L2: a heap has the tree track its tier's changes on
+        # every match and insert (a tenth of a chat insert's cost), for nothing without a host tier
+        self._host_heap_made: EvictionHeap | None = None
+        if host_pool is not None:
+            self._host_heap_made = EvictionHeap(tree, "host", self._host_order)
         # L2 slots kept free at rest: the staging of an exclusive chunked load (CacheConfig.staging_tokens);
         # a chunk being loaded lowers it by its size while L1 demotes for it (tierkv.cache.chunked_load)
         self.host_reserve_tokens = config.staging_tokens
+
+    @property
+    def _host_heap(self) -> EvictionHeap:
+        if self._host_heap_made is None:
+            self._host_heap_made = EvictionHeap(self.tree, "host", self._host_order)
+        return self._host_heap_made
 
     def admit(self, node: TreeNode) -> bool:
         """Whether L2 takes ``node`` (``l2_admission``: the policy decides)."""

@@ -6,6 +6,9 @@ helpers and on their numpy reference."""
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -275,3 +278,28 @@ def test_on_access_all_counts_as_on_access_does():
             one.on_access(node)
         batch.on_access_all([a, b, a])
         assert [one.uses(n) for n in (a, b)] == [batch.uses(n) for n in (a, b)] == [2, 1]
+
+
+def test_the_compiled_slot_helpers_work_before_any_walk():
+    """They read tree nodes through the layout the first walk binds; called first (a fresh process), they
+    read slots at offset 0 and crashed the process."""
+    if node_slots.native_gather is None:
+        pytest.skip("tierkv._radix is not built")
+    code = """
+import torch
+from array import array
+from tierkv.cache.node_slots import native_gather
+from tierkv.radix import TreeNode
+root = TreeNode([], None, None, 0)
+nodes = []
+for i in range(3):
+    node = TreeNode(array("q", range(4)), None, root, 0)
+    node._device_value = torch.arange(4 * i, 4 * i + 4)
+    nodes.append(node)
+count, raw = native_gather(nodes, torch.int64)
+print(count, torch.frombuffer(raw, dtype=torch.int64).tolist())
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split(maxsplit=1) == ["3", str(list(range(12))) + "\n"]

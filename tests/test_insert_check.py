@@ -165,6 +165,30 @@ def test_a_new_part_given_as_one_run_of_slots_is_checked_page_by_page(slots_impl
     cache.check_integrity(caller_device_slots=held[16:])
 
 
+@pytest.mark.parametrize("repeat", [None, 0, 10])
+def test_a_path_of_more_nodes_than_the_check_keeps_inline_is_checked_whole(slots_impl, repeat):
+    """The compiled check keeps the path's runs inline up to 8 nodes, then moves them to the heap: a path of
+    12 nodes (12 growing prompts) is compared and checked whole; a new page repeating a page of its first or
+    eleventh node is refused, the cache unchanged."""
+    cache = make_cache(page_size=4, num_slots=256)
+    slots = torch.empty(0, dtype=torch.int64)
+    for depth in range(1, 13):
+        slots = torch.cat([slots, cache.alloc_device(4)])
+        cache.insert(RadixKey(list(range(4 * depth))), slots)
+    assert len(cache.tree.match(RadixKey(list(range(48)))).nodes) == 12
+    new_page = cache.alloc_device(4) if repeat is None else slots[4 * repeat:4 * repeat + 4]
+    key = RadixKey(list(range(52)))
+    before = state(cache)
+    if repeat is None:
+        assert cache.insert(key, torch.cat([slots, new_page])) == 52
+        cache.check_integrity()
+        return
+    with pytest.raises(ValueError, match="tree's own"):
+        cache.insert(key, torch.cat([slots, new_page]))
+    assert state(cache) == before
+    cache.check_integrity()
+
+
 def test_a_misaligned_page_is_refused(slots_impl):
     cache = make_cache(page_size=4)
     new = cache.alloc_device(8)

@@ -94,47 +94,84 @@ PyObject *tierkv_gather_device_slots(PyObject *self, PyObject *const *args, Py_s
     return Py_BuildValue("(nN)", count, out);
 }
 
-/* The device slots of the path's nodes, as (pointer, count) runs read in place: the nodes live through the
- * call (the caller's list holds them) and nothing changes their values during it. */
+/* The device slots of the path's nodes, as (pointer, count) runs read in place, with each run's lowest and
+ * highest slot: the nodes live through the call (the caller's list holds them) and nothing changes their
+ * values during it. A path of up to HELD_INLINE nodes needs no allocation. */
+#define HELD_INLINE 8
 typedef struct {
     const int64_t **ptrs;
     Py_ssize_t *counts;
+    int64_t *los, *his;
     Py_ssize_t num, room;
+    const int64_t *inline_ptrs[HELD_INLINE];
+    Py_ssize_t inline_counts[HELD_INLINE];
+    int64_t inline_los[HELD_INLINE], inline_his[HELD_INLINE];
 } HeldRuns;
 
-static int held_add(HeldRuns *r, const int64_t *ptr, Py_ssize_t n) {
-    if (r->num == r->room) {
-        Py_ssize_t room = r->room * 2 + 16;
-        const int64_t **ptrs = PyMem_Realloc(r->ptrs, (size_t)room * sizeof(*ptrs));
-        if (ptrs == NULL) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        r->ptrs = ptrs;
-        Py_ssize_t *counts = PyMem_Realloc(r->counts, (size_t)room * sizeof(*counts));
-        if (counts == NULL) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        r->counts = counts, r->room = room;
+static void held_init(HeldRuns *r) {
+    r->ptrs = r->inline_ptrs, r->counts = r->inline_counts, r->los = r->inline_los, r->his = r->inline_his;
+    r->num = 0, r->room = HELD_INLINE;
+}
+
+static void held_free(HeldRuns *r) {
+    if (r->ptrs != r->inline_ptrs) {
+        PyMem_Free((void *)r->ptrs), PyMem_Free(r->counts), PyMem_Free(r->los), PyMem_Free(r->his);
     }
-    r->ptrs[r->num] = ptr, r->counts[r->num++] = n;
+}
+
+static int held_grow(HeldRuns *r) {
+    Py_ssize_t room = r->room * 2;
+    const int64_t **ptrs = PyMem_Malloc((size_t)room * sizeof(*ptrs));
+    Py_ssize_t *counts = PyMem_Malloc((size_t)room * sizeof(*counts));
+    int64_t *los = PyMem_Malloc((size_t)room * 8), *his = PyMem_Malloc((size_t)room * 8);
+    if (ptrs == NULL || counts == NULL || los == NULL || his == NULL) {
+        PyMem_Free((void *)ptrs), PyMem_Free(counts), PyMem_Free(los), PyMem_Free(his);
+        PyErr_NoMemory();
+        return -1;
+    }
+    memcpy((void *)ptrs, (const void *)r->ptrs, (size_t)r->num * sizeof(*ptrs));
+    memcpy(counts, r->counts, (size_t)r->num * sizeof(*counts));
+    memcpy(los, r->los, (size_t)r->num * 8), memcpy(his, r->his, (size_t)r->num * 8);
+    held_free(r);
+    r->ptrs = ptrs, r->counts = counts, r->los = los, r->his = his, r->room = room;
     return 0;
 }
 
+/* Whether held[0..n) == mine[0..n), and the lowest and highest of held, in one pass over both (the compare
+ * and the range each read the path's slots: a 3,000-token prompt's 24 KB, on every insert under it).
+ * Branch-free, so it vectorises (AVX2 where the CPU has it: SSE2 has no 64-bit compare). */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target_clones("avx2", "default")))
+#endif
+static int equal_and_range(const int64_t *held, const int64_t *mine, Py_ssize_t n, int64_t *lo, int64_t *hi) {
+    int64_t a = INT64_MAX, b = INT64_MIN, diff = 0;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        int64_t v = held[j];
+        diff |= v ^ mine[j];
+        a = v < a ? v : a;
+        b = v > b ? v : b;
+    }
+    *lo = a, *hi = b;
+    return diff == 0;
+}
+
 /* compare ``n`` of the caller's slots at ``mine`` with ``node``'s device slots: each unequal one is appended
- * to ``*out`` (allocated on first use, room for ``room`` slots, ``*num_out`` used); 0, or -1 on error */
+ * to ``*out`` (allocated on first use, room for ``room`` slots, ``*num_out`` used); the node's slots join
+ * ``runs``; 0, or -1 on error */
 static int add_mismatches(PyObject *node, const int64_t *mine, Py_ssize_t n, PyObject *int64, int64_t **out,
                           Py_ssize_t *num_out, Py_ssize_t room, HeldRuns *runs) {
     Py_buffer view;
     const int64_t *held = value_slots(SLOT(node, device_value), n, int64, &view);
-    if ((held == NULL && PyErr_Occurred()) || held_add(runs, held, n) < 0) {
+    if ((held == NULL && PyErr_Occurred()) || (runs->num == runs->room && held_grow(runs) < 0)) {
         if (view.obj != NULL) {
             PyBuffer_Release(&view);
         }
         return -1;
     }
-    for (Py_ssize_t j = tierkv_mismatch(held, mine, n); j < n; j++) {
+    Py_ssize_t r = runs->num++;
+    runs->ptrs[r] = held, runs->counts[r] = n;
+    int equal = equal_and_range(held, mine, n, &runs->los[r], &runs->his[r]);
+    for (Py_ssize_t j = 0; !equal && j < n; j++) {
         if (held[j] == mine[j]) {
             continue;
         }
@@ -159,23 +196,6 @@ typedef struct {
     int64_t *seen;
     int64_t lo, hi;  /* the lowest and highest slot of the pages seen */
 } PageCheck;
-
-/* The smallest and largest of ``n`` (> 0) slots. Why: check_taken reads a flag per slot the path keeps (a
- * shared 3,000-token prompt at page 1 is 3,000 flag reads per insert, a tenth of a fan-out insert); a run
- * whose range misses every page taken needs none. Branch-free, so it vectorises (AVX2 where the CPU has it:
- * SSE2 has no 64-bit compare). */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-__attribute__((target_clones("avx2", "default")))
-#endif
-static void slots_range(const int64_t *slots, Py_ssize_t n, int64_t *lo, int64_t *hi) {
-    int64_t a = slots[0], b = slots[0];
-    for (Py_ssize_t i = 1; i < n; i++) {
-        int64_t v = slots[i];
-        a = v < a ? v : a;
-        b = v > b ? v : b;
-    }
-    *lo = a, *hi = b;
-}
 
 /* room in c->seen for ``num`` more pages: one realloc a call, not one per 64 pages */
 static int seen_reserve(PageCheck *c, Py_ssize_t num) {
@@ -290,13 +310,8 @@ static int check_taken(PageCheck *c, const int64_t *mine, PyObject *revived, Py_
     int pow2 = ((Py_ssize_t)1 << shift) == c->page_size;
     for (Py_ssize_t r = 0; c->num_seen && r < runs->num; r++) {
         const int64_t *held = runs->ptrs[r];
-        int64_t run_lo, run_hi;
-        if (runs->counts[r] == 0) {
-            continue;
-        }
-        slots_range(held, runs->counts[r], &run_lo, &run_hi);
-        if (run_hi < c->lo || run_lo > c->hi) {
-            continue;  /* no slot of this run lies in a page taken */
+        if (runs->his[r] < c->lo || runs->los[r] > c->hi) {
+            continue;  /* no slot of this run lies in a page taken (an empty run's range is empty) */
         }
         for (Py_ssize_t j = 0; j < runs->counts[r]; j++) {
             uint64_t page = pow2 ? (uint64_t)held[j] >> shift : (uint64_t)(held[j] / c->page_size);
@@ -386,7 +401,8 @@ PyObject *tierkv_plan_slots(PyObject *self, PyObject *const *args, Py_ssize_t na
     int64_t *out = NULL;
     PyObject *revived = NULL, *result = NULL;
     PageCheck check = {vf.buf, vf.len, page_size, 0, 0, NULL, INT64_MAX, INT64_MIN};
-    HeldRuns runs = {NULL, NULL, 0, 0};
+    HeldRuns runs;
+    held_init(&runs);
     pos = path_slots(args[1], args[2], partial_len, args[7], mine, len_mine, &out, &num_out, &revived, &runs);
     if (pos < 0 || pos > num_elems) {
         if (!PyErr_Occurred()) {
@@ -407,8 +423,7 @@ PyObject *tierkv_plan_slots(PyObject *self, PyObject *const *args, Py_ssize_t na
 done:
     Py_XDECREF(revived);
     PyMem_Free(out);
-    PyMem_Free(runs.ptrs);
-    PyMem_Free(runs.counts);
+    held_free(&runs);
     PyBuffer_Release(&vm);
     PyBuffer_Release(&vf);
     return result;

@@ -148,6 +148,7 @@ class InsertPlan:
 native_common_prefix_len = radix_walk.native_common_prefix_len
 native_walk = radix_walk.native_walk
 _common_prefix_len = radix_walk.common_prefix_len
+_new_walk = tuple.__new__  # Walk from the walk's tuple: Walk._make's checks, without its Python frame
 
 
 def implementation() -> str:
@@ -263,10 +264,14 @@ class RadixTree:
 
         Lock contract: takes no lock. The plan is void once the tree changes: apply it before anything else.
         """
-        elems, num_elems = self._walk_elements(key)
+        if self.bigram or type(key) is not RadixKey:
+            elems, num_elems = self._walk_elements(key)
+        else:  # _walk_elements, inline: once per insert
+            elems = key.token_ids
+            num_elems = len(elems) - len(elems) % self.page_size
         if num_values < num_elems:
             raise ValueError(f"value of length {num_values} is shorter than the key's {num_elems} elements")
-        return InsertPlan(key, elems, num_elems, Walk._make(self._walk(elems, num_elems, key.extra_key)))
+        return InsertPlan(key, elems, num_elems, _new_walk(Walk, self._walk(elems, num_elems, key.extra_key)))
 
     def insert(self, key: RadixKey, value: Any, priority: int = 0) -> InsertResult:
         """Insert ``key`` with device ``value`` (len(value) >= len(elements)); see :class:`InsertResult`.

@@ -170,10 +170,8 @@ class HiRadixCache:
             used = [n for n in used if all(n is not r for r in result.revived)]
         threshold = self._write_threshold
         if threshold is not None or self.priority.counts_uses_under_write_back:  # LFU's not under write_back
-            self.priority.on_access_all(used)  # the policy counts uses itself (Policy.uses)
-        if threshold is not None:  # the seed's hit_count counts for write-through only
-            for node in used:
-                node.hit_count += 1
+            # the policy counts uses itself (Policy.uses); the seed's hit_count counts for write-through only
+            self.priority.on_access_all(used, count_hits=threshold is not None)
         if result.new_node is not None:
             self.priority.on_insert(result.new_node)
         if self.transfer is not None and threshold is not None:

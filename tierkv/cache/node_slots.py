@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tierkv.pools.allocator import SLICE_SLACK_BYTES, SlotAllocator, slack_bytes
+from tierkv.pools.allocator import SLICE_SLACK_BYTES, SLICE_SLACK_SHIFT, SlotAllocator, slack_bytes
 from tierkv.radix import InsertPlan, TreeNode
 from tierkv.radix_key import load_native
 from tierkv.radix_walk import Walk
@@ -104,7 +104,7 @@ def unpinned(device_slots: torch.Tensor, slots: np.ndarray, plan: InsertPlan,
     for start, end in revived:
         own = max(own, end - start)
     own *= 8
-    if not own or slots.nbytes - own > max(SLICE_SLACK_BYTES, own >> 3):  # slack_bytes(own), inline: per insert
+    if not own or slots.nbytes - own > max(SLICE_SLACK_BYTES, own >> SLICE_SLACK_SHIFT):  # slack_bytes, inline
         return slots  # every part taken is copied anyway (see owned_array_slice)
     if device_slots.untyped_storage().nbytes() - slots.nbytes > slack_bytes(own):
         return slots.copy()

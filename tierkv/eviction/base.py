@@ -69,16 +69,24 @@ class Policy:
         override it call it last, so :meth:`uses` still counts the uses before this one."""
         self._uses[node.id] = self._uses.get(node.id, 0) + 1
 
-    def on_access_all(self, nodes: list[PolicyNode]) -> None:
+    def on_access_all(self, nodes: list[PolicyNode], count_hits: bool = False) -> None:
         """:meth:`on_access` of each of ``nodes`` in order: an insert's whole path in one call (a method call
-        per node was a tenth of a chat-shaped insert)."""
+        per node was a tenth of a chat-shaped insert). ``count_hits``: also add one to each node's
+        ``hit_count`` (the seed's write-through counter), in the same loop."""
         if type(self).on_access is not Policy.on_access:
             for node in nodes:
                 self.on_access(node)
+                if count_hits:
+                    node.hit_count += 1
             return
         uses = self._uses
-        for node in nodes:
-            uses[node.id] = uses.get(node.id, 0) + 1
+        if count_hits:
+            for node in nodes:
+                uses[node.id] = uses.get(node.id, 0) + 1
+                node.hit_count += 1
+        else:
+            for node in nodes:
+                uses[node.id] = uses.get(node.id, 0) + 1
 
     def on_split(self, top: PolicyNode, bottom: PolicyNode) -> None:
         """The tree split ``bottom``: ``top`` (new) holds its first tokens and has had the same uses, so it

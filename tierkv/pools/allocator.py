@@ -52,10 +52,10 @@ def plain_slot_slices() -> contextlib.AbstractContextManager:
 # an eighth of its own (a long prompt's new part is most of its slot tensor: copying 100k slots to save the
 # few hundred of its prefix cost 4 ms)
 SLICE_SLACK_BYTES = 64 * 8
+SLICE_SLACK_SHIFT = 3  # an eighth: own >> 3
 # free_each(whole_pages=True) reads first slots only from this many slots (or 8 tensors) on: below, numpy's
 # per-call cost is more than the native check of every slot
 _READ_FIRSTS_MIN_SLOTS = 4096
-SLICE_SLACK_FRACTION = 1 / 8
 
 
 def owned_slot_slice(slots: torch.Tensor, start: int, end: int) -> torch.Tensor:
@@ -80,14 +80,14 @@ def owned_array_slice(slots: np.ndarray, start: int, end: int) -> torch.Tensor:
     ``clone()`` of a torch slice."""
     part = slots[start:end]
     own = part.nbytes
-    if slots.nbytes - own > slack_bytes(own):
+    if slots.nbytes - own > max(SLICE_SLACK_BYTES, own >> SLICE_SLACK_SHIFT):  # slack_bytes, inline: per insert
         part = part.copy()
     return torch.from_numpy(part)
 
 
 def slack_bytes(own_nbytes: int) -> int:
     """Bytes beyond ``own_nbytes`` that a kept slice may keep alive (see :data:`SLICE_SLACK_BYTES`)."""
-    return max(SLICE_SLACK_BYTES, int(own_nbytes * SLICE_SLACK_FRACTION))
+    return max(SLICE_SLACK_BYTES, own_nbytes >> SLICE_SLACK_SHIFT)
 
 
 class SlotAllocator:

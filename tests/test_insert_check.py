@@ -239,6 +239,30 @@ def test_a_leaf_never_keeps_a_larger_caller_buffer_alive(slots_impl):
     cache.check_integrity()
 
 
+@pytest.mark.parametrize("new_tokens", [8, 56])
+def test_slots_not_readable_in_place_insert_as_a_contiguous_copy_does(slots_impl, new_tokens):
+    """The compiled check reads the caller's tensor in place; a strided one (not contiguous) goes through its
+    array: the tree ends up the same, each leaf owning no more than its slots (8 new tokens after a 56-token
+    prefix: a copy of their own; 56 after 8: a view may stay)."""
+    trees = []
+    for strided in (False, True):
+        cache = make_cache(num_slots=256)
+        prefix_len = 64 - new_tokens
+        first = cache.alloc_device(prefix_len)
+        cache.insert(RadixKey(list(range(prefix_len))), first)
+        slots = torch.cat([first, cache.alloc_device(new_tokens)])
+        if strided:
+            slots = torch.stack([slots, torch.zeros_like(slots)], dim=1)[:, 0]
+            assert not slots.is_contiguous()
+        assert cache.insert(RadixKey(list(range(64))), slots) == 64
+        for node in cache.tree.nodes():
+            own = node.device_value.nbytes
+            assert node.device_value.untyped_storage().nbytes() - own <= slack_bytes(own)
+        cache.check_integrity()
+        trees.append(state(cache))
+    assert trees[0] == trees[1]
+
+
 def test_match_gathers_the_device_prefix_only(slots_impl):
     cache = make_cache()
     slots = cache.alloc_device(12)

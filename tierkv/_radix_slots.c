@@ -362,33 +362,71 @@ static Py_ssize_t path_slots(PyObject *nodes, PyObject *partial, Py_ssize_t part
     return pos;
 }
 
-/* plan_slots(mine, nodes, partial, partial_len, num_elems, page_size, is_free, int64) -> (mismatched, revived):
- * along a planned insert's path (``nodes`` whole, then ``partial``'s first ``partial_len`` elements, or None),
- * over the caller's slots ``mine`` (an int64 buffer): the caller's slots unequal to those of nodes holding
- * device slots (a bytearray, or None when all are equal), and the ranges (start, end) of ``mine`` that nodes
- * without device slots will take (a list, or None). Those, the new leaf's (from the path's end to
+/* The caller's slots ``obj``: an int64 buffer (held in ``view``: release it after), or a contiguous int64 CPU
+ * tensor read in place (the caller holds it through the call). Its slot count in *num. */
+static const int64_t *caller_slots(PyObject *obj, PyObject *int64, Py_buffer *view, Py_ssize_t *num) {
+    view->obj = NULL;
+    if (PyObject_CheckBuffer(obj)) {
+        if (tierkv_int64_view(obj, view, "mine") < 0) {
+            return NULL;
+        }
+        *num = view->len / 8;
+        return (const int64_t *)view->buf;
+    }
+    const int64_t *p = NULL;
+    int ok = tierkv_tensor_memory(obj, int64, &p, num);
+    if (ok == 0) {
+        PyErr_SetString(PyExc_TypeError, "mine is not a contiguous int64 CPU tensor");
+    }
+    return ok == 1 ? p : NULL;
+}
+
+/* The new leaf's slots mine[pos:num_elems] as a bytearray of their own, when a view would keep more than
+ * ``slack_min`` bytes or an 2**-``slack_shift`` share beyond them alive (the rule of
+ * tierkv.pools.allocator.slack_bytes); None when a view may be kept, there is no leaf, or nodes are revived
+ * (those cases slice in Python). Why here: the copy, a numpy view of the caller's tensor and a tensor over
+ * the copy cost an insert more than the rest of this call. */
+static PyObject *leaf_copy(const int64_t *mine, Py_ssize_t len_mine, Py_ssize_t pos, Py_ssize_t num_elems,
+                           PyObject *revived, Py_ssize_t slack_min, Py_ssize_t slack_shift) {
+    Py_ssize_t own = (num_elems - pos) * 8, slack = own >> slack_shift;
+    if (own <= 0 || revived != NULL || len_mine * 8 - own <= (slack > slack_min ? slack : slack_min)) {
+        return Py_NewRef(Py_None);
+    }
+    return PyByteArray_FromStringAndSize((const char *)(mine + pos), own);
+}
+
+/* plan_slots(mine, nodes, partial, partial_len, num_elems, page_size, is_free, int64, slack_min, slack_shift)
+ * -> (mismatched, revived, leaf): along a planned insert's path (``nodes`` whole, then ``partial``'s first
+ * ``partial_len`` elements, or None), over the caller's slots ``mine`` (an int64 buffer or tensor): the
+ * caller's slots unequal to those of nodes holding device slots (a bytearray, or None when all are equal), the
+ * ranges (start, end) of ``mine`` that nodes without device slots will take (a list, or None), and the new
+ * leaf's slots as a copy of their own (see leaf_copy). Those, the new leaf's (from the path's end to
  * ``num_elems``) and the unequal ones are checked against the allocator's flags ``is_free`` and against the
  * path's own slots (see check_taken): a ValueError, changing nothing, if they fail. */
 PyObject *tierkv_plan_slots(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 8 || !PyList_Check(args[1])) {
+    if (nargs != 10 || !PyList_Check(args[1])) {
         PyErr_SetString(PyExc_TypeError, "plan_slots takes (mine, nodes: list, partial, partial_len, num_elems, "
-                                         "page_size, is_free, int64)");
+                                         "page_size, is_free, int64, slack_min, slack_shift)");
         return NULL;
     }
     Py_ssize_t partial_len = PyLong_AsSsize_t(args[3]), num_elems = PyLong_AsSsize_t(args[4]);
     Py_ssize_t page_size = PyLong_AsSsize_t(args[5]);
+    Py_ssize_t slack_min = PyLong_AsSsize_t(args[8]), slack_shift = PyLong_AsSsize_t(args[9]);
     if (PyErr_Occurred()) {
         return NULL;
     }
     Py_buffer vm, vf = {0};
-    if (tierkv_int64_view(args[0], &vm, "mine") < 0) {
+    Py_ssize_t len_mine = 0;
+    const int64_t *mine = caller_slots(args[0], args[7], &vm, &len_mine);
+    if (mine == NULL && PyErr_Occurred()) {
         return NULL;
     }
     if (PyObject_GetBuffer(args[6], &vf, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0 || vf.itemsize != 1
-        || page_size < 1 || num_elems > vm.len / 8 || partial_len < 0) {
+        || page_size < 1 || num_elems > len_mine || partial_len < 0 || slack_shift < 0 || slack_shift > 62) {
         if (!PyErr_Occurred()) {
-            PyErr_SetString(PyExc_ValueError, "is_free must be 1-byte flags, page_size >= 1, num_elems within mine");
+            PyErr_SetString(PyExc_ValueError, "is_free must be 1-byte flags, page_size >= 1, num_elems within mine, "
+                                              "slack_shift in [0, 62]");
         }
         if (vf.obj != NULL) {
             PyBuffer_Release(&vf);
@@ -396,8 +434,7 @@ PyObject *tierkv_plan_slots(PyObject *self, PyObject *const *args, Py_ssize_t na
         PyBuffer_Release(&vm);
         return NULL;
     }
-    const int64_t *mine = (const int64_t *)vm.buf;
-    Py_ssize_t len_mine = vm.len / 8, num_out = 0, pos;
+    Py_ssize_t num_out = 0, pos;
     int64_t *out = NULL;
     PyObject *revived = NULL, *result = NULL;
     PageCheck check = {vf.buf, vf.len, page_size, 0, 0, NULL, INT64_MAX, INT64_MIN};
@@ -416,15 +453,19 @@ PyObject *tierkv_plan_slots(PyObject *self, PyObject *const *args, Py_ssize_t na
         goto done;
     }
     PyObject *mismatched = out == NULL ? Py_NewRef(Py_None) : PyByteArray_FromStringAndSize((const char *)out, num_out * 8);
-    if (mismatched != NULL) {
-        result = PyTuple_Pack(2, mismatched, revived == NULL ? Py_None : revived);
-        Py_DECREF(mismatched);
+    PyObject *leaf = mismatched == NULL ? NULL : leaf_copy(mine, len_mine, pos, num_elems, revived, slack_min, slack_shift);
+    if (leaf != NULL) {
+        result = PyTuple_Pack(3, mismatched, revived == NULL ? Py_None : revived, leaf);
+        Py_DECREF(leaf);
     }
+    Py_XDECREF(mismatched);
 done:
     Py_XDECREF(revived);
     PyMem_Free(out);
     held_free(&runs);
-    PyBuffer_Release(&vm);
+    if (vm.obj != NULL) {
+        PyBuffer_Release(&vm);
+    }
     PyBuffer_Release(&vf);
     return result;
 }

@@ -280,10 +280,11 @@ class RadixTree:
         """
         return self.apply_insert(self.plan_insert(key, len(value)), value, priority)
 
-    def apply_insert(self, plan: InsertPlan, value: Any, priority: int = 0) -> InsertResult:
+    def apply_insert(self, plan: InsertPlan, value: Any, priority: int = 0, leaf_value: Any = None) -> InsertResult:
         """Carry out ``plan`` (from :meth:`plan_insert`, the tree unchanged since) with device ``value``:
         split the node matched in part, give valueless nodes on the path their part of ``value``, add the
-        rest as a new leaf. Lock contract: takes no lock; nodes revived or created are unlocked."""
+        rest as a new leaf (``leaf_value``, when the caller cut it already). Lock contract: takes no lock;
+        nodes revived or created are unlocked."""
         walk, num_elems = plan.walk, plan.num_elems
         path = walk.nodes
         if walk.partial is not None:
@@ -310,8 +311,10 @@ class RadixTree:
         leaf = TreeNode(self._leaf_key(plan.elems, pos, num_elems), extra_key, node, tick)
         leaf.priority = priority
         node.children[self.child_key(leaf.key, extra_key)] = leaf
-        whole = not pos and self._slice_value is _plain_slice and len(value) == num_elems  # no slice needed
-        leaf._device_value = value if whole else self._slice_value(value, pos, num_elems)
+        if leaf_value is None:
+            whole = not pos and self._slice_value is _plain_slice and len(value) == num_elems  # no slice needed
+            leaf_value = value if whole else self._slice_value(value, pos, num_elems)
+        leaf._device_value = leaf_value
         self.evictable_size += num_elems - pos  # a new leaf is unlocked
         result.new_node = leaf
         path.append(leaf)

@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 log = logging.getLogger(__name__)
 
 
-NATIVE_API_VERSION = 7  # the API_VERSION of tierkv/_radix.c that the tree calls
+NATIVE_API_VERSION = 8  # the API_VERSION of tierkv/_radix.c that the tree calls
 
 
 def load_native(name: str) -> Callable | None:

@@ -151,15 +151,18 @@ class HiRadixCache:
             self.failed_loads.note(self.transfer.loads)
         if self.failed_loads:
             key, device_slots = self.failed_loads.cut_key(key, device_slots)
-        slots = slot_array(device_slots)
-        plan = self.tree.plan_insert(key, len(slots))  # raises on too few slots, changing nothing
-        freed, revived = plan_slots(plan, slots, self.device_pool.allocator)  # raises on a bad call, changing nothing
-        slots = unpinned(device_slots, slots, plan, revived)
+        plan = self.tree.plan_insert(key, device_slots.shape[0])  # raises on too few slots, changing nothing
+        # raises on a bad call, changing nothing
+        freed, revived, leaf_value = plan_slots(plan, device_slots, self.device_pool.allocator)
+        if leaf_value is None:  # the tree slices the parts it takes from the caller's slots
+            slots = unpinned(device_slots, slot_array(device_slots), plan, revived)
+        else:  # only the new leaf takes slots, and they are a copy already
+            slots = device_slots
         if plan.walk.partial is None:  # new values are tensors over numpy arrays: plain already
-            result = self.tree.apply_insert(plan, slots, priority)
+            result = self.tree.apply_insert(plan, slots, priority, leaf_value)
         else:
             with plain_slot_slices():  # the split node's halves: slices of its tensor
-                result = self.tree.apply_insert(plan, slots, priority)
+                result = self.tree.apply_insert(plan, slots, priority, leaf_value)
         if freed is not None:
             self.device_pool.free(torch.from_numpy(freed))
         owned = result.prefix_len + (len(result.new_node.key) if result.new_node else 0)

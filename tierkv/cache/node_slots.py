@@ -46,23 +46,27 @@ def slot_array(device_slots: torch.Tensor) -> np.ndarray:
     return slots if slots.flags.c_contiguous else np.ascontiguousarray(slots)
 
 
-def plan_slots(plan: InsertPlan, slots: np.ndarray,
-               allocator: SlotAllocator) -> tuple[np.ndarray | None, list[tuple[int, int]]]:
-    """For an insert of ``slots`` as ``plan`` says: the caller's slots unequal to those of the nodes on the
-    path that hold device slots (copies of KV the tree holds, to be freed; None when there are none), and
-    the ranges of ``slots`` that valueless nodes on the path take. Raises ValueError, changing nothing,
-    unless the slots the insert takes (those ranges, the new leaf's and the unequal ones) are allocated in
+def plan_slots(plan: InsertPlan, device_slots: torch.Tensor, allocator: SlotAllocator
+               ) -> tuple[np.ndarray | None, list[tuple[int, int]], torch.Tensor | None]:
+    """For an insert of ``device_slots`` as ``plan`` says: the caller's slots unequal to those of the nodes on
+    the path that hold device slots (copies of KV the tree holds, to be freed; None when there are none), the
+    ranges of the slots that valueless nodes on the path take, and the new leaf's value when it is a copy
+    made here (None: the caller slices it, see :func:`unpinned`). Raises ValueError, changing nothing, unless
+    the slots the insert takes (those ranges, the new leaf's and the unequal ones) are allocated in
     ``allocator``, whole pages, each given once, none of them a page the path's nodes keep."""
     walk = plan.walk
     if native_plan_slots is not None:
         try:
-            mismatched, revived = native_plan_slots(slots, walk.nodes, walk.partial, walk.partial_len,
-                                                    plan.num_elems, allocator.page_size, allocator.page_flags,
-                                                    torch.int64)
+            try:  # the tensor read in place: no numpy view of it (a tenth of a short insert)
+                mismatched, revived, leaf = _native_plan(device_slots, plan, allocator)
+            except TypeError:  # not readable in place (on a device, not contiguous): its array
+                mismatched, revived, leaf = _native_plan(slot_array(device_slots), plan, allocator)
         except ValueError:
             pass  # the reference names the problem
         else:
-            return (None if mismatched is None else np.frombuffer(mismatched, dtype=np.int64)), revived or []
+            return ((None if mismatched is None else np.frombuffer(mismatched, dtype=np.int64)), revived or [],
+                    None if leaf is None else torch.frombuffer(leaf, dtype=torch.int64))
+    slots = slot_array(device_slots)
     freed, revived, kept = _plan_slots(walk, slots)
     taken = [slots[start:end] for start, end in revived] + [slots[walk.end:plan.num_elems]]
     if freed is not None:
@@ -72,7 +76,13 @@ def plan_slots(plan: InsertPlan, slots: np.ndarray,
     clash = np.intersect1d(np.concatenate(taken) // ps, kept // ps) if kept is not None else ()
     if len(clash):
         raise ValueError(f"device_slots: page {int(clash[0])} is the tree's own: it may not be taken or freed again")
-    return freed, revived
+    return freed, revived, None
+
+
+def _native_plan(slots: torch.Tensor | np.ndarray, plan: InsertPlan, allocator: SlotAllocator) -> tuple:
+    walk = plan.walk
+    return native_plan_slots(slots, walk.nodes, walk.partial, walk.partial_len, plan.num_elems, allocator.page_size,
+                             allocator.page_flags, torch.int64, SLICE_SLACK_BYTES, SLICE_SLACK_SHIFT)
 
 
 def _plan_slots(walk: Walk, slots: np.ndarray) -> tuple[np.ndarray | None, list[tuple[int, int]], np.ndarray | None]:

@@ -120,9 +120,9 @@ static PyMethodDef methods[] = {
     {"gather_device_slots", (PyCFunction)(void (*)(void))tierkv_gather_device_slots, METH_FASTCALL,
      "gather_device_slots(nodes, int64) -> (num_nodes, slots as a bytearray) of the leading nodes holding device slots"},
     {"plan_slots", (PyCFunction)(void (*)(void))tierkv_plan_slots, METH_FASTCALL,
-     "plan_slots(mine, nodes, partial, partial_len, num_elems, page_size, is_free, int64, slack_min, slack_shift) "
-     "-> (slots unequal to the nodes' or None, revived ranges or None, the new leaf's slots copied or None), the "
-     "slots taken checked allocated"},
+     "plan_slots(mine, nodes, partial, partial_len, num_elems, page_size, is_free, int64, leaf) -> (slots unequal "
+     "to the nodes' or None, revived ranges or None), the slots taken checked allocated, the new leaf's copied "
+     "into leaf (a writable buffer, or None)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -131,7 +131,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "tierkv._radix", NULL
 /* 2: evict_device; common_prefix_len takes memoryviews of int64 arrays (node keys may be views);
  * 3: the tree's frontier sets may be None (untracked until read); 4: evict_device takes keep_nodes;
  * 5: evict_device takes hand_back and returns the victim it handed back; 6: and host_tier;
- * 7: walk, gather_device_slots, plan_slots; 8: plan_slots reads a tensor in place and copies the new leaf */
+ * 7: walk, gather_device_slots, plan_slots; 8: plan_slots reads a tensor in place and fills the new leaf's buffer */
 #define API_VERSION 8
 
 PyMODINIT_FUNC PyInit__radix(void) {

@@ -381,38 +381,45 @@ static const int64_t *caller_slots(PyObject *obj, PyObject *int64, Py_buffer *vi
     return ok == 1 ? p : NULL;
 }
 
-/* The new leaf's slots mine[pos:num_elems] as a bytearray of their own, when a view would keep more than
- * ``slack_min`` bytes or an 2**-``slack_shift`` share beyond them alive (the rule of
- * tierkv.pools.allocator.slack_bytes); None when a view may be kept, there is no leaf, or nodes are revived
- * (those cases slice in Python). Why here: the copy, a numpy view of the caller's tensor and a tensor over
- * the copy cost an insert more than the rest of this call. */
-static PyObject *leaf_copy(const int64_t *mine, Py_ssize_t len_mine, Py_ssize_t pos, Py_ssize_t num_elems,
-                           PyObject *revived, Py_ssize_t slack_min, Py_ssize_t slack_shift) {
-    Py_ssize_t own = (num_elems - pos) * 8, slack = own >> slack_shift;
-    if (own <= 0 || revived != NULL || len_mine * 8 - own <= (slack > slack_min ? slack : slack_min)) {
-        return Py_NewRef(Py_None);
+/* Copy the new leaf's slots mine[pos:num_elems] into ``leaf`` (a writable buffer of that many int64s, made
+ * by the caller when the leaf must not keep a view of the caller's tensor); None: nothing to do. Why here: a
+ * numpy view of the caller's tensor, then slicing and copying it in Python, cost an insert more than the
+ * rest of this call. */
+static int leaf_fill(PyObject *leaf, const int64_t *mine, Py_ssize_t pos, Py_ssize_t num_elems) {
+    if (leaf == Py_None) {
+        return 0;
     }
-    return PyByteArray_FromStringAndSize((const char *)(mine + pos), own);
+    Py_buffer view;
+    if (PyObject_GetBuffer(leaf, &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        return -1;
+    }
+    if (view.len != (num_elems - pos) * 8) {
+        PyErr_Format(PyExc_TypeError, "leaf must be a writable buffer of %zd int64 slots", num_elems - pos);
+        PyBuffer_Release(&view);
+        return -1;
+    }
+    memcpy(view.buf, mine + pos, (size_t)view.len);
+    PyBuffer_Release(&view);
+    return 0;
 }
 
-/* plan_slots(mine, nodes, partial, partial_len, num_elems, page_size, is_free, int64, slack_min, slack_shift)
- * -> (mismatched, revived, leaf): along a planned insert's path (``nodes`` whole, then ``partial``'s first
+/* plan_slots(mine, nodes, partial, partial_len, num_elems, page_size, is_free, int64, leaf) -> (mismatched, revived):
+ * along a planned insert's path (``nodes`` whole, then ``partial``'s first
  * ``partial_len`` elements, or None), over the caller's slots ``mine`` (an int64 buffer or tensor): the
  * caller's slots unequal to those of nodes holding device slots (a bytearray, or None when all are equal), the
- * ranges (start, end) of ``mine`` that nodes without device slots will take (a list, or None), and the new
- * leaf's slots as a copy of their own (see leaf_copy). Those, the new leaf's (from the path's end to
+ * ranges (start, end) of ``mine`` that nodes without device slots will take (a list, or None); the new leaf's
+ * slots are copied into ``leaf`` (a writable buffer) unless it is None (see leaf_fill). Those, the new leaf's (from the path's end to
  * ``num_elems``) and the unequal ones are checked against the allocator's flags ``is_free`` and against the
  * path's own slots (see check_taken): a ValueError, changing nothing, if they fail. */
 PyObject *tierkv_plan_slots(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 10 || !PyList_Check(args[1])) {
+    if (nargs != 9 || !PyList_Check(args[1])) {
         PyErr_SetString(PyExc_TypeError, "plan_slots takes (mine, nodes: list, partial, partial_len, num_elems, "
-                                         "page_size, is_free, int64, slack_min, slack_shift)");
+                                         "page_size, is_free, int64, leaf)");
         return NULL;
     }
     Py_ssize_t partial_len = PyLong_AsSsize_t(args[3]), num_elems = PyLong_AsSsize_t(args[4]);
     Py_ssize_t page_size = PyLong_AsSsize_t(args[5]);
-    Py_ssize_t slack_min = PyLong_AsSsize_t(args[8]), slack_shift = PyLong_AsSsize_t(args[9]);
     if (PyErr_Occurred()) {
         return NULL;
     }
@@ -423,10 +430,9 @@ PyObject *tierkv_plan_slots(PyObject *self, PyObject *const *args, Py_ssize_t na
         return NULL;
     }
     if (PyObject_GetBuffer(args[6], &vf, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0 || vf.itemsize != 1
-        || page_size < 1 || num_elems > len_mine || partial_len < 0 || slack_shift < 0 || slack_shift > 62) {
+        || page_size < 1 || num_elems > len_mine || partial_len < 0) {
         if (!PyErr_Occurred()) {
-            PyErr_SetString(PyExc_ValueError, "is_free must be 1-byte flags, page_size >= 1, num_elems within mine, "
-                                              "slack_shift in [0, 62]");
+            PyErr_SetString(PyExc_ValueError, "is_free must be 1-byte flags, page_size >= 1, num_elems within mine");
         }
         if (vf.obj != NULL) {
             PyBuffer_Release(&vf);
@@ -449,16 +455,14 @@ PyObject *tierkv_plan_slots(PyObject *self, PyObject *const *args, Py_ssize_t na
     }
     int bad = check_taken(&check, mine, revived, pos, num_elems, out, num_out, &runs);
     pages_restore(&check);
-    if (bad < 0) {
+    if (bad < 0 || leaf_fill(args[8], mine, pos, num_elems) < 0) {
         goto done;
     }
     PyObject *mismatched = out == NULL ? Py_NewRef(Py_None) : PyByteArray_FromStringAndSize((const char *)out, num_out * 8);
-    PyObject *leaf = mismatched == NULL ? NULL : leaf_copy(mine, len_mine, pos, num_elems, revived, slack_min, slack_shift);
-    if (leaf != NULL) {
-        result = PyTuple_Pack(3, mismatched, revived == NULL ? Py_None : revived, leaf);
-        Py_DECREF(leaf);
+    if (mismatched != NULL) {
+        result = PyTuple_Pack(2, mismatched, revived == NULL ? Py_None : revived);
+        Py_DECREF(mismatched);
     }
-    Py_XDECREF(mismatched);
 done:
     Py_XDECREF(revived);
     PyMem_Free(out);

@@ -154,7 +154,7 @@ class HiRadixCache:
         plan = self.tree.plan_insert(key, device_slots.shape[0])  # raises on too few slots, changing nothing
         # raises on a bad call, changing nothing
         freed, revived, leaf_value = plan_slots(plan, device_slots, self.device_pool.allocator)
-        if leaf_value is None:  # the tree slices the parts it takes from the caller's slots
+        if leaf_value is None or revived:  # the tree slices the parts it takes from the caller's slots
             slots = unpinned(device_slots, slot_array(device_slots), plan, revived)
         else:  # only the new leaf takes slots, and they are a copy already
             slots = device_slots

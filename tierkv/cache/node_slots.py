@@ -56,16 +56,17 @@ def plan_slots(plan: InsertPlan, device_slots: torch.Tensor, allocator: SlotAllo
     ``allocator``, whole pages, each given once, none of them a page the path's nodes keep."""
     walk = plan.walk
     if native_plan_slots is not None:
+        leaf = _leaf_copy(plan, device_slots.shape[0])
         try:
             try:  # the tensor read in place: no numpy view of it (a tenth of a short insert)
-                mismatched, revived, leaf = _native_plan(device_slots, plan, allocator)
+                mismatched, revived = _native_plan(device_slots, plan, allocator, leaf)
             except TypeError:  # not readable in place (on a device, not contiguous): its array
-                mismatched, revived, leaf = _native_plan(slot_array(device_slots), plan, allocator)
+                mismatched, revived = _native_plan(slot_array(device_slots), plan, allocator, leaf)
         except ValueError:
             pass  # the reference names the problem
         else:
             return ((None if mismatched is None else np.frombuffer(mismatched, dtype=np.int64)), revived or [],
-                    None if leaf is None else torch.frombuffer(leaf, dtype=torch.int64))
+                    None if leaf is None else torch.from_numpy(leaf))
     slots = slot_array(device_slots)
     freed, revived, kept = _plan_slots(walk, slots)
     taken = [slots[start:end] for start, end in revived] + [slots[walk.end:plan.num_elems]]
@@ -79,10 +80,23 @@ def plan_slots(plan: InsertPlan, device_slots: torch.Tensor, allocator: SlotAllo
     return freed, revived, None
 
 
-def _native_plan(slots: torch.Tensor | np.ndarray, plan: InsertPlan, allocator: SlotAllocator) -> tuple:
+def _native_plan(slots: torch.Tensor | np.ndarray, plan: InsertPlan, allocator: SlotAllocator,
+                 leaf: np.ndarray | None) -> tuple:
     walk = plan.walk
     return native_plan_slots(slots, walk.nodes, walk.partial, walk.partial_len, plan.num_elems, allocator.page_size,
-                             allocator.page_flags, torch.int64, SLICE_SLACK_BYTES, SLICE_SLACK_SHIFT)
+                             allocator.page_flags, torch.int64, leaf)
+
+
+def _leaf_copy(plan: InsertPlan, num_slots: int) -> np.ndarray | None:
+    """An empty array for the new leaf's slots when a view of the caller's ``num_slots`` would keep more than
+    :func:`slack_bytes` alive (the compiled check fills it); None when a view may stay, or there is no leaf.
+    Why numpy: a tensor over a numpy array is the cheapest to make (numpy caches small blocks) and small to
+    keep (36 B per token cached on the fan-out shape; a tensor of its own storage took 33 but cost a fan-out
+    insert a fifth more, one over a bytearray 42)."""
+    own = plan.num_elems - plan.walk.num_matched - plan.walk.partial_len
+    if not own or (num_slots - own) * 8 <= max(SLICE_SLACK_BYTES, own * 8 >> SLICE_SLACK_SHIFT):
+        return None
+    return np.empty(own, dtype=np.int64)
 
 
 def _plan_slots(walk: Walk, slots: np.ndarray) -> tuple[np.ndarray | None, list[tuple[int, int]], np.ndarray | None]:

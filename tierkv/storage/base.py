@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 _KEY_RE = re.compile(r"[0-9a-f]{16,128}")
 _HEX_DIGITS = b"0123456789abcdef"
 LOG_INTERVAL_S = 10.0
+HICACHE_BATCH_PAGES = 128  # HiCache's STORAGE_BATCH_SIZE: the pages of one backup store call by default
 
 
 @dataclass
@@ -200,6 +201,14 @@ def check_keys(keys: list[str]) -> None:
             check_key(key)
 
 
+def backup_batch_pages(store: Any, configured_pages: int | None) -> int:
+    """The pages a backup writes to ``store`` per call: ``configured_pages`` (the storage config's), or when
+    None the store's own choice (a duck-typed store: HiCache's 128)."""
+    if configured_pages is not None:
+        return configured_pages
+    return store.backup_batch_pages() if isinstance(store, PageStore) else HICACHE_BATCH_PAGES
+
+
 def takes_rows(store: Any) -> bool:
     """Whether the cache may hand ``store`` pool rows (``batch_set_rows`` / ``batch_get_rows``): only a
     PageStore. A duck-typed store or a wrapper that delegates by attribute gets ``batch_set`` /
@@ -251,6 +260,11 @@ class PageStore(ABC):
     # backends that lay pages out by prefix (as SGLang's hf3fs does) want it; a chained hash already
     # names its whole prefix, so no backend here needs it.
     accepts_prefix_keys: bool = False
+
+    def backup_batch_pages(self) -> int:
+        """Pages one backup hands :meth:`batch_set` at a time when the storage config leaves
+        ``backup_batch_pages`` unset: HiCache's 128, unless a store's calls cost far more than its pages."""
+        return HICACHE_BATCH_PAGES
 
     @abstractmethod
     def batch_exists(self, keys: list[str]) -> int:

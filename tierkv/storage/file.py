@@ -58,10 +58,13 @@ from tierkv.storage.file_pack import (
     PACK_SUFFIX,
     PackCounter,
     PackIndex,
+    SLOT_BITS,
+    SLOT_MASK,
     PackInfo,
     consumed,
     pack_name,
     pack_number,
+    pack_numbers,
     pack_trailer,
     read_pack_keys,
     read_run,
@@ -186,8 +189,9 @@ class FileStore(PageStore):
 
     # ---- finding pages ---------------------------------------------------------------------------
     def _locate(self, dir_fd: int, keys: list[str], leading: bool = False
-                ) -> tuple[list[tuple[int, int] | None], dict[int, tuple[int, int]]]:
-        """(pack, slot) of each key (None if no pack holds it), and (pages, bytes) of each pack named. First
+                ) -> tuple[list[int | None], dict[int, tuple[int, int]]]:
+        """The index place of each key (pack and slot, see file_pack.SLOT_BITS; None if no pack holds it), and
+        (pages, bytes) of each pack named. First
         the packs other processes wrote since the last look (one read of the counter when there are none:
         a newer pack of a known page must win, as a newer file did), then, on a miss, the numbers still
         pending (drawn but not yet renamed then), looked up again only if one of them was indexed.
@@ -202,12 +206,11 @@ class FileStore(PageStore):
             found, packs = self._locate_known(keys, leading)
         return found, packs
 
-    def _locate_known(self, keys: list[str], leading: bool
-                      ) -> tuple[list[tuple[int, int] | None], dict[int, tuple[int, int]]]:
+    def _locate_known(self, keys: list[str], leading: bool) -> tuple[list[int | None], dict[int, tuple[int, int]]]:
         with self._index_lock:
             get = self._index.pages.get
             if leading:  # a lookup usually misses early: map growing chunks, up to the first miss
-                found: list[tuple[int, int] | None] = []
+                found: list[int | None] = []
                 start, size, missed = 0, LEADING_CHUNK_KEYS, False
                 while start < len(keys) and not missed:
                     chunk = list(map(get, keys[start:start + size]))
@@ -217,7 +220,7 @@ class FileStore(PageStore):
                 found = list(map(get, keys))  # one C call for the batch, not a tuple a key
             known = self._index.packs
             packs = {number: (len(known[number].keys), known[number].size_bytes)
-                     for number in {where[0] for where in found if where is not None}}
+                     for number in pack_numbers(found)}
             return found, packs
 
     def _look_for_new_packs(self, dir_fd: int, drawn: int) -> bool:
@@ -287,13 +290,10 @@ class FileStore(PageStore):
             with self._namespace() as dir_fd:
                 where, packs = self._locate(dir_fd, keys, leading=True)
                 run = where.index(None) if None in where else len(where)
-                checked: dict[int, bool] = {}
-                for i in range(run):
-                    number = where[i][0]
-                    if number not in checked:
-                        checked[number] = self._pack_present(dir_fd, number, packs[number][1])
-                    if not checked[number]:
-                        return i
+                checked = pack_numbers(where[:run])  # in order of first use: the first absent pack ends the run
+                for number in checked:
+                    if not self._pack_present(dir_fd, number, packs[number][1]):
+                        return next(i for i in range(run) if where[i] >> SLOT_BITS == number)
         except FileNotFoundError:
             return 0
         except OSError as err:
@@ -332,7 +332,7 @@ class FileStore(PageStore):
                     wheres, packs = self._locate(dir_fd, keys)
                     for i, where in enumerate(wheres):
                         if where is not None:
-                            by_pack.setdefault(where[0], []).append((where[1], i))
+                            by_pack.setdefault(where >> SLOT_BITS, []).append((where & SLOT_MASK, i))
                     for number, wanted in by_pack.items():
                         self._read_pack(dir_fd, number, *packs[number], wanted, keys, views, found)
             except FileNotFoundError:
@@ -358,15 +358,18 @@ class FileStore(PageStore):
             self._error(f"read {os.path.join(self.directory, name)}", err)
             return
         wanted.sort()
-        headers = np.zeros((count, HEADER_SIZE), dtype=np.uint8)
+        # the headers of the wanted slots' span alone: a prefetch reads a pack of a whole backup (hundreds
+        # of pages) a batch of 16 at a time, and reading every header each time read them all ~40 times
+        first_slot, num_headers = wanted[0][0], wanted[-1][0] - wanted[0][0] + 1
+        headers = np.zeros((num_headers, HEADER_SIZE), dtype=np.uint8)
         try:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode) or info.st_size != size_bytes:
                 self._reject_pack(dir_fd, number, [keys[i] for _, i in wanted],
                                   f"pack {name} of {info.st_size} bytes, expected {size_bytes}")
                 return
-            got = read_run(fd, [memoryview(headers).cast("B")], count * self.page_nbytes)
-            digests = self._read_payloads(fd, wanted, views) if got == count * HEADER_SIZE else None
+            got = read_run(fd, [memoryview(headers).cast("B")], count * self.page_nbytes + first_slot * HEADER_SIZE)
+            digests = self._read_payloads(fd, wanted, views) if got == headers.nbytes else None
             complete = digests is not None
             if complete and self.max_bytes is not None:
                 os.utime(fd)  # the pack's mtime is its last use: the LRU order after a restart
@@ -380,7 +383,7 @@ class FileStore(PageStore):
             return
         with self._index_lock:
             self._index.touch(number)
-        self._verify(keys, views, headers, wanted, found, digests)
+        self._verify(keys, views, headers, first_slot, wanted, found, digests)
 
     def _read_payloads(self, fd: int, wanted: list[tuple[int, int]], views: list[memoryview]) -> list[int] | None:
         """Read the wanted slots (sorted), each group of consecutive slots in one call, and checksum each
@@ -412,13 +415,13 @@ class FileStore(PageStore):
                 state.update(chunk)
         return 0 if state is None else state.intdigest()
 
-    def _verify(self, keys: list[str], views: list[memoryview], headers: np.ndarray,
+    def _verify(self, keys: list[str], views: list[memoryview], headers: np.ndarray, first_slot: int,
                 wanted: list[tuple[int, int]], found: list[bool], digests: list[int]) -> None:
         """Check the pages read against their headers: unkeyed, all checksums in one call and one
         vectorised compare; keyed, each MAC. A page that fails is rejected (and dropped)."""
         batch = [i for _, i in wanted]
         sub_keys, sub_views = [keys[i] for i in batch], [views[i] for i in batch]
-        sub_headers = headers[[slot for slot, _ in wanted]]
+        sub_headers = headers[[slot - first_slot for slot, _ in wanted]]
         if self.format.keyed:
             ok = [self._verified(k, h.tobytes(), v) for k, h, v in zip(sub_keys, sub_headers, sub_views)]
         else:

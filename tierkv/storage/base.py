@@ -41,6 +41,7 @@ _KEY_RE = re.compile(r"[0-9a-f]{16,128}")
 _HEX_DIGITS = b"0123456789abcdef"
 LOG_INTERVAL_S = 10.0
 HICACHE_BATCH_PAGES = 128  # HiCache's STORAGE_BATCH_SIZE: the pages of one backup store call by default
+PREFETCH_BATCH_PAGES = 16  # the pages of one prefetch read by default: progress is counted between reads
 
 
 @dataclass
@@ -201,12 +202,14 @@ def check_keys(keys: list[str]) -> None:
             check_key(key)
 
 
-def backup_batch_pages(store: Any, configured_pages: int | None) -> int:
-    """The pages a backup writes to ``store`` per call: ``configured_pages`` (the storage config's), or when
-    None the store's own choice (a duck-typed store: HiCache's 128)."""
+def batch_pages(store: Any, configured_pages: int | None, kind: str) -> int:
+    """The pages a ``kind`` ("prefetch" or "backup") moves to or from ``store`` per call: ``configured_pages``
+    (the storage config's), or when None the store's own choice (a duck-typed store: the defaults)."""
     if configured_pages is not None:
         return configured_pages
-    return store.backup_batch_pages() if isinstance(store, PageStore) else HICACHE_BATCH_PAGES
+    if isinstance(store, PageStore):
+        return store.prefetch_batch_pages() if kind == "prefetch" else store.backup_batch_pages()
+    return PREFETCH_BATCH_PAGES if kind == "prefetch" else HICACHE_BATCH_PAGES
 
 
 def takes_rows(store: Any) -> bool:
@@ -265,6 +268,11 @@ class PageStore(ABC):
         """Pages one backup hands :meth:`batch_set` at a time when the storage config leaves
         ``backup_batch_pages`` unset: HiCache's 128, unless a store's calls cost far more than its pages."""
         return HICACHE_BATCH_PAGES
+
+    def prefetch_batch_pages(self) -> int:
+        """Pages one prefetch asks :meth:`batch_get` for at a time when the storage config leaves
+        ``prefetch_batch_pages`` unset: 16, unless a store's calls cost far more than its pages."""
+        return PREFETCH_BATCH_PAGES
 
     @abstractmethod
     def batch_exists(self, keys: list[str]) -> int:

@@ -15,7 +15,8 @@ from tierkv.validate import check_bool, check_choice, check_int, check_seconds
 
 STOP_POLICIES = ("best_effort", "wait_complete", "timeout")
 HASH_ALGORITHMS = ("sha256", "xxh3_128")
-_RESOLVED_LATER = ("prefetch_max_tokens_in_flight", "backup_batch_pages")  # None: the controller resolves them
+# None: resolved by the controller (from the cache's sizes, the store's choice)
+_RESOLVED_LATER = ("prefetch_max_tokens_in_flight", "prefetch_batch_pages", "backup_batch_pages")
 
 
 @dataclass(frozen=True)
@@ -28,10 +29,10 @@ class StorageConfig:
     needs them: a chained page hash already names its whole prefix).
     ``prefetch_max_tokens_in_flight`` is the rate limit (None: HiCache's 0.8 x (L2 - L1) tokens, at least
     one page, resolved by the controller); ``prefetch_batch_pages`` and ``backup_batch_pages`` are the pages
-    one store call carries (a prefetch's progress is counted, and can stop, between its calls).
-    ``backup_batch_pages`` None is the store's choice (:meth:`PageStore.backup_batch_pages`): HiCache's
-    ``STORAGE_BATCH_SIZE`` of 128 pages, or for the file store, which writes one pack file a call, as many
-    pages as fill 4 MiB;
+    one store call carries (a prefetch's progress is counted, and can stop, between its calls); None is
+    the store's choice (:meth:`PageStore.prefetch_batch_pages`, :meth:`PageStore.backup_batch_pages`): 16
+    pages a read and HiCache's ``STORAGE_BATCH_SIZE`` of 128 a write, or for the file store, whose calls
+    each open a pack file, as many small pages as fill 1 MiB a read and 4 MiB a write;
     ``backup_max_pending_tokens`` caps the backup
     queue (later backups are dropped, costing only a future L3 miss); ``io_wait_timeout_s`` bounds every
     wait on storage threads (flush, reset, close).
@@ -44,7 +45,7 @@ class StorageConfig:
     prefetch_stop_policy: str = "best_effort"
     hash_algorithm: str | None = None
     prefetch_max_tokens_in_flight: int | None = None
-    prefetch_batch_pages: int = 16
+    prefetch_batch_pages: int | None = None
     backup_batch_pages: int | None = None
     backup_max_pending_tokens: int = 1 << 20
     io_wait_timeout_s: float = 10.0

@@ -148,6 +148,11 @@ class FileStore(PageStore):
         """HiCache's 128 pages a pack, or as many as fill MIN_BACKUP_PACK_NBYTES when pages are small."""
         return max(super().backup_batch_pages(), MIN_BACKUP_PACK_NBYTES // self.format.blob_nbytes)
 
+    def prefetch_batch_pages(self) -> int:
+        """16 pages a read, or as many as fill GROUP_NBYTES when pages are small: each read opens the
+        directory, the counter and a pack, ~80 us of calls, while 16 pages of 256 bytes take ~1 us to copy."""
+        return max(super().prefetch_batch_pages(), GROUP_NBYTES // self.page_nbytes)
+
     def path(self, key: str) -> str | None:
         """The pack file holding ``key`` (None if the store knows none); ValueError if the key is not a
         page hash."""

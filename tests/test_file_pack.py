@@ -219,3 +219,62 @@ def test_a_read_of_a_few_pages_of_a_large_pack_reads_their_headers_alone_and_che
     assert torch.equal(targets[0], pages[150]) and torch.equal(targets[2], pages[152])
     assert reads[0] == 3 * 48 and store.stats.corrupt_pages == 1
     store.close()
+
+
+@pytest.mark.parametrize("use_native", [True, False], ids=["native", "python"])
+@pytest.mark.parametrize("page_nbytes", [256, 40_000], ids=["one-group", "groups"])
+def test_a_backup_from_row_runs_writes_the_same_pack_as_a_view_a_page(tmp_path, use_native, page_nbytes):
+    """batch_set_rows writes runs of consecutive rows, a view a run (a view a page was ~1 CPU-s of a
+    replay): the pack's bytes are those of batch_set, wherever the runs break and the groups are cut."""
+    import numpy as np
+
+    from tierkv.storage import native
+
+    if use_native and native.pageio is None:
+        from tests.conftest import skip_without_native
+        skip_without_native("tierkv._pageio is not built")
+    rows = np.random.default_rng(4).integers(0, 256, (100, page_nbytes), dtype=np.uint8)
+    index = [7, 8, 9, 10, 3, 4, 50, *range(60, 90), 2, 99, 98, *range(20, 40)]  # runs of 1 to 30 rows
+    keys = make_keys(len(index))
+    by_views, by_runs = (open_store(f"file:{tmp_path / name}", "ns", page_nbytes) for name in ("views", "runs"))
+    for store in (by_views, by_runs):
+        store._native = native.pageio if use_native else None
+    assert by_views.batch_set(keys, [torch.from_numpy(rows[i].copy()) for i in index]) == [True] * len(index)
+    assert by_runs.batch_set_rows(keys, rows, index) == [True] * len(index)
+    packs = [tmp_path / name / store.namespace_tag / pack_name(0) for name, store in
+             (("views", by_views), ("runs", by_runs))]
+    assert packs[0].read_bytes() == packs[1].read_bytes()
+    targets = np.zeros_like(rows)
+    assert by_runs.batch_get_rows(keys, targets, index) == [True] * len(index)
+    assert (targets[index] == rows[index]).all()
+    by_views.close()
+    by_runs.close()
+
+
+def test_row_runs_are_cut_into_groups_of_whole_pages():
+    import numpy as np
+
+    from tierkv.storage.file_write import RowRuns
+
+    rows = np.arange(10 * 4, dtype=np.uint8).reshape(10, 4)
+    runs = RowRuns(rows, np.array([2, 3, 4, 7, 8, 0]))
+    assert runs.runs() == [(2, 3), (7, 2), (0, 1)] and len(runs[1:3]) == 2 and RowRuns(rows, []).runs() == []
+    groups = runs.groups(group_nbytes=2 * 4)  # two pages a group
+    assert [[bytes(v) for v in group] for group in groups] == [
+        [rows[2:4].tobytes()], [rows[4].tobytes(), rows[7].tobytes()], [rows[8].tobytes(), rows[0].tobytes()]]
+    assert [len(g) for g in runs.groups(group_nbytes=3)] == [1, 1, 1, 1, 1, 1]  # under a page: a page a group
+
+
+def test_native_page_checksums_match_xxhash_and_refuse_partial_pages():
+    import xxhash
+
+    from tierkv.storage import native
+
+    if native.pageio is None:
+        from tests.conftest import skip_without_native
+        skip_without_native("tierkv._pageio is not built")
+    data = bytes(range(256)) * 10
+    assert native.pageio.xxh3_pages([data[:512], data[1024:1280]], 256) == [
+        xxhash.xxh3_64_intdigest(data[at:at + 256]) for at in (0, 256, 1024)]
+    with pytest.raises(ValueError, match="not whole pages"):
+        native.pageio.xxh3_pages([data[:300]], 256)

@@ -118,6 +118,53 @@ static PyObject *xxh3_many(PyObject *self, PyObject *args) {
     return out;
 }
 
+/* xxh3-64 of each page_nbytes piece of each buffer (a run of consecutive pages of the host pool): the file
+ * store writes a backup from such runs, one view a run instead of one a page. */
+static PyObject *xxh3_pages(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *seq;
+    Py_ssize_t page_nbytes;
+    Buffers b;
+    if (!PyArg_ParseTuple(args, "On:xxh3_pages", &seq, &page_nbytes) || require_xxh3() < 0) return NULL;
+    if (page_nbytes < 1) {
+        PyErr_Format(PyExc_ValueError, "xxh3_pages: page_nbytes must be >= 1, got %zd", page_nbytes);
+        return NULL;
+    }
+    if (get_buffers(seq, PyBUF_SIMPLE, -1, "buffers", &b) < 0) return NULL;
+    Py_ssize_t n = 0;
+    for (Py_ssize_t i = 0; i < b.count; i++) {
+        if (b.views[i].len % page_nbytes != 0) {
+            PyErr_Format(PyExc_ValueError, "xxh3_pages: buffer %zd holds %zd bytes, not whole pages of %zd", i,
+                         b.views[i].len, page_nbytes);
+            release_buffers(&b);
+            return NULL;
+        }
+        n += b.views[i].len / page_nbytes;
+    }
+    uint64_t *digests = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(uint64_t));
+    if (digests == NULL) {
+        release_buffers(&b);
+        return PyErr_NoMemory();
+    }
+    Py_BEGIN_ALLOW_THREADS
+    Py_ssize_t k = 0;
+    for (Py_ssize_t i = 0; i < b.count; i++) {
+        const unsigned char *at = b.views[i].buf;
+        for (Py_ssize_t off = 0; off < b.views[i].len; off += page_nbytes)
+            digests[k++] = xxh3.oneshot(at + off, (size_t)page_nbytes);
+    }
+    Py_END_ALLOW_THREADS
+    PyObject *out = PyList_New(n);
+    for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
+        PyObject *d = PyLong_FromUnsignedLongLong(digests[i]);
+        if (d == NULL) Py_CLEAR(out);
+        else PyList_SET_ITEM(out, i, d);
+    }
+    PyMem_Free(digests);
+    release_buffers(&b);
+    return out;
+}
+
 static void put_be64(unsigned char *p, uint64_t v) {
     for (int i = 0; i < 8; i++) p[i] = (unsigned char)(v >> (56 - 8 * i));
 }
@@ -200,6 +247,8 @@ static PyMethodDef methods[] = {
      "bind_xxh3(path): take XXH3_64bits and its streaming functions from the shared object at path; True if all "
      "were found"},
     {"xxh3_many", xxh3_many, METH_VARARGS, "xxh3_many(buffers) -> [xxh3-64 of each], without the GIL"},
+    {"xxh3_pages", xxh3_pages, METH_VARARGS,
+     "xxh3_pages(buffers, page_nbytes) -> [xxh3-64 of each page_nbytes piece of each buffer, in order], without the GIL"},
     {"chain_xxh3_128", chain_xxh3_128, METH_VARARGS,
      "chain_xxh3_128(prior, tag, data, stride) -> [hex of d_i = xxh3-128(d_(i-1) + tag + data[i*stride:(i+1)*stride])"
      "], d_(-1) = prior (16 bytes), digests canonical (big-endian)"},
@@ -216,7 +265,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_pageio", NULL, -1, 
 
 /* Bumped whenever a function's arguments change (tierkv/storage/native.py checks it). 3: copy_blobs_xxh3.
  * 4: read_pages and write_pages removed (the file store reads and writes pack files from Python).
- * 5: chain_xxh3_128 (and bind_xxh3 needs XXH3_128bits). */
+ * 5: chain_xxh3_128 (and bind_xxh3 needs XXH3_128bits), xxh3_pages. */
 #define API_VERSION 5
 
 PyMODINIT_FUNC PyInit__pageio(void) {

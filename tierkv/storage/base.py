@@ -390,6 +390,13 @@ class PageStore(ABC):
 
     def _row_views(self, keys: list[str], rows: np.ndarray, pages: Any) -> list[memoryview]:
         """Byte views of rows ``pages`` of ``rows`` (checked once for the whole batch, not page by page)."""
+        index = self._row_index(keys, rows, pages)
+        flat, nbytes = memoryview(rows).cast("B"), self.page_nbytes
+        return [flat[p * nbytes:(p + 1) * nbytes] for p in index.tolist()]
+
+    def _row_index(self, keys: list[str], rows: np.ndarray, pages: Any) -> np.ndarray:
+        """``pages`` as an integer array, once ``rows`` (page rows), ``pages`` (one in range per key) and
+        ``keys`` are checked; ValueError naming what is wrong."""
         if (not isinstance(rows, np.ndarray) or rows.dtype != np.uint8 or rows.ndim != 2
                 or not rows.flags.c_contiguous or rows.shape[1] != self.page_nbytes):
             raise ValueError(f"page rows must be a C-contiguous 2-D uint8 array of {self.page_nbytes}-byte rows, "
@@ -402,8 +409,7 @@ class PageStore(ABC):
             bad = index[(index < 0) | (index >= len(rows))][0]
             raise ValueError(f"page row {int(bad)} is outside the {len(rows)} rows given")
         check_keys(keys)
-        flat, nbytes = memoryview(rows).cast("B"), self.page_nbytes
-        return [flat[p * nbytes:(p + 1) * nbytes] for p in index.tolist()]
+        return index
 
     def _check_batch(self, keys: list[str], tensors: list[torch.Tensor]) -> list[memoryview]:
         if len(keys) != len(tensors):

@@ -44,6 +44,7 @@ import stat
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 import torch
@@ -54,14 +55,12 @@ from tierkv.storage.base import Backoff, PageStore, check_key, check_keys, check
 from tierkv.storage.file_budget import LEDGER_NAME, DirectoryBudget
 from tierkv.storage.file_pack import (
     COUNTER_NAME,
-    IOV_MAX,
     PACK_SUFFIX,
     PackCounter,
     PackIndex,
     SLOT_BITS,
     SLOT_MASK,
     PackInfo,
-    consumed,
     pack_name,
     pack_number,
     pack_numbers,
@@ -70,6 +69,7 @@ from tierkv.storage.file_pack import (
     read_run,
     slot_groups,
 )
+from tierkv.storage.file_write import RowRuns, write_row_runs, write_views
 from tierkv.storage.page_format import (
     CHUNK_NBYTES,
     HEADER_SIZE,
@@ -106,15 +106,6 @@ def usable_cores() -> int:
     if hasattr(os, "sched_getaffinity"):
         return max(1, len(os.sched_getaffinity(0)))
     return os.cpu_count() or 1
-
-
-def _write_all(fd: int, buffers: list[memoryview], offset: int) -> None:
-    """Write ``buffers`` back to back from ``offset``: one ``pwritev`` per 1,024 buffers unless the kernel
-    takes less."""
-    while buffers:
-        written = os.pwritev(fd, buffers[:IOV_MAX], offset)
-        offset += written
-        buffers = consumed(buffers, written)
 
 
 class FileStore(PageStore):
@@ -455,7 +446,15 @@ class FileStore(PageStore):
     def batch_set(self, keys: list[str], values: list[torch.Tensor]) -> list[bool]:
         return self._set_views(keys, self._check_batch(keys, values))
 
-    def _set_views(self, keys: list[str], views: list[memoryview]) -> list[bool]:
+    def batch_set_rows(self, keys: list[str], rows: np.ndarray, pages: Any, **kwargs: Any) -> list[bool]:
+        """Writes from runs of consecutive rows, a view a run (see file_write); a keyed store, pages over
+        a group, or a subclass's own batch_set take the general way (a view a page)."""
+        if kwargs or self.format.keyed or self.page_nbytes > GROUP_NBYTES or \
+                getattr(type(self), "batch_set") is not FileStore.batch_set:
+            return super().batch_set_rows(keys, rows, pages, **kwargs)
+        return self._set_views(keys, RowRuns(rows, self._row_index(keys, rows, pages)))
+
+    def _set_views(self, keys: list[str], views: list[memoryview] | RowRuns) -> list[bool]:
         step = len(keys) or 1
         if self.max_bytes is not None:  # a bounded store evicts whole packs: keep each a small share of it
             step = max(1, self.max_bytes // (PACK_SHARE_DIVISOR * self.format.blob_nbytes))
@@ -466,7 +465,7 @@ class FileStore(PageStore):
             done += self._set_pack(keys[start:start + step], views[start:start + step])
         return done
 
-    def _set_pack(self, keys: list[str], views: list[memoryview]) -> list[bool]:
+    def _set_pack(self, keys: list[str], views: list[memoryview] | RowRuns) -> list[bool]:
         """Write ``keys``' pages as one pack; all True, or all False if the write failed."""
         with self._timed("set"):
             if not self.write_backoff.ready():
@@ -494,34 +493,15 @@ class FileStore(PageStore):
             self._update_ledger(size - removed)
             return [True] * len(keys)
 
-    def _write_payloads(self, fd: int, keys: list[str], views: list[memoryview], trailer: memoryview) -> None:
-        """Write a pack: a batch within GROUP_NBYTES in one call, its checksums made first (one native call);
-        a larger one group by group, each checksummed right before it is written, while it is in cache,
-        then the headers and the key list. A keyed store's MACs are made page by page first."""
-        if self.format.keyed:
-            headers = b"".join(self.format.header(k, v) for k, v in zip(keys, views))
-            _write_all(fd, [*views, memoryview(headers), trailer], 0)
-            return
-        if len(views) * self.page_nbytes <= GROUP_NBYTES:
-            headers = self.format.filled_headers(keys, self._checksums(views))
-            _write_all(fd, [*views, memoryview(headers).cast("B"), trailer], 0)
-            return
-        digests: list[int] = []
-        for start, end in slot_groups(list(range(len(views))), self.page_nbytes, GROUP_NBYTES):
-            if end - start == 1 and self.page_nbytes > GROUP_NBYTES:
-                state = xxhash.xxh3_64()
-                for at in range(0, self.page_nbytes, CHUNK_NBYTES):
-                    chunk = views[start][at:at + CHUNK_NBYTES]
-                    state.update(chunk)
-                    _write_all(fd, [chunk], start * self.page_nbytes + at)
-                digests.append(state.intdigest())
-                continue
-            digests += self._checksums(views[start:end])
-            _write_all(fd, views[start:end], start * self.page_nbytes)
-        headers = self.format.filled_headers(keys, digests)
-        _write_all(fd, [memoryview(headers).cast("B"), trailer], len(views) * self.page_nbytes)
+    def _write_payloads(self, fd: int, keys: list[str], views: list[memoryview] | RowRuns,
+                        trailer: memoryview) -> None:
+        """Write a pack (see :mod:`tierkv.storage.file_write`)."""
+        if isinstance(views, RowRuns):
+            write_row_runs(fd, self.format, keys, views, trailer, GROUP_NBYTES, self._native)
+        else:
+            write_views(fd, self.format, keys, views, trailer, GROUP_NBYTES, self._checksums)
 
-    def _write_pack(self, dir_fd: int, number: int, keys: list[str], views: list[memoryview],
+    def _write_pack(self, dir_fd: int, number: int, keys: list[str], views: list[memoryview] | RowRuns,
                     trailer: memoryview) -> None:
         """Write pack ``number`` to a temp file and rename it into place; the temp file never outlives a
         failure."""

@@ -278,3 +278,19 @@ def test_native_page_checksums_match_xxhash_and_refuse_partial_pages():
         xxhash.xxh3_64_intdigest(data[at:at + 256]) for at in (0, 256, 1024)]
     with pytest.raises(ValueError, match="not whole pages"):
         native.pageio.xxh3_pages([data[:300]], 256)
+
+
+def test_a_bounded_store_cuts_a_backup_from_row_runs_into_small_packs(tmp_path):
+    """A bounded store keeps each pack a 1/16 share of max_bytes, from row runs as from a view a page."""
+    import numpy as np
+
+    from tests.test_storage_backends import BLOB_NBYTES
+
+    store = open_store(f"file:{tmp_path}", "ns", PAGE_NBYTES, {"max_bytes": 64 * BLOB_NBYTES})
+    rows = np.random.default_rng(5).integers(0, 256, (40, PAGE_NBYTES), dtype=np.uint8)
+    index, keys = [*range(5, 17), 30, 31, 0], make_keys(15)
+    assert store.batch_set_rows(keys, rows, index) == [True] * 15
+    assert len(list((tmp_path / store.namespace_tag).glob("*.pack"))) == 4  # 4 + 4 + 4 + 3 pages
+    targets = np.zeros_like(rows)
+    assert store.batch_get_rows(keys, targets, index) == [True] * 15 and (targets[index] == rows[index]).all()
+    store.close()

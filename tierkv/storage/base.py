@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
+from tierkv.storage import native
 from tierkv.storage.overlap import helper_pool
 from tierkv.storage.page_format import PageFormat, PageFormatError, namespace_digest
 
@@ -37,7 +38,8 @@ log = logging.getLogger(__name__)
 
 # Chained page hashes are hex digests (sha256: 64 chars, xxh3-128: 32); anything else is refused so a
 # key can never name a path or a pattern outside the store's own space.
-_KEY_RE = re.compile(r"[0-9a-f]{16,128}")
+MIN_KEY_CHARS, MAX_KEY_CHARS = 16, 128
+_KEY_RE = re.compile(rf"[0-9a-f]{{{MIN_KEY_CHARS},{MAX_KEY_CHARS}}}")
 _HEX_DIGITS = b"0123456789abcdef"
 LOG_INTERVAL_S = 10.0
 HICACHE_BATCH_PAGES = 128  # HiCache's STORAGE_BATCH_SIZE: the pages of one backup store call by default
@@ -189,12 +191,19 @@ def check_key(key: str) -> str:
 
 
 def check_keys(keys: list[str]) -> None:
-    """:func:`check_key` for a whole batch: one pass over the joined keys (a regex match per key cost
+    """:func:`check_key` for a whole batch: one native pass where built (~0.1 us a key less than the
+    Python one, ~0.5 CPU-s of a replay), else one pass over the joined keys (a regex match per key cost
     ~1 us, a tenth of a 128 KiB page read); ValueError naming the first bad key."""
+    if native.pageio is not None and isinstance(keys, (list, tuple)):
+        bad = native.pageio.first_bad_key(keys, MIN_KEY_CHARS, MAX_KEY_CHARS)
+        if bad >= 0:
+            check_key(keys[bad])
+        return
     try:
         joined = "".join(keys).encode("ascii")
         lengths = list(map(len, keys))  # C loops: a generator over the keys cost more than the rest
-        ok = not joined.translate(None, _HEX_DIGITS) and (not keys or (min(lengths) >= 16 and max(lengths) <= 128))
+        ok = not joined.translate(None, _HEX_DIGITS) and (
+            not keys or (min(lengths) >= MIN_KEY_CHARS and max(lengths) <= MAX_KEY_CHARS))
     except (TypeError, UnicodeEncodeError):
         ok = False
     if not ok:

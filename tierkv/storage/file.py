@@ -11,12 +11,12 @@ without L3). Nothing is fsynced unless ``fsync`` is set: a cache loses only hits
 earlier one-file-per-page layout are misses here.
 
 Writes go to a temp file beside the pack and are renamed into place, so a reader sees a whole pack or
-none. A read opens each pack it needs once, reads the header block in one ``preadv`` and each run of
-consecutive pages (up to 1 MiB) in one ``preadv`` straight into the caller's page tensors, checksums that
-group in one native call (no GIL) right after it lands, while it is in cache (a page over 1 MiB: chunk by
-chunk), and checks the headers in one vectorised compare. Writes checksum each group right before
-writing it, likewise. A page that fails is a
-miss, counted and dropped; a pack of the wrong size (truncated, planted) is a miss for all its pages.
+none. A read opens each pack it needs once, reads the headers of the wanted slots' span in one ``preadv``
+and each run of consecutive pages (up to 1 MiB) in one ``preadv`` straight into the caller's pages,
+checksums that group in one native call (no GIL) right after it lands, while it is in cache (a page over
+1 MiB: chunk by chunk), and checks the headers in one vectorised compare. Writes checksum each group right
+before writing it, likewise (:mod:`tierkv.storage.file_write`). A page that fails is a miss, counted and
+dropped; a pack of the wrong size (truncated, planted) is a miss for all its pages.
 
 The pack index (which pack and slot holds each key) lives in memory: built from the packs' key lists
 when the store opens, extended as it writes, and on a miss extended by the packs other processes wrote
@@ -186,11 +186,11 @@ class FileStore(PageStore):
     # ---- finding pages ---------------------------------------------------------------------------
     def _locate(self, dir_fd: int, keys: list[str], leading: bool = False
                 ) -> tuple[list[int | None], dict[int, tuple[int, int]]]:
-        """The index place of each key (pack and slot, see file_pack.SLOT_BITS; None if no pack holds it), and
-        (pages, bytes) of each pack named. First
-        the packs other processes wrote since the last look (one read of the counter when there are none:
-        a newer pack of a known page must win, as a newer file did), then, on a miss, the numbers still
-        pending (drawn but not yet renamed then), looked up again only if one of them was indexed.
+        """The index place of each key (pack and slot, see file_pack.SLOT_BITS; None if no pack holds it),
+        and (pages, bytes) of each pack named. First the packs other processes wrote since the last look
+        (one read of the counter when there are none: a newer pack of a known page must win, as a newer
+        file did), then, on a miss, the numbers still pending (drawn but not yet renamed then), looked up
+        again only if one of them was indexed.
         ``leading``: only the leading run of present keys is wanted; the list may end after its first miss."""
         drawn = self._counter.peek()
         with self._index_lock:
@@ -449,8 +449,8 @@ class FileStore(PageStore):
     def batch_set_rows(self, keys: list[str], rows: np.ndarray, pages: Any, **kwargs: Any) -> list[bool]:
         """Writes from runs of consecutive rows, a view a run (see file_write); a keyed store, pages over
         a group, or a subclass's own batch_set take the general way (a view a page)."""
-        if kwargs or self.format.keyed or self.page_nbytes > GROUP_NBYTES or \
-                getattr(type(self), "batch_set") is not FileStore.batch_set:
+        own_set = type(self).batch_set is FileStore.batch_set
+        if kwargs or self.format.keyed or self.page_nbytes > GROUP_NBYTES or not own_set:
             return super().batch_set_rows(keys, rows, pages, **kwargs)
         return self._set_views(keys, RowRuns(rows, self._row_index(keys, rows, pages)))
 

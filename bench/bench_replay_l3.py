@@ -7,6 +7,14 @@ kinds run interleaved (no L3, file L3, ..., the order rotating per repeat) so th
 processes falls on all alike; each file run gets a fresh, empty directory, removed afterwards (not
 timed). The ratio is a kind's CPU over the no-L3 run's in the same repeat; min and median over repeats.
 
+`--defer-cleanup` removes those directories after the last repeat instead. Why: ext4 without a journal (as
+here) checks each free inode it considers for a recent deletion (``recently_deleted``, reading the inode's
+block: ``find_get_block_common`` in ``perf``), so files created beside thousands just removed cost kernel
+time in proportion to what was removed, not to what is written: 2,000 files of 200 KB took 0.17-0.38 s of
+system time in a fresh directory here, 1.54 s forty seconds after 10,566 empty files beside it were
+removed, and a file run after `file-before`'s 10,566 packs took 2.7-2.9 s of system time, 0.9 s after the
+no-L3 run.
+
 By default the replay runs with `--no-baselines --serial`: the cache alone, so the ratio is the L3's
 cost against the cache's own; `--with-baselines` times the command as a user types it (the L1-only
 replay and MIN beside it, the same work in every kind). `--before DIR` adds the file L3 of another
@@ -14,7 +22,7 @@ checkout (DIR, with its native modules built) to the same interleaving, as kind 
 before/after pair measured under the same load.
 
 Run:  python bench/bench_replay_l3.py [--limit 500] [--repeats 3] [--memory] [--before /path/to/checkout]
-      [--with-baselines]
+      [--with-baselines] [--defer-cleanup]
 """
 
 from __future__ import annotations
@@ -50,7 +58,9 @@ def run_replay(trace: Path, limit: int, l3: str, page_size: int, repo: Path = RO
     return user_after - user_before, sys_after - sys_before
 
 
-def run_kind(kind: str, args: argparse.Namespace) -> tuple[float, float]:
+def run_kind(kind: str, args: argparse.Namespace, leftovers: list[str]) -> tuple[float, float]:
+    """One timed run of ``kind``; a file kind's directory is removed now, or added to ``leftovers``
+    (--defer-cleanup)."""
     if not kind.startswith("file"):
         return run_replay(args.trace, args.limit, kind, args.page_size, baselines=args.with_baselines)
     directory = tempfile.mkdtemp(prefix="tierkv-bench-l3-")
@@ -58,7 +68,10 @@ def run_kind(kind: str, args: argparse.Namespace) -> tuple[float, float]:
     try:
         return run_replay(args.trace, args.limit, f"file:{directory}", args.page_size, repo, args.with_baselines)
     finally:
-        shutil.rmtree(directory, ignore_errors=True)
+        if args.defer_cleanup:
+            leftovers.append(directory)
+        else:
+            shutil.rmtree(directory, ignore_errors=True)
 
 
 def main() -> None:
@@ -71,16 +84,33 @@ def main() -> None:
     parser.add_argument("--with-baselines", action="store_true",
                         help="the command as a user types it: with the baselines (no-cache, L1-only, MIN) beside")
     parser.add_argument("--before", type=Path, help="another checkout whose file L3 runs too (file-before)")
+    parser.add_argument("--defer-cleanup", action="store_true",
+                        help="remove the file runs' directories after the last repeat, not after each run "
+                             "(see the module docstring)")
     args = parser.parse_args()
     args.trace = args.trace.resolve()
     kinds = ["none", "file"] + (["memory"] if args.memory else []) + (["file-before"] if args.before else [])
     cpu: dict[str, list[tuple[float, float]]] = {kind: [] for kind in kinds}
+    leftovers: list[str] = []
+    try:
+        run_repeats(args, kinds, cpu, leftovers)
+    finally:
+        for directory in leftovers:
+            shutil.rmtree(directory, ignore_errors=True)
+    report(args, kinds, cpu)
+
+
+def run_repeats(args: argparse.Namespace, kinds: list[str], cpu: dict[str, list[tuple[float, float]]],
+                leftovers: list[str]) -> None:
     for repeat in range(args.repeats):
         order = kinds[repeat % len(kinds):] + kinds[:repeat % len(kinds)]
         for kind in order:
-            cpu[kind].append(run_kind(kind, args))
+            cpu[kind].append(run_kind(kind, args, leftovers))
             user_s, sys_s = cpu[kind][-1]
             print(f"repeat {repeat + 1}: {kind:11s} {user_s:6.2f} user + {sys_s:6.2f} sys s", file=sys.stderr)
+
+
+def report(args: argparse.Namespace, kinds: list[str], cpu: dict[str, list[tuple[float, float]]]) -> None:
     base = [u + s for u, s in cpu["none"]]
     print(f"replay of {args.limit} requests, page {args.page_size}, {args.repeats} interleaved repeats "
           "(CPU s: user + sys; ratio: over the no-L3 run of the same repeat)")

@@ -221,7 +221,7 @@ def test_disk_full_is_a_failed_write_not_a_crash(tmp_path, monkeypatch):
     def no_space(*args):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(file_backend, "_write_all", no_space)
+    monkeypatch.setattr("tierkv.storage.file_write.write_all", no_space)
     monkeypatch.setattr(file_backend.native, "pageio", None)  # the Python loop, whose writes this test breaks
     before = set(threading.enumerate())
     store = open_work_store(f"file://{tmp_path}/l3", {})

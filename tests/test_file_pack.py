@@ -13,10 +13,12 @@ from tierkv.storage.factory import open_store
 from tierkv.storage.file import GROUP_NBYTES
 from tierkv.storage.file_pack import (
     PENDING_WINDOW,
+    SLOT_BITS,
     PackIndex,
     consumed,
     pack_name,
     pack_number,
+    pack_numbers,
     pack_pages,
 )
 
@@ -48,6 +50,24 @@ def test_a_bounded_index_evicts_whole_packs_least_recently_used_first():
     gone = index.add(2, K[4:6], 100)
     assert [(number, info.live) for number, info in gone] == [(1, 2)]
     assert index.locate(K[2]) is None and index.locate(K[0]) is not None and index.size_bytes == 200
+
+
+def test_the_index_keeps_one_int_a_page_and_a_key_twice_in_a_pack_is_its_last_slot():
+    # a (number, slot) tuple a page cost ~1 us a page written in a replay; the place is number << SLOT_BITS | slot
+    index = PackIndex(None)
+    index.add(1, K[:2], 100)
+    gone = index.add(3, [K[0], K[2], K[0]], 100)
+    assert gone == [] and index.locate(K[0]) == (3, 2, 3) and index.locate(K[1]) == (1, 1, 2)
+    assert index.packs[3].live == 2 and index.packs[1].live == 1
+    assert index.pages[K[2]] == (3 << SLOT_BITS) + 1 and all(type(p) is int for p in index.pages.values())
+    number, info = index.drop_page(K[1])
+    assert number == 1 and info.live == 0 and 1 not in index.packs
+
+
+def test_pack_numbers_are_each_once_in_order_of_first_use():
+    places = [(7 << SLOT_BITS) + 3, 2 << SLOT_BITS, (7 << SLOT_BITS) + 4, None, (9 << SLOT_BITS), 0, None]
+    assert list(pack_numbers(places)) == [7, 2, 9, 0]  # pack 0, slot 0: place 0 counts too
+    assert list(pack_numbers([])) == [] and list(pack_numbers([None])) == []
 
 
 def test_dropping_pages_frees_their_pack_once_none_is_live():
@@ -157,4 +177,120 @@ def test_exists_counts_the_leading_run_wherever_the_first_miss_falls(tmp_path, r
         assert other.batch_set([keys[run]], make_pages(1)) == [True]
         assert store.batch_exists(keys) == len(keys)
         other.close()
+    store.close()
+
+
+@pytest.mark.parametrize("removed, run", [(1, 1), (0, 0)], ids=["the-later-pack", "the-first-pack"])
+def test_exists_ends_at_the_first_page_of_a_removed_pack_where_packs_interleave(tmp_path, removed, run):
+    """Pages 0, 2, 3 in pack 0 and page 1 rewritten into pack 1: a pack another process removed ends the
+    run at its first page in the batch, whichever pack it is."""
+    store = open_store(f"file:{tmp_path}", "ns", PAGE_NBYTES)
+    keys = make_keys(4)
+    assert store.batch_set(keys, make_pages(4)) == [True] * 4
+    assert store.batch_set(keys[1:2], make_pages(1, seed=1)) == [True]
+    assert store.batch_exists(keys) == 4
+    os.unlink(tmp_path / store.namespace_tag / pack_name(removed))
+    assert store.batch_exists(keys) == run
+    store.close()
+
+
+def test_a_read_of_a_few_pages_of_a_large_pack_reads_their_headers_alone_and_checks_each(tmp_path, monkeypatch):
+    """A prefetch reads a backup's pack 16 pages at a time: only the wanted span of headers is read, and a
+    bad header inside that span is still a miss for its page alone."""
+    import tierkv.storage.file as file_module
+
+    store = open_store(f"file:{tmp_path}", "ns", PAGE_NBYTES)
+    keys, pages = make_keys(300), make_pages(300)
+    assert store.batch_set(keys, pages) == [True] * 300
+    path, _, header_at = store.page_extent(keys[151])
+    with open(path, "r+b") as f:
+        f.seek(header_at + 20)  # the namespace digest
+        byte = f.read(1)
+        f.seek(header_at + 20)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    reads, real_read_run = [], file_module.read_run
+
+    def read_run(fd, views, offset):
+        reads.append(sum(map(len, views)))
+        return real_read_run(fd, views, offset)
+    monkeypatch.setattr(file_module, "read_run", read_run)
+    targets = empty_pages(3)
+    assert store.batch_get(keys[150:153], targets) == [True, False, True]
+    assert torch.equal(targets[0], pages[150]) and torch.equal(targets[2], pages[152])
+    assert reads[0] == 3 * 48 and store.stats.corrupt_pages == 1
+    store.close()
+
+
+@pytest.mark.parametrize("use_native", [True, False], ids=["native", "python"])
+@pytest.mark.parametrize("page_nbytes", [256, 40_000], ids=["one-group", "groups"])
+def test_a_backup_from_row_runs_writes_the_same_pack_as_a_view_a_page(tmp_path, use_native, page_nbytes):
+    """batch_set_rows writes runs of consecutive rows, a view a run (a view a page was ~1 CPU-s of a
+    replay): the pack's bytes are those of batch_set, wherever the runs break and the groups are cut."""
+    import numpy as np
+
+    from tierkv.storage import native
+
+    if use_native and native.pageio is None:
+        from tests.conftest import skip_without_native
+        skip_without_native("tierkv._pageio is not built")
+    rows = np.random.default_rng(4).integers(0, 256, (100, page_nbytes), dtype=np.uint8)
+    index = [7, 8, 9, 10, 3, 4, 50, *range(60, 90), 2, 99, 98, *range(20, 40)]  # runs of 1 to 30 rows
+    keys = make_keys(len(index))
+    by_views, by_runs = (open_store(f"file:{tmp_path / name}", "ns", page_nbytes) for name in ("views", "runs"))
+    for store in (by_views, by_runs):
+        store._native = native.pageio if use_native else None
+    assert by_views.batch_set(keys, [torch.from_numpy(rows[i].copy()) for i in index]) == [True] * len(index)
+    assert by_runs.batch_set_rows(keys, rows, index) == [True] * len(index)
+    packs = [tmp_path / name / store.namespace_tag / pack_name(0) for name, store in
+             (("views", by_views), ("runs", by_runs))]
+    assert packs[0].read_bytes() == packs[1].read_bytes()
+    targets = np.zeros_like(rows)
+    assert by_runs.batch_get_rows(keys, targets, index) == [True] * len(index)
+    assert (targets[index] == rows[index]).all()
+    by_views.close()
+    by_runs.close()
+
+
+def test_row_runs_are_cut_into_groups_of_whole_pages():
+    import numpy as np
+
+    from tierkv.storage.file_write import RowRuns
+
+    rows = np.arange(10 * 4, dtype=np.uint8).reshape(10, 4)
+    runs = RowRuns(rows, np.array([2, 3, 4, 7, 8, 0]))
+    assert runs.runs() == [(2, 3), (7, 2), (0, 1)] and len(runs[1:3]) == 2 and RowRuns(rows, []).runs() == []
+    groups = runs.groups(group_nbytes=2 * 4)  # two pages a group
+    assert [[bytes(v) for v in group] for group in groups] == [
+        [rows[2:4].tobytes()], [rows[4].tobytes(), rows[7].tobytes()], [rows[8].tobytes(), rows[0].tobytes()]]
+    assert [len(g) for g in runs.groups(group_nbytes=3)] == [1, 1, 1, 1, 1, 1]  # under a page: a page a group
+
+
+def test_native_page_checksums_match_xxhash_and_refuse_partial_pages():
+    import xxhash
+
+    from tierkv.storage import native
+
+    if native.pageio is None:
+        from tests.conftest import skip_without_native
+        skip_without_native("tierkv._pageio is not built")
+    data = bytes(range(256)) * 10
+    assert native.pageio.xxh3_pages([data[:512], data[1024:1280]], 256) == [
+        xxhash.xxh3_64_intdigest(data[at:at + 256]) for at in (0, 256, 1024)]
+    with pytest.raises(ValueError, match="not whole pages"):
+        native.pageio.xxh3_pages([data[:300]], 256)
+
+
+def test_a_bounded_store_cuts_a_backup_from_row_runs_into_small_packs(tmp_path):
+    """A bounded store keeps each pack a 1/16 share of max_bytes, from row runs as from a view a page."""
+    import numpy as np
+
+    from tests.test_storage_backends import BLOB_NBYTES
+
+    store = open_store(f"file:{tmp_path}", "ns", PAGE_NBYTES, {"max_bytes": 64 * BLOB_NBYTES})
+    rows = np.random.default_rng(5).integers(0, 256, (40, PAGE_NBYTES), dtype=np.uint8)
+    index, keys = [*range(5, 17), 30, 31, 0], make_keys(15)
+    assert store.batch_set_rows(keys, rows, index) == [True] * 15
+    assert len(list((tmp_path / store.namespace_tag).glob("*.pack"))) == 4  # 4 + 4 + 4 + 3 pages
+    targets = np.zeros_like(rows)
+    assert store.batch_get_rows(keys, targets, index) == [True] * 15 and (targets[index] == rows[index]).all()
     store.close()

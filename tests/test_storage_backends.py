@@ -576,7 +576,6 @@ def _store_warnings(caplog) -> list:
 
 def test_file_full_disk_warns_once_and_backs_off_writes(tmp_path, monkeypatch, caplog):
     """One warning, not one per page per backup; later writes skip the disk (issue 11, item 11)."""
-    import tierkv.storage.file as file_backend
     monkeypatch.setattr(native, "pageio", None)  # the Python loop, whose writes this test breaks
     store = open_store(f"file:{tmp_path}", "ns", PAGE_NBYTES, {"retry_backoff_s": 30.0})
     keys, pages = make_keys(10), make_pages(10)
@@ -587,7 +586,7 @@ def test_file_full_disk_warns_once_and_backs_off_writes(tmp_path, monkeypatch, c
         attempts.append(offset)
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(file_backend, "_write_all", no_space)
+    monkeypatch.setattr("tierkv.storage.file_write.write_all", no_space)
     with caplog.at_level("WARNING"):
         for _ in range(3):
             assert store.batch_set(keys[2:], pages[2:]) == [False] * 8
@@ -601,7 +600,6 @@ def test_file_full_disk_warns_once_and_backs_off_writes(tmp_path, monkeypatch, c
 
 def test_store_warnings_are_rate_limited_with_a_count(tmp_path, monkeypatch, caplog):
     """A failing disk that is not full (EIO) is tried page by page, but logs once per interval."""
-    import tierkv.storage.file as file_backend
     monkeypatch.setattr(native, "pageio", None)  # the Python loop, whose writes this test breaks
     store = open_store(f"file:{tmp_path}", "ns", PAGE_NBYTES)
     now = [0.0]
@@ -611,7 +609,7 @@ def test_store_warnings_are_rate_limited_with_a_count(tmp_path, monkeypatch, cap
     def io_error(fd, data, offset):
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(file_backend, "_write_all", io_error)
+    monkeypatch.setattr("tierkv.storage.file_write.write_all", io_error)
     with caplog.at_level("WARNING"):
         for i in range(19):  # a batch a page: a file store writes a batch as one pack, one failure
             assert store.batch_set(keys[i:i + 1], pages[i:i + 1]) == [False]

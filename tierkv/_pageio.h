@@ -24,6 +24,11 @@ typedef int (*reset_fn)(void *);
 typedef int (*update_fn)(void *, const void *, size_t);
 typedef uint64_t (*digest_fn)(const void *);
 typedef int (*free_fn)(void *);
+typedef struct {
+    uint64_t low64;
+    uint64_t high64;
+} Xxh128Hash; /* XXH128_hash_t's layout */
+typedef Xxh128Hash (*xxh128_fn)(const void *, size_t);
 
 /* xxh3-64 as the xxhash package's shared object has it (bind_xxh3 fills this). */
 typedef struct {
@@ -33,6 +38,7 @@ typedef struct {
     update_fn update;
     digest_fn digest;
     free_fn free_state;
+    xxh128_fn oneshot128; /* xxh3-128: chained page hashes (chain_xxh3_128) */
 } Xxh3Functions;
 
 PAGEIO_INTERNAL extern Xxh3Functions xxh3;

@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
+from tierkv.storage import native
 from tierkv.storage.overlap import helper_pool
 from tierkv.storage.page_format import PageFormat, PageFormatError, namespace_digest
 
@@ -37,9 +38,12 @@ log = logging.getLogger(__name__)
 
 # Chained page hashes are hex digests (sha256: 64 chars, xxh3-128: 32); anything else is refused so a
 # key can never name a path or a pattern outside the store's own space.
-_KEY_RE = re.compile(r"[0-9a-f]{16,128}")
+MIN_KEY_CHARS, MAX_KEY_CHARS = 16, 128
+_KEY_RE = re.compile(rf"[0-9a-f]{{{MIN_KEY_CHARS},{MAX_KEY_CHARS}}}")
 _HEX_DIGITS = b"0123456789abcdef"
 LOG_INTERVAL_S = 10.0
+HICACHE_BATCH_PAGES = 128  # HiCache's STORAGE_BATCH_SIZE: the pages of one backup store call by default
+PREFETCH_BATCH_PAGES = 16  # the pages of one prefetch read by default: progress is counted between reads
 
 
 @dataclass
@@ -187,17 +191,34 @@ def check_key(key: str) -> str:
 
 
 def check_keys(keys: list[str]) -> None:
-    """:func:`check_key` for a whole batch: one pass over the joined keys (a regex match per key cost
+    """:func:`check_key` for a whole batch: one native pass where built (~0.1 us a key less than the
+    Python one, ~0.5 CPU-s of a replay), else one pass over the joined keys (a regex match per key cost
     ~1 us, a tenth of a 128 KiB page read); ValueError naming the first bad key."""
+    if native.pageio is not None and isinstance(keys, (list, tuple)):
+        bad = native.pageio.first_bad_key(keys, MIN_KEY_CHARS, MAX_KEY_CHARS)
+        if bad >= 0:
+            check_key(keys[bad])
+        return
     try:
         joined = "".join(keys).encode("ascii")
         lengths = list(map(len, keys))  # C loops: a generator over the keys cost more than the rest
-        ok = not joined.translate(None, _HEX_DIGITS) and (not keys or (min(lengths) >= 16 and max(lengths) <= 128))
+        ok = not joined.translate(None, _HEX_DIGITS) and (
+            not keys or (min(lengths) >= MIN_KEY_CHARS and max(lengths) <= MAX_KEY_CHARS))
     except (TypeError, UnicodeEncodeError):
         ok = False
     if not ok:
         for key in keys:
             check_key(key)
+
+
+def batch_pages(store: Any, configured_pages: int | None, kind: str) -> int:
+    """The pages a ``kind`` ("prefetch" or "backup") moves to or from ``store`` per call: ``configured_pages``
+    (the storage config's), or when None the store's own choice (a duck-typed store: the defaults)."""
+    if configured_pages is not None:
+        return configured_pages
+    if isinstance(store, PageStore):
+        return store.prefetch_batch_pages() if kind == "prefetch" else store.backup_batch_pages()
+    return PREFETCH_BATCH_PAGES if kind == "prefetch" else HICACHE_BATCH_PAGES
 
 
 def takes_rows(store: Any) -> bool:
@@ -251,6 +272,16 @@ class PageStore(ABC):
     # backends that lay pages out by prefix (as SGLang's hf3fs does) want it; a chained hash already
     # names its whole prefix, so no backend here needs it.
     accepts_prefix_keys: bool = False
+
+    def backup_batch_pages(self) -> int:
+        """Pages one backup hands :meth:`batch_set` at a time when the storage config leaves
+        ``backup_batch_pages`` unset: HiCache's 128, unless a store's calls cost far more than its pages."""
+        return HICACHE_BATCH_PAGES
+
+    def prefetch_batch_pages(self) -> int:
+        """Pages one prefetch asks :meth:`batch_get` for at a time when the storage config leaves
+        ``prefetch_batch_pages`` unset: 16, unless a store's calls cost far more than its pages."""
+        return PREFETCH_BATCH_PAGES
 
     @abstractmethod
     def batch_exists(self, keys: list[str]) -> int:
@@ -368,6 +399,13 @@ class PageStore(ABC):
 
     def _row_views(self, keys: list[str], rows: np.ndarray, pages: Any) -> list[memoryview]:
         """Byte views of rows ``pages`` of ``rows`` (checked once for the whole batch, not page by page)."""
+        index = self._row_index(keys, rows, pages)
+        flat, nbytes = memoryview(rows).cast("B"), self.page_nbytes
+        return [flat[p * nbytes:(p + 1) * nbytes] for p in index.tolist()]
+
+    def _row_index(self, keys: list[str], rows: np.ndarray, pages: Any) -> np.ndarray:
+        """``pages`` as an integer array, once ``rows`` (page rows), ``pages`` (one in range per key) and
+        ``keys`` are checked; ValueError naming what is wrong."""
         if (not isinstance(rows, np.ndarray) or rows.dtype != np.uint8 or rows.ndim != 2
                 or not rows.flags.c_contiguous or rows.shape[1] != self.page_nbytes):
             raise ValueError(f"page rows must be a C-contiguous 2-D uint8 array of {self.page_nbytes}-byte rows, "
@@ -380,8 +418,7 @@ class PageStore(ABC):
             bad = index[(index < 0) | (index >= len(rows))][0]
             raise ValueError(f"page row {int(bad)} is outside the {len(rows)} rows given")
         check_keys(keys)
-        flat, nbytes = memoryview(rows).cast("B"), self.page_nbytes
-        return [flat[p * nbytes:(p + 1) * nbytes] for p in index.tolist()]
+        return index
 
     def _check_batch(self, keys: list[str], tensors: list[torch.Tensor]) -> list[memoryview]:
         if len(keys) != len(tensors):

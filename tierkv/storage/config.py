@@ -15,6 +15,8 @@ from tierkv.validate import check_bool, check_choice, check_int, check_seconds
 
 STOP_POLICIES = ("best_effort", "wait_complete", "timeout")
 HASH_ALGORITHMS = ("sha256", "xxh3_128")
+# None: resolved by the controller (from the cache's sizes, the store's choice)
+_RESOLVED_LATER = ("prefetch_max_tokens_in_flight", "prefetch_batch_pages", "backup_batch_pages")
 
 
 @dataclass(frozen=True)
@@ -27,8 +29,10 @@ class StorageConfig:
     needs them: a chained page hash already names its whole prefix).
     ``prefetch_max_tokens_in_flight`` is the rate limit (None: HiCache's 0.8 x (L2 - L1) tokens, at least
     one page, resolved by the controller); ``prefetch_batch_pages`` and ``backup_batch_pages`` are the pages
-    one store call carries (a prefetch's progress is counted, and can stop, between its calls; a backup
-    of 128 pages is HiCache's ``STORAGE_BATCH_SIZE``, and the file store writes one pack file a call);
+    one store call carries (a prefetch's progress is counted, and can stop, between its calls); None is
+    the store's choice (:meth:`PageStore.prefetch_batch_pages`, :meth:`PageStore.backup_batch_pages`): 16
+    pages a read and HiCache's ``STORAGE_BATCH_SIZE`` of 128 a write, or for the file store, whose calls
+    each open a pack file, as many small pages as fill 1 MiB a read and 4 MiB a write;
     ``backup_max_pending_tokens`` caps the backup
     queue (later backups are dropped, costing only a future L3 miss); ``io_wait_timeout_s`` bounds every
     wait on storage threads (flush, reset, close).
@@ -41,8 +45,8 @@ class StorageConfig:
     prefetch_stop_policy: str = "best_effort"
     hash_algorithm: str | None = None
     prefetch_max_tokens_in_flight: int | None = None
-    prefetch_batch_pages: int = 16
-    backup_batch_pages: int = 128
+    prefetch_batch_pages: int | None = None
+    backup_batch_pages: int | None = None
     backup_max_pending_tokens: int = 1 << 20
     io_wait_timeout_s: float = 10.0
     backend_config: Mapping[str, Any] = field(default_factory=dict, repr=False)  # may hold a password
@@ -51,7 +55,7 @@ class StorageConfig:
         check_int("prefetch_threshold", self.prefetch_threshold, minimum=0)
         for name in ("prefetch_max_tokens_in_flight", "prefetch_batch_pages", "backup_batch_pages",
                      "backup_max_pending_tokens"):
-            if name != "prefetch_max_tokens_in_flight" or self.prefetch_max_tokens_in_flight is not None:
+            if name not in _RESOLVED_LATER or getattr(self, name) is not None:
                 check_int(name, getattr(self, name), minimum=1)
         for name in ("prefetch_timeout_base", "prefetch_timeout_per_ki_token"):
             check_seconds(name, getattr(self, name))

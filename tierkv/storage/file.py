@@ -11,12 +11,12 @@ without L3). Nothing is fsynced unless ``fsync`` is set: a cache loses only hits
 earlier one-file-per-page layout are misses here.
 
 Writes go to a temp file beside the pack and are renamed into place, so a reader sees a whole pack or
-none. A read opens each pack it needs once, reads the header block in one ``preadv`` and each run of
-consecutive pages (up to 1 MiB) in one ``preadv`` straight into the caller's page tensors, checksums that
-group in one native call (no GIL) right after it lands, while it is in cache (a page over 1 MiB: chunk by
-chunk), and checks the headers in one vectorised compare. Writes checksum each group right before
-writing it, likewise. A page that fails is a
-miss, counted and dropped; a pack of the wrong size (truncated, planted) is a miss for all its pages.
+none. A read opens each pack it needs once, reads the headers of the wanted slots' span in one ``preadv``
+and each run of consecutive pages (up to 1 MiB) in one ``preadv`` straight into the caller's pages,
+checksums that group in one native call (no GIL) right after it lands, while it is in cache (a page over
+1 MiB: chunk by chunk), and checks the headers in one vectorised compare. Writes checksum each group right
+before writing it, likewise (:mod:`tierkv.storage.file_write`). A page that fails is a miss, counted and
+dropped; a pack of the wrong size (truncated, planted) is a miss for all its pages.
 
 The pack index (which pack and slot holds each key) lives in memory: built from the packs' key lists
 when the store opens, extended as it writes, and on a miss extended by the packs other processes wrote
@@ -44,6 +44,7 @@ import stat
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 import torch
@@ -54,19 +55,21 @@ from tierkv.storage.base import Backoff, PageStore, check_key, check_keys, check
 from tierkv.storage.file_budget import LEDGER_NAME, DirectoryBudget
 from tierkv.storage.file_pack import (
     COUNTER_NAME,
-    IOV_MAX,
     PACK_SUFFIX,
     PackCounter,
     PackIndex,
+    SLOT_BITS,
+    SLOT_MASK,
     PackInfo,
-    consumed,
     pack_name,
     pack_number,
+    pack_numbers,
     pack_trailer,
     read_pack_keys,
     read_run,
     slot_groups,
 )
+from tierkv.storage.file_write import RowRuns, write_row_runs, write_views
 from tierkv.storage.page_format import (
     CHUNK_NBYTES,
     HEADER_SIZE,
@@ -90,6 +93,11 @@ GROUP_NBYTES = 1 << 20
 # exists maps keys in chunks of 16, 32, 64, ... up to the first miss: most lookups miss early, and
 # mapping a whole 4,000-page prompt cost more than the rest of the call (dict probes into a big index)
 LEADING_CHUNK_KEYS = 16
+# A backup writes at least this many bytes a pack (unless backup_batch_pages says otherwise): creating and
+# renaming a pack file costs ~50 us in isolation and up to 0.5 ms when ext4's inode allocation is busy,
+# and a replay's 256-byte pages at HiCache's 128 pages a call made 10,566 packs of 38 KiB for 2,000
+# requests, most of its system time. Larger pages keep 128 a pack (128 KiB pages: 16 MiB).
+MIN_BACKUP_PACK_NBYTES = 4 << 20
 MAX_READ_THREADS = 4  # kept for bench/bench_storage.py's report of the raw baseline's threads
 
 
@@ -98,15 +106,6 @@ def usable_cores() -> int:
     if hasattr(os, "sched_getaffinity"):
         return max(1, len(os.sched_getaffinity(0)))
     return os.cpu_count() or 1
-
-
-def _write_all(fd: int, buffers: list[memoryview], offset: int) -> None:
-    """Write ``buffers`` back to back from ``offset``: one ``pwritev`` per 1,024 buffers unless the kernel
-    takes less."""
-    while buffers:
-        written = os.pwritev(fd, buffers[:IOV_MAX], offset)
-        offset += written
-        buffers = consumed(buffers, written)
 
 
 class FileStore(PageStore):
@@ -135,6 +134,15 @@ class FileStore(PageStore):
         # Checksums of a batch in one native call; a MAC (keyed store) is computed in Python.
         self._native = native.pageio if self.format.page_key is None else None
         self._rebuild_index()
+
+    def backup_batch_pages(self) -> int:
+        """HiCache's 128 pages a pack, or as many as fill MIN_BACKUP_PACK_NBYTES when pages are small."""
+        return max(super().backup_batch_pages(), MIN_BACKUP_PACK_NBYTES // self.format.blob_nbytes)
+
+    def prefetch_batch_pages(self) -> int:
+        """16 pages a read, or as many as fill GROUP_NBYTES when pages are small: each read opens the
+        directory, the counter and a pack, ~80 us of calls, while 16 pages of 256 bytes take ~1 us to copy."""
+        return max(super().prefetch_batch_pages(), GROUP_NBYTES // self.page_nbytes)
 
     def path(self, key: str) -> str | None:
         """The pack file holding ``key`` (None if the store knows none); ValueError if the key is not a
@@ -177,11 +185,12 @@ class FileStore(PageStore):
 
     # ---- finding pages ---------------------------------------------------------------------------
     def _locate(self, dir_fd: int, keys: list[str], leading: bool = False
-                ) -> tuple[list[tuple[int, int] | None], dict[int, tuple[int, int]]]:
-        """(pack, slot) of each key (None if no pack holds it), and (pages, bytes) of each pack named. First
-        the packs other processes wrote since the last look (one read of the counter when there are none:
-        a newer pack of a known page must win, as a newer file did), then, on a miss, the numbers still
-        pending (drawn but not yet renamed then), looked up again only if one of them was indexed.
+                ) -> tuple[list[int | None], dict[int, tuple[int, int]]]:
+        """The index place of each key (pack and slot, see file_pack.SLOT_BITS; None if no pack holds it),
+        and (pages, bytes) of each pack named. First the packs other processes wrote since the last look
+        (one read of the counter when there are none: a newer pack of a known page must win, as a newer
+        file did), then, on a miss, the numbers still pending (drawn but not yet renamed then), looked up
+        again only if one of them was indexed.
         ``leading``: only the leading run of present keys is wanted; the list may end after its first miss."""
         drawn = self._counter.peek()
         with self._index_lock:
@@ -193,12 +202,11 @@ class FileStore(PageStore):
             found, packs = self._locate_known(keys, leading)
         return found, packs
 
-    def _locate_known(self, keys: list[str], leading: bool
-                      ) -> tuple[list[tuple[int, int] | None], dict[int, tuple[int, int]]]:
+    def _locate_known(self, keys: list[str], leading: bool) -> tuple[list[int | None], dict[int, tuple[int, int]]]:
         with self._index_lock:
             get = self._index.pages.get
             if leading:  # a lookup usually misses early: map growing chunks, up to the first miss
-                found: list[tuple[int, int] | None] = []
+                found: list[int | None] = []
                 start, size, missed = 0, LEADING_CHUNK_KEYS, False
                 while start < len(keys) and not missed:
                     chunk = list(map(get, keys[start:start + size]))
@@ -208,7 +216,7 @@ class FileStore(PageStore):
                 found = list(map(get, keys))  # one C call for the batch, not a tuple a key
             known = self._index.packs
             packs = {number: (len(known[number].keys), known[number].size_bytes)
-                     for number in {where[0] for where in found if where is not None}}
+                     for number in pack_numbers(found)}
             return found, packs
 
     def _look_for_new_packs(self, dir_fd: int, drawn: int) -> bool:
@@ -278,13 +286,10 @@ class FileStore(PageStore):
             with self._namespace() as dir_fd:
                 where, packs = self._locate(dir_fd, keys, leading=True)
                 run = where.index(None) if None in where else len(where)
-                checked: dict[int, bool] = {}
-                for i in range(run):
-                    number = where[i][0]
-                    if number not in checked:
-                        checked[number] = self._pack_present(dir_fd, number, packs[number][1])
-                    if not checked[number]:
-                        return i
+                checked = pack_numbers(where[:run])  # in order of first use: the first absent pack ends the run
+                for number in checked:
+                    if not self._pack_present(dir_fd, number, packs[number][1]):
+                        return next(i for i in range(run) if where[i] >> SLOT_BITS == number)
         except FileNotFoundError:
             return 0
         except OSError as err:
@@ -323,7 +328,7 @@ class FileStore(PageStore):
                     wheres, packs = self._locate(dir_fd, keys)
                     for i, where in enumerate(wheres):
                         if where is not None:
-                            by_pack.setdefault(where[0], []).append((where[1], i))
+                            by_pack.setdefault(where >> SLOT_BITS, []).append((where & SLOT_MASK, i))
                     for number, wanted in by_pack.items():
                         self._read_pack(dir_fd, number, *packs[number], wanted, keys, views, found)
             except FileNotFoundError:
@@ -349,15 +354,18 @@ class FileStore(PageStore):
             self._error(f"read {os.path.join(self.directory, name)}", err)
             return
         wanted.sort()
-        headers = np.zeros((count, HEADER_SIZE), dtype=np.uint8)
+        # the headers of the wanted slots' span alone: a prefetch reads a pack of a whole backup (hundreds
+        # of pages) a batch of 16 at a time, and reading every header each time read them all ~40 times
+        first_slot, num_headers = wanted[0][0], wanted[-1][0] - wanted[0][0] + 1
+        headers = np.zeros((num_headers, HEADER_SIZE), dtype=np.uint8)
         try:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode) or info.st_size != size_bytes:
                 self._reject_pack(dir_fd, number, [keys[i] for _, i in wanted],
                                   f"pack {name} of {info.st_size} bytes, expected {size_bytes}")
                 return
-            got = read_run(fd, [memoryview(headers).cast("B")], count * self.page_nbytes)
-            digests = self._read_payloads(fd, wanted, views) if got == count * HEADER_SIZE else None
+            got = read_run(fd, [memoryview(headers).cast("B")], count * self.page_nbytes + first_slot * HEADER_SIZE)
+            digests = self._read_payloads(fd, wanted, views) if got == headers.nbytes else None
             complete = digests is not None
             if complete and self.max_bytes is not None:
                 os.utime(fd)  # the pack's mtime is its last use: the LRU order after a restart
@@ -371,7 +379,7 @@ class FileStore(PageStore):
             return
         with self._index_lock:
             self._index.touch(number)
-        self._verify(keys, views, headers, wanted, found, digests)
+        self._verify(keys, views, headers, first_slot, wanted, found, digests)
 
     def _read_payloads(self, fd: int, wanted: list[tuple[int, int]], views: list[memoryview]) -> list[int] | None:
         """Read the wanted slots (sorted), each group of consecutive slots in one call, and checksum each
@@ -403,13 +411,13 @@ class FileStore(PageStore):
                 state.update(chunk)
         return 0 if state is None else state.intdigest()
 
-    def _verify(self, keys: list[str], views: list[memoryview], headers: np.ndarray,
+    def _verify(self, keys: list[str], views: list[memoryview], headers: np.ndarray, first_slot: int,
                 wanted: list[tuple[int, int]], found: list[bool], digests: list[int]) -> None:
         """Check the pages read against their headers: unkeyed, all checksums in one call and one
         vectorised compare; keyed, each MAC. A page that fails is rejected (and dropped)."""
         batch = [i for _, i in wanted]
         sub_keys, sub_views = [keys[i] for i in batch], [views[i] for i in batch]
-        sub_headers = headers[[slot for slot, _ in wanted]]
+        sub_headers = headers[[slot - first_slot for slot, _ in wanted]]
         if self.format.keyed:
             ok = [self._verified(k, h.tobytes(), v) for k, h, v in zip(sub_keys, sub_headers, sub_views)]
         else:
@@ -438,7 +446,15 @@ class FileStore(PageStore):
     def batch_set(self, keys: list[str], values: list[torch.Tensor]) -> list[bool]:
         return self._set_views(keys, self._check_batch(keys, values))
 
-    def _set_views(self, keys: list[str], views: list[memoryview]) -> list[bool]:
+    def batch_set_rows(self, keys: list[str], rows: np.ndarray, pages: Any, **kwargs: Any) -> list[bool]:
+        """Writes from runs of consecutive rows, a view a run (see file_write); a keyed store, pages over
+        a group, or a subclass's own batch_set take the general way (a view a page)."""
+        own_set = type(self).batch_set is FileStore.batch_set
+        if kwargs or self.format.keyed or self.page_nbytes > GROUP_NBYTES or not own_set:
+            return super().batch_set_rows(keys, rows, pages, **kwargs)
+        return self._set_views(keys, RowRuns(rows, self._row_index(keys, rows, pages)))
+
+    def _set_views(self, keys: list[str], views: list[memoryview] | RowRuns) -> list[bool]:
         step = len(keys) or 1
         if self.max_bytes is not None:  # a bounded store evicts whole packs: keep each a small share of it
             step = max(1, self.max_bytes // (PACK_SHARE_DIVISOR * self.format.blob_nbytes))
@@ -449,7 +465,7 @@ class FileStore(PageStore):
             done += self._set_pack(keys[start:start + step], views[start:start + step])
         return done
 
-    def _set_pack(self, keys: list[str], views: list[memoryview]) -> list[bool]:
+    def _set_pack(self, keys: list[str], views: list[memoryview] | RowRuns) -> list[bool]:
         """Write ``keys``' pages as one pack; all True, or all False if the write failed."""
         with self._timed("set"):
             if not self.write_backoff.ready():
@@ -477,34 +493,15 @@ class FileStore(PageStore):
             self._update_ledger(size - removed)
             return [True] * len(keys)
 
-    def _write_payloads(self, fd: int, keys: list[str], views: list[memoryview], trailer: memoryview) -> None:
-        """Write a pack: a batch within GROUP_NBYTES in one call, its checksums made first (one native call);
-        a larger one group by group, each checksummed right before it is written, while it is in cache,
-        then the headers and the key list. A keyed store's MACs are made page by page first."""
-        if self.format.keyed:
-            headers = b"".join(self.format.header(k, v) for k, v in zip(keys, views))
-            _write_all(fd, [*views, memoryview(headers), trailer], 0)
-            return
-        if len(views) * self.page_nbytes <= GROUP_NBYTES:
-            headers = self.format.filled_headers(keys, self._checksums(views))
-            _write_all(fd, [*views, memoryview(headers).cast("B"), trailer], 0)
-            return
-        digests: list[int] = []
-        for start, end in slot_groups(list(range(len(views))), self.page_nbytes, GROUP_NBYTES):
-            if end - start == 1 and self.page_nbytes > GROUP_NBYTES:
-                state = xxhash.xxh3_64()
-                for at in range(0, self.page_nbytes, CHUNK_NBYTES):
-                    chunk = views[start][at:at + CHUNK_NBYTES]
-                    state.update(chunk)
-                    _write_all(fd, [chunk], start * self.page_nbytes + at)
-                digests.append(state.intdigest())
-                continue
-            digests += self._checksums(views[start:end])
-            _write_all(fd, views[start:end], start * self.page_nbytes)
-        headers = self.format.filled_headers(keys, digests)
-        _write_all(fd, [memoryview(headers).cast("B"), trailer], len(views) * self.page_nbytes)
+    def _write_payloads(self, fd: int, keys: list[str], views: list[memoryview] | RowRuns,
+                        trailer: memoryview) -> None:
+        """Write a pack (see :mod:`tierkv.storage.file_write`)."""
+        if isinstance(views, RowRuns):
+            write_row_runs(fd, self.format, keys, views, trailer, GROUP_NBYTES, self._native)
+        else:
+            write_views(fd, self.format, keys, views, trailer, GROUP_NBYTES, self._checksums)
 
-    def _write_pack(self, dir_fd: int, number: int, keys: list[str], views: list[memoryview],
+    def _write_pack(self, dir_fd: int, number: int, keys: list[str], views: list[memoryview] | RowRuns,
                     trailer: memoryview) -> None:
         """Write pack ``number`` to a temp file and rename it into place; the temp file never outlives a
         failure."""

@@ -1,6 +1,7 @@
-"""The native page I/O (tierkv/_pageio.c): batched xxh3 checksums, and copies of replies into pages that
-checksum as they copy, one call per batch without the GIL. ``pageio`` is the module, or None when it is not
-built, is another version, or cannot reach the xxhash package's xxh3 (then the stores use their Python loops).
+"""The native page I/O (tierkv/_pageio.c): batched xxh3 checksums, copies of replies into pages that
+checksum as they copy, one call per batch without the GIL, and the xxh3-128 chain of page hashes.
+``pageio`` is the module, or None when it is not built, is another version, or cannot reach the xxhash
+package's xxh3 (then the stores and page_hashes use their Python loops).
 
 The C side takes xxh3 from the xxhash package's own shared object, so both paths compute the same
 checksum; a known digest is checked here before the module is used.
@@ -15,7 +16,7 @@ import xxhash
 
 log = logging.getLogger(__name__)
 
-NATIVE_API_VERSION = 4  # the API_VERSION of tierkv/_pageio.c that the stores call
+NATIVE_API_VERSION = 5  # the API_VERSION of tierkv/_pageio.c that the stores call
 
 
 def bound(module: ModuleType | None) -> ModuleType | None:
@@ -35,6 +36,11 @@ def bound(module: ModuleType | None) -> ModuleType | None:
     probe = bytes(range(256)) * 41 + b"tierkv"  # past xxh3's short-input paths, not a stripe multiple
     if module.xxh3_many([probe, probe[:100], b""]) != [xxhash.xxh3_64_intdigest(p) for p in (probe, probe[:100], b"")]:
         log.warning("tierkv._pageio: xxh3 from %s disagrees with the xxhash package; not used", _xxhash.__file__)
+        return None
+    prior, tag = xxhash.xxh3_128_digest(b"prior"), b"\x01"
+    chained = xxhash.xxh3_128_digest(xxhash.xxh3_128_digest(prior + tag + probe[:100]) + tag + probe[100:200])
+    if module.chain_xxh3_128(prior, tag, probe[:200], 100)[1] != chained.hex():
+        log.warning("tierkv._pageio: xxh3-128 from %s disagrees with the xxhash package; not used", _xxhash.__file__)
         return None
     return module
 

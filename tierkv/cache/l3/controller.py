@@ -43,7 +43,7 @@ from tierkv.pools.kv import DeviceKVPool, HostKVPool
 from tierkv.radix import RadixKey, RadixTree, TreeNode
 from tierkv.cache.retire import Retirements
 from tierkv.cache.l3.backup import Backup, DrainedBackups
-from tierkv.storage.base import PageStore
+from tierkv.storage.base import PageStore, batch_pages
 from tierkv.storage.config import StorageConfig
 from tierkv.storage.factory import BACKEND_OPTIONS, open_store, parse_spec
 from tierkv.cache.l3.pacing import BackupPacer
@@ -168,7 +168,9 @@ class StorageController:
             room = cache.host_pool.num_slots - cache.device_pool.num_slots
             self.max_tokens_in_flight = max(int(0.8 * room), cache.config.page_size)
         self.costs = cache.cost_model
-        self.costs.batch_pages = config.prefetch_batch_pages
+        self.backup_batch_pages = batch_pages(store, config.backup_batch_pages, "backup")
+        self.prefetch_batch_pages = batch_pages(store, config.prefetch_batch_pages, "prefetch")
+        self.costs.batch_pages = self.prefetch_batch_pages
         self._prefetch_worker = IOWorker("tierkv-prefetch")
         self._backup_worker = IOWorker("tierkv-backup")
         self.pacer = BackupPacer()  # an engine marks its forward passes; backups wait for a gap (bounded)
@@ -391,7 +393,7 @@ class StorageController:
             backup.done.set()
             return
         self._backup_worker.submit(self.pacer.paced(partial(backup.run, self.store, self.host_pool,
-                                                            self.config.backup_batch_pages)))
+                                                            self.backup_batch_pages)))
 
     def _retire_backup(self, backup: Backup) -> None:
         self.tree.dec_host_ref(backup.node)
@@ -461,7 +463,7 @@ class StorageController:
         prefetch.grant(host_slots, self.host_pool.allocator.slots_to_pages(host_slots).tolist())
         self.granted_in_last_step += 1
         self._prefetch_worker.submit(partial(prefetch.read, self.store, self.host_pool,
-                                             self.config.prefetch_batch_pages))
+                                             self.prefetch_batch_pages))
 
     def _revoke(self, prefetch: Prefetch) -> None:
         """Nothing (worth reading) was found, no room for it, or the first read failed: give back what

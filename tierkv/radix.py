@@ -148,7 +148,7 @@ class InsertPlan:
 native_common_prefix_len = radix_walk.native_common_prefix_len
 native_walk = radix_walk.native_walk
 _common_prefix_len = radix_walk.common_prefix_len
-_new_walk = tuple.__new__  # Walk from the walk's tuple: Walk._make's checks, without its Python frame
+_new_walk = tuple.__new__  # a Walk from the walk's 4-tuple: what Walk._make does, without its Python frame
 
 
 def implementation() -> str:

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import itertools
 from array import array
-from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Iterable, Iterator
 
 from tierkv import radix_walk
 from tierkv.radix_frontiers import Frontiers
 from tierkv.radix_key import RadixKey, key_slack, own_key
+from tierkv.radix_records import InsertPlan, InsertResult, MatchPath
 from tierkv.radix_walk import Walk, walk_python
 
 _node_ids = itertools.count(1)
@@ -94,54 +94,6 @@ class TreeNode:
     def __repr__(self) -> str:
         return (f"TreeNode(id={self.id}, len={len(self.key)}, device={self.device_value is not None}, "
                 f"host={self.host_value is not None}, lock={self.lock_ref}, host_ref={self.host_ref})")
-
-
-@dataclass
-class MatchPath:
-    """Nodes matched from the root (root excluded), deepest last, and the matched element count."""
-
-    nodes: list[TreeNode]
-    num_tokens: int
-
-    @property
-    def last_node(self) -> TreeNode | None:
-        return self.nodes[-1] if self.nodes else None
-
-
-@dataclass(slots=True)  # cheaper to make: one per insert
-class InsertResult:
-    """Where an insert met the existing tree: ``path`` (root side first, the new leaf last), the first
-    ``prefix_len`` elements of which the tree held before; ``revived`` the nodes on it that had no device
-    value and adopted theirs; ``new_node`` the new leaf."""
-
-    prefix_len: int
-    path: list[TreeNode]
-    revived: list[TreeNode]
-    new_node: TreeNode | None = None
-
-    @property
-    def shared(self) -> list[tuple[TreeNode, int, int]]:
-        """``(node, start, end)`` for the nodes that already held the device value of ``value[start:end]``
-        (derived on demand: the cache never asks, and a list built per insert cost it)."""
-        out, pos = [], 0
-        for node in self.path:
-            if node is self.new_node:
-                break
-            end = min(pos + len(node.key), self.prefix_len)
-            if all(node is not r for r in self.revived):
-                out.append((node, pos, end))
-            pos = end
-        return out
-
-
-@dataclass(slots=True)  # cheaper to make: one per insert
-class InsertPlan:
-    """What :meth:`RadixTree.plan_insert` found: the key, its elements (whole pages: ``num_elems``) and the walk."""
-
-    key: RadixKey
-    elems: Any
-    num_elems: int
-    walk: Walk
 
 
 # the compiled walk and key comparison, read when a tree is built (tests set them to None)

@@ -93,6 +93,20 @@ int get_buffers(PyObject *seq, int flags, Py_ssize_t expect_len, const char *nam
     return 0;
 }
 
+/* ``digests`` (n of them) as a list of ints; frees them and releases ``b`` either way (the common end of
+ * xxh3_many and xxh3_pages) */
+static PyObject *digest_list(uint64_t *digests, Py_ssize_t n, Buffers *b) {
+    PyObject *out = PyList_New(n);
+    for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
+        PyObject *d = PyLong_FromUnsignedLongLong(digests[i]);
+        if (d == NULL) Py_CLEAR(out);
+        else PyList_SET_ITEM(out, i, d);
+    }
+    PyMem_Free(digests);
+    release_buffers(b);
+    return out;
+}
+
 static PyObject *xxh3_many(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *seq;
@@ -107,15 +121,7 @@ static PyObject *xxh3_many(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < b.count; i++) digests[i] = xxh3.oneshot(b.views[i].buf, (size_t)b.views[i].len);
     Py_END_ALLOW_THREADS
-    PyObject *out = PyList_New(b.count);
-    for (Py_ssize_t i = 0; out != NULL && i < b.count; i++) {
-        PyObject *d = PyLong_FromUnsignedLongLong(digests[i]);
-        if (d == NULL) Py_CLEAR(out);
-        else PyList_SET_ITEM(out, i, d);
-    }
-    PyMem_Free(digests);
-    release_buffers(&b);
-    return out;
+    return digest_list(digests, b.count, &b);
 }
 
 /* xxh3-64 of each page_nbytes piece of each buffer (a run of consecutive pages of the host pool): the file
@@ -154,15 +160,7 @@ static PyObject *xxh3_pages(PyObject *self, PyObject *args) {
             digests[k++] = xxh3.oneshot(at + off, (size_t)page_nbytes);
     }
     Py_END_ALLOW_THREADS
-    PyObject *out = PyList_New(n);
-    for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
-        PyObject *d = PyLong_FromUnsignedLongLong(digests[i]);
-        if (d == NULL) Py_CLEAR(out);
-        else PyList_SET_ITEM(out, i, d);
-    }
-    PyMem_Free(digests);
-    release_buffers(&b);
-    return out;
+    return digest_list(digests, n, &b);
 }
 
 /* The index of the first item of keys that is not a str of min_len to max_len lowercase hex digits, or -1:

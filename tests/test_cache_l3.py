@@ -130,8 +130,8 @@ def test_prefetch_round_trip_inserts_host_only_nodes():
     assert started
     assert torch.equal(got, kv)
     assert cache.stats.storage_hit_tokens == len(key)
-    for node in cache.tree.nodes():
-        assert node.hash_values is not None and node.host_value is not None
+    for node in cache.tree.nodes():  # loaded into L1 (exclusive tiers: L2 freed its copy)
+        assert node.hash_values is not None and node.in_storage and node.device_value is not None
     cache.check_integrity()
     cache.close()
 
@@ -369,7 +369,7 @@ def test_backup_skips_pages_already_stored():
 
 
 def test_backup_protects_host_pages_until_acknowledged():
-    cache = make_cache(page_size=PS)
+    cache = make_cache(page_size=PS, tier_mode="inclusive")
     store = attach_fake(cache)
     store.hang.clear()
     key = RadixKey(random_tokens(4 * PS, seed=8))
@@ -403,7 +403,7 @@ def test_write_back_eviction_backs_up():
 
 
 def test_backup_queue_cap_drops_backups():
-    cache = make_cache(page_size=PS)
+    cache = make_cache(page_size=PS, tier_mode="inclusive")
     store = attach_fake(cache, backup_max_pending_tokens=4 * PS)
     store.hang.clear()
     compute_and_insert(cache, RadixKey(random_tokens(4 * PS, seed=12)), seed=1)
@@ -600,9 +600,10 @@ class StorageTraffic(RuleBasedStateMachine):
     resets while L3 calls are stuck (backups of sibling prompts in flight share their prefix's slots)."""
 
     @initialize(policy=st.sampled_from(["best_effort", "wait_complete", "timeout"]),
-                write_policy=st.sampled_from(["write_through", "write_back"]))
-    def start(self, policy, write_policy):
-        self.cache = make_cache(page_size=4, device_tokens=96, write_policy=write_policy)
+                write_policy=st.sampled_from(["write_through", "write_through_selective", "write_back"]),
+                tier_mode=st.sampled_from(["inclusive", "exclusive"]))
+    def start(self, policy, write_policy, tier_mode):
+        self.cache = make_cache(page_size=4, device_tokens=96, write_policy=write_policy, tier_mode=tier_mode)
         # waits for stuck I/O (flush, reset) give up soon; every loop below retries them
         self.store = attach_fake(self.cache, prefetch_batch_pages=2, backup_batch_pages=2,
                                  io_wait_timeout_s=0.05, prefetch_stop_policy=policy, prefetch_threshold=4)

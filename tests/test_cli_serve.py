@@ -79,7 +79,7 @@ def test_sglang_hicache_command_line_maps_onto_the_engine_config(tmp_path):
     try:  # each reached the cache it names
         cache = engine.cache
         assert cache.config.write_policy == "write_back" and cache.config.io_backend == "direct"
-        assert cache.host_pool.layout == "page_first_direct" and cache.host_pool.num_slots == 3 * 512
+        assert cache.host_pool.layout == "page_first_direct" and cache.host_pool.num_slots == 3 * 512 + cache.config.staging_tokens
         assert cache.storage.config.prefetch_stop_policy == "timeout"
         assert cache.storage.config.prefetch_threshold == 64
     finally:
@@ -105,7 +105,8 @@ def test_hicache_size_is_gb_of_kv_and_chunked_prefill_minus_one_is_whole_prompts
     engine = Engine("tiny-llama", cfg)
     try:
         per_token = engine.model.config.kv_spec().bytes_per_token
-        assert engine.cache.host_pool.num_slots == (10**6 // per_token) // 16 * 16
+        staging = engine.cache.config.staging_tokens
+        assert engine.cache.host_pool.num_slots == (10**6 // per_token) // 16 * 16 + staging
     finally:
         engine.close()
 

@@ -112,7 +112,7 @@ def test_write_back_round_trip_is_bit_exact(caches, page_size):
 
 # ---- write policies --------------------------------------------------------------------------------
 def test_write_through_backs_up_on_first_insert(caches):
-    cache = caches(write_policy="write_through")
+    cache = caches(write_policy="write_through", tier_mode="inclusive")
     put(cache, list(range(10)))
     node = cache.match_prefix(RadixKey(list(range(10)))).last_device_node
     assert node.host_value is not None and node.lock_ref == 1  # locked until the write is acked
@@ -122,7 +122,7 @@ def test_write_through_backs_up_on_first_insert(caches):
 
 
 def test_write_through_selective_backs_up_on_the_second_hit(caches):
-    cache = caches(write_policy="write_through_selective")
+    cache = caches(write_policy="write_through_selective", tier_mode="inclusive")
     tokens = list(range(10))
     put(cache, tokens)
     cache.flush()
@@ -200,7 +200,7 @@ def test_mem_quota_skips_loads_over_it(caches):
 
 
 def test_load_back_extends_a_device_prefix(caches):
-    cache = caches(load_back_threshold=0)
+    cache = caches(load_back_threshold=0, tier_mode="inclusive")
     kv_a = put(cache, list(range(6)), seed=1)
     kv_b = put(cache, list(range(10)), seed=2)
     cache.flush()
@@ -313,7 +313,7 @@ def test_full_l2_evicts_from_l2_before_writing(caches, split_victims):
 
 
 def test_write_stays_l1_only_when_l2_cannot_make_room(caches):
-    cache = caches(device_tokens=16, hicache_ratio=2.0)
+    cache = caches(device_tokens=16, hicache_ratio=2.0, tier_mode="inclusive")
     held = cache.host_pool.alloc(28)  # L2 space nobody can evict
     put(cache, list(range(8)))
     cache.flush()
@@ -324,7 +324,7 @@ def test_write_stays_l1_only_when_l2_cannot_make_room(caches):
 
 
 def test_evict_host_drops_backups_of_l1_nodes_and_deletes_host_only_ones(caches):
-    cache = caches(device_tokens=32)
+    cache = caches(device_tokens=32, tier_mode="inclusive")
     _host_only(cache, list(range(8)), seed=1)
     put(cache, list(range(50, 58)), seed=2)
     cache.flush()
@@ -392,7 +392,7 @@ def test_bigram_cache_round_trip(caches):
 
 # ---- reset, counters, L1-only ----------------------------------------------------------------------
 def test_stats_count_hits_evictions_writes_and_loads(caches):
-    cache = caches(load_back_threshold=0)
+    cache = caches(load_back_threshold=0, tier_mode="inclusive")
     _host_only(cache, list(range(10)))
     put(cache, list(range(50, 56)))
     cache.flush()

@@ -20,7 +20,7 @@ PS = 16
 
 def test_hicache_size_zero_uses_the_ratio():
     cache = make_cache(page_size=PS, device_tokens=512, hicache_ratio=3.0, hicache_size_gb=0)
-    assert cache.host_pool.num_slots == 3 * 512
+    assert cache.host_pool.num_slots == 3 * 512 + cache.config.staging_tokens
     assert host_pool_tokens(512, 1024, PS, ratio=2.0, size_gb=0) == 1024
     cache.close()
 

@@ -34,7 +34,7 @@ class _GatedExists(FakeStore):
 def _full_l2_cache(stored_pages_of: RadixKey | None = None, **overrides):
     """L1 of 8 pages, L2 of 16 filled by two 8-page prompts (one host-only, one in both tiers); with
     ``stored_pages_of``, L3 holds that key first. Returns (cache, store, [(key, kv)] of the L2 prompts)."""
-    cache = make_cache(page_size=PS, device_tokens=KEY_PAGES * PS)
+    cache = make_cache(page_size=PS, device_tokens=KEY_PAGES * PS, tier_mode="inclusive")
     assert cache.host_pool.num_pages == 2 * KEY_PAGES
     store = _GatedExists("test-ns", cache.host_pool.page_nbytes)
     config = dict(prefetch_max_tokens_in_flight=2 * KEY_PAGES * PS, prefetch_stop_policy="wait_complete",

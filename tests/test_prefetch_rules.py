@@ -17,7 +17,7 @@ PS = 16
 
 def _cache_with_stored(num_pages: int, stored_pages: int, **storage):
     """A cache whose L3 holds the first ``stored_pages`` of a ``num_pages`` key; L1 and L2 empty."""
-    cache = make_cache(page_size=PS, device_tokens=num_pages * PS * 2)
+    cache = make_cache(page_size=PS, device_tokens=num_pages * PS * 2, tier_mode="inclusive")
     store = attach_fake(cache, **storage)
     key = RadixKey(random_tokens(num_pages * PS, seed=41))
     compute_and_insert(cache, key, seed=42)
@@ -75,8 +75,9 @@ def test_a_timed_out_prefetch_stops_after_the_budget_of_what_l3_holds():
 def test_default_rate_limit_is_four_fifths_of_l2_beyond_l1():
     cache = make_cache(page_size=PS, device_tokens=512, hicache_ratio=3.0)
     attach_fake(cache)
-    room = cache.host_pool.num_slots - cache.device_pool.num_slots
-    assert cache.storage.max_tokens_in_flight == int(0.8 * room)
+    # L2 is the host pool less the staging it keeps for exclusive chunked loads (which counted as room before)
+    room = cache.host_pool.num_slots - cache.config.staging_tokens - cache.device_pool.num_slots
+    assert cache.config.staging_tokens == 256 and cache.storage.max_tokens_in_flight == int(0.8 * room)
     cache.close()
     cache = make_cache(page_size=PS, device_tokens=512)
     attach_fake(cache, prefetch_max_tokens_in_flight=64)

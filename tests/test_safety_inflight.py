@@ -37,7 +37,7 @@ class GatedStore(FakeStore):
 def _gated_cache(blobs: dict | None = None):
     """L1 of 8 pages and L2 of 16: after a reset, two prompts of 8 pages reuse the stuck worker's host
     pages unless they stay owned. Waits for L3 I/O give up after 50 ms."""
-    cache = make_cache(page_size=PS, device_tokens=8 * PS)
+    cache = make_cache(page_size=PS, device_tokens=8 * PS, tier_mode="inclusive")
     assert cache.host_pool.num_pages == 16
     store = GatedStore("test-ns", cache.host_pool.page_nbytes, blobs)
     cache.attach_storage(store, storage_config(io_wait_timeout_s=0.05, prefetch_max_tokens_in_flight=16 * PS),
@@ -158,7 +158,7 @@ def test_reset_during_sibling_backups_gives_their_shared_slots_one_owner(op):
     """Two backups of sibling prompts both cover their shared prefix's L2 slots. A reset while both are
     stuck must leave each slot one owner, freed once, after the last of them returns: never freed under
     a node that reused it meanwhile. Prefetches keep working meanwhile."""
-    cache = make_cache(page_size=PS, device_tokens=8 * PS)
+    cache = make_cache(page_size=PS, device_tokens=8 * PS, tier_mode="inclusive")
     store = OneCallAtATimeStore("test-ns", cache.host_pool.page_nbytes, op)
     cache.attach_storage(store, storage_config(io_wait_timeout_s=0.05, prefetch_max_tokens_in_flight=16 * PS),
                          "test-model")
@@ -242,7 +242,7 @@ def _two_finished_writes(cache):
 
 
 def test_failing_backup_start_strands_no_other_write(monkeypatch):
-    cache = make_cache(page_size=PS)
+    cache = make_cache(page_size=PS, tier_mode="inclusive")
     cache.attach_storage(FakeStore("test-ns", cache.host_pool.page_nbytes), storage_config(), "test-model")
     first, second = _two_finished_writes(cache)
     start_backup = cache.storage.backup

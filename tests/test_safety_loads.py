@@ -58,7 +58,7 @@ def _gated_copies(cache):
 
 
 def test_failed_load_with_write_through_in_flight_at_retirement():
-    cache = make_cache(page_size=PS)
+    cache = make_cache(page_size=PS, tier_mode="inclusive")
     key, kv = _host_only_key(cache)
     gates = _gated_copies(cache)
     m = cache.match_prefix(key)

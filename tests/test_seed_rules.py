@@ -19,7 +19,7 @@ def _path_hits(cache, key: RadixKey) -> list[int]:
 
 
 def test_a_prompt_prefilled_in_two_chunks_counts_one_hit():
-    cache = make_cache(page_size=PS, write_policy="write_through_selective")  # backup at the 2nd hit
+    cache = make_cache(page_size=PS, write_policy="write_through_selective", tier_mode="inclusive")  # backup at the 2nd hit
     key = RadixKey(random_tokens(4 * PS, seed=61))
     slots = cache.alloc_device(4 * PS)
     cache.insert(RadixKey(key.token_ids[: 2 * PS]), slots[: 2 * PS], chunked=True)  # the first chunk
@@ -42,7 +42,7 @@ def test_write_back_counts_no_hits():
 
 
 def test_a_revived_node_is_not_counted():
-    cache = make_cache(page_size=PS, write_policy="write_through")
+    cache = make_cache(page_size=PS, write_policy="write_through", tier_mode="inclusive")
     key = RadixKey(random_tokens(2 * PS, seed=64))
     kv = compute_and_insert(cache, key, seed=65)
     cache.flush()
@@ -93,7 +93,7 @@ def test_last_host_node_is_the_deepest_match_whatever_tier_holds_it():
 def test_lfu_and_slru_stay_lru_ordered_under_write_back(policy: str, write_policy: str, evicted: str):
     """a is inserted three times, then b once: under write_back no use is counted (HiCache's hit_count),
     so a, used longest ago, goes first; under write_through b, used once, goes first."""
-    cache = make_cache(page_size=PS, write_policy=write_policy, eviction_policy=policy)
+    cache = make_cache(page_size=PS, write_policy=write_policy, eviction_policy=policy, tier_mode="inclusive")
     keys = {name: RadixKey(random_tokens(2 * PS, seed=70 + i)) for i, name in enumerate("ab")}
     for name in "aaab":
         compute_and_insert(cache, keys[name], seed=71)
@@ -129,7 +129,7 @@ def test_a_finished_prefetch_refreshes_the_anchor_not_its_ancestors():
     insert walk refreshes B, as HiCache's insert_host touches the node it starts from, but not A."""
     key = RadixKey(random_tokens(6 * PS, seed=72))
     blobs, kv = _in_l3(key, seed=73)
-    cache = make_cache(page_size=PS, write_policy="write_through")
+    cache = make_cache(page_size=PS, write_policy="write_through", tier_mode="inclusive")
     attach_fake(cache, blobs)
     for num_pages in (2, 4):
         compute_and_insert(cache, RadixKey(key.token_ids[: num_pages * PS]), seed=0, kv=kv[:, :, : num_pages * PS])

@@ -70,7 +70,7 @@ def test_backend_that_fails_mid_prefetch_gives_the_pages_read_before():
 
 
 def test_hanging_backend_timeout_policy_and_bounded_waits():
-    cache = make_cache(page_size=PS)
+    cache = make_cache(page_size=PS, tier_mode="inclusive")  # exclusive: the hung backups own L2 copies
     store = attach_fake(cache, prefetch_stop_policy="timeout", prefetch_timeout_base=0.0,
                         prefetch_timeout_per_ki_token=0.0, io_wait_timeout_s=0.2)
     key = RadixKey(random_tokens(6 * PS, seed=5))

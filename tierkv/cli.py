@@ -13,7 +13,7 @@ import sys
 from rich.console import Console
 
 from tierkv.cli_args import HelpFormatter, token_count
-from tierkv.cache.config import TIER_MODES, WRITE_POLICIES
+from tierkv.cache.config import TIER_MODES, WRITE_POLICIES, CacheConfig
 from tierkv.eviction import POLICIES
 
 DEFAULT_L1_TOKENS = "500k"  # ~61 GiB of Llama-3-8B KV: what one 80 GB GPU keeps for KV
@@ -42,8 +42,9 @@ def _replay_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--write-policy", default="write_through", choices=sorted(WRITE_POLICIES),
                    help="when L1 pages are copied to L2: write_through (on insert), write_through_selective "
                         "(on the second hit), write_back (on L1 eviction); HiCache's policies")
-    p.add_argument("--tier-mode", default="inclusive", choices=TIER_MODES,
-                   help="inclusive: L2 copies L1 (write policy); exclusive: L2 keeps what L1 dropped")
+    p.add_argument("--tier-mode", default=CacheConfig.tier_mode, choices=TIER_MODES,
+                   help="exclusive (default): L2 keeps what L1 dropped, L3 gets inserts per the write policy; "
+                        "inclusive (HiCache's): L2 copies L1 per the write policy")
     p.add_argument("--load-chunk-tokens", type=int, default=256,
                    help="exclusive tiers: a load back that makes L2 evict goes in chunks of this many tokens (0: one)")
     p.add_argument("--l2-admission", action="store_true",

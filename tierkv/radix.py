@@ -41,7 +41,7 @@ class TreeNode:
     __slots__ = (
         "id", "key", "extra_key", "parent", "children", "_device_value", "_host_value", "hash_values",
         "lock_ref", "host_ref", "hit_count", "last_access_time", "creation_time", "priority", "_frontiers",
-        "invalid",
+        "invalid", "in_storage",
     )
 
     def __init__(self, key: list, extra_key: str | None, parent: "TreeNode | None", tick: int) -> None:
@@ -61,6 +61,9 @@ class TreeNode:
         self.creation_time = tick
         self.priority = 0
         self.invalid = False  # device_value is garbage (a failed load): never matched, dropped when unlocked
+        # a backup of this node's pages to the storage tier (L3) was started or judged not worth writing:
+        # exclusive tiers, which keep no L2 copy of what L1 holds, need not copy it to L2 for L3 again
+        self.in_storage = False
 
     @property
     def device_value(self) -> Any:
@@ -326,7 +329,7 @@ class RadixTree:
         top.last_access_time = child.last_access_time
         top.hit_count, top.priority = child.hit_count, child.priority
         top.lock_ref, top.host_ref = child.lock_ref, child.host_ref
-        top.invalid = child.invalid
+        top.invalid, top.in_storage = child.invalid, child.in_storage
         cut = self._slice_value
         if child.device_value is not None:
             value = child.device_value

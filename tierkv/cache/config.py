@@ -33,7 +33,9 @@ class CacheConfig:
     load_back_threshold: int = 10
     bigram: bool = False
     enable_host: bool = True
-    tier_mode: str = "inclusive"
+    # exclusive: L1 + L2 hit as one tier of their total, where inclusive tiers trail it at every measured
+    # point (docs/policies.md, "Defaults by measurement"); HiCache's is inclusive
+    tier_mode: str = "exclusive"
     l2_admission: bool = False  # ask the eviction policy (Policy.admit) before copying a node to L2
     # an eviction takes only the pages it still needs from its last victim, splitting the node (False:
     # whole nodes, as HiCache evicts; README, "Eviction policies and tiers")

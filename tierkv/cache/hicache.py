@@ -18,7 +18,7 @@ import logging
 
 import torch
 
-from tierkv.cache.config import CacheConfig
+from tierkv.cache.config import WRITE_POLICIES, CacheConfig
 from tierkv.cache.eviction import Eviction
 from tierkv.cache.failed_loads import FailedLoads
 from tierkv.cache.l3.controller import CacheParts, StorageController
@@ -33,7 +33,7 @@ from tierkv.eviction import get_policy
 from tierkv.hashing import HashNamespace
 from tierkv.pools.allocator import owned_slot_slice, plain_slot_slices
 from tierkv.pools.kv import DeviceKVPool, HostKVPool, host_pool_tokens
-from tierkv.radix import MatchPath, RadixKey, RadixTree, TreeNode
+from tierkv.radix import InsertResult, MatchPath, RadixKey, RadixTree, TreeNode
 from tierkv.storage.base import PageStore
 from tierkv.storage.config import StorageConfig
 from tierkv.tp import TPGroup
@@ -62,6 +62,7 @@ class HiRadixCache:
         self.priority = get_policy(self.config.eviction_policy)
         self.tree.split_hook = self.priority.on_split  # a split node's halves keep its rank
         self._write_threshold = self.config.write_threshold  # the config is frozen; read once per insert
+        self._l3_threshold: int | None = None  # exclusive tiers with an L3: see attach_storage
         self.tp = tp or TPGroup.single()
         self.stats = CacheStats()
         self.host_pool = host_pool
@@ -181,6 +182,8 @@ class HiRadixCache:
             hot = [n for n in result.path if n.host_value is None and n.hit_count >= threshold]
             if hot and self.eviction.admit(hot[-1]):
                 self.write_backup(hot[-1])
+        elif self._l3_threshold is not None and self.storage is not None:
+            self._back_up_inserted(result)
         return owned
 
     def write_backup(self, node: TreeNode) -> bool:
@@ -204,6 +207,30 @@ class HiRadixCache:
         self.tree.inc_lock_ref(node)
         self.transfer.write(device_slots, host_slots, PendingWrite(node, host_slots, num_tokens))
         return True
+
+    def _back_up_inserted(self, result: InsertResult) -> None:
+        """Exclusive tiers with an L3: back the inserted path up to L3 as write-through does in inclusive
+        tiers (``write_through_selective``: only the part used before), so that other servers sharing the
+        L3 hit it now, not once this one evicts it. L2 keeps no copy of what L1 holds: the pages are copied
+        into host slots the backup owns until written. Lock contract: locks the path in L1 until copied."""
+        path = result.path
+        if self._l3_threshold > 1 and path and path[-1] is result.new_node:
+            path = path[:-1]
+        if not path or path[-1].in_storage:
+            return
+        backup = self.storage.plan_copied_backup(path[-1])
+        if backup is None:
+            return
+        num_tokens = backup.num_tokens
+        device_slots = torch.cat([n.device_value for n in backup.copied_nodes])[:num_tokens]
+        self.tree.inc_lock_ref(path[-1])  # before making L2 room: nothing on the path may move
+        host_slots = self.eviction.alloc_host(num_tokens)
+        if host_slots is None:
+            self.tree.dec_lock_ref(path[-1])
+            self.stats.write_skipped_tokens += num_tokens
+            _not_in_storage(backup.copied_nodes)  # a later insert or the eviction tries again
+            return
+        self.transfer.write(device_slots, host_slots, PendingWrite(path[-1], host_slots, num_tokens, backup))
 
     def _unbacked_path(self, node: TreeNode) -> list[TreeNode]:
         """``node`` and the ancestors up to its nearest one with an L2 copy, root side first (all in L1:
@@ -250,6 +277,9 @@ class HiRadixCache:
             retirements.run(self.storage.apply_progress, list(min_counts[2:]), list(max_counts))
         if self.failed_loads:
             retirements.run(self.failed_loads.drop_unlocked)
+        eviction = self.eviction  # staging closed but the reserve short: a restore that L3 I/O had blocked
+        if eviction.host_room < 0 and eviction.host_reserve_tokens == self.config.staging_tokens:
+            retirements.run(eviction.evict_host, -eviction.host_room)
         retirements.raise_first()
 
     def step(self) -> None:
@@ -268,6 +298,15 @@ class HiRadixCache:
 
     def _finish_write(self, pending: PendingWrite, handle: CopyHandle) -> None:
         self.tree.dec_lock_ref(pending.node)
+        if pending.backup is not None:  # a copy for L3 alone (_back_up_inserted): the backup takes its slots
+            if handle.error is not None:
+                self.stats.failed_copies += 1
+                self.host_pool.free(pending.host_slots)
+                _not_in_storage(pending.backup.copied_nodes)
+                return
+            self.stats.written_tokens += pending.num_tokens
+            self.storage.backup_copied(pending.backup, pending.host_slots)
+            return
         self.tree.dec_host_ref(pending.node)
         if handle.error is not None:
             self.stats.failed_copies += 1
@@ -277,8 +316,9 @@ class HiRadixCache:
         self._back_up_to_storage(pending.node)
 
     def _back_up_to_storage(self, node: TreeNode) -> None:
-        """``node``'s path was just written to L2: back it up to L3, if attached (see StorageController.backup)."""
-        if self.storage is not None:
+        """``node``'s path was just written to L2: back it up to L3, if attached (see StorageController.backup),
+        unless exclusive tiers backed it up at its insert."""
+        if self.storage is not None and not (self._l3_threshold is not None and node.in_storage):
             self.storage.backup(node)
 
     def _drop_host_slots(self, node: TreeNode, host_slots: torch.Tensor) -> None:
@@ -372,6 +412,8 @@ class HiRadixCache:
         parts = CacheParts(self.tree, self.config, self.device_pool, self.host_pool, self.tp, self.cost_model,
                            self.stats, self.alloc_host)
         self.storage = StorageController(parts, store, config, namespace)
+        if self.config.tier_mode == "exclusive":  # inserts back up to L3 per write_policy (_back_up_inserted)
+            self._l3_threshold = WRITE_POLICIES[self.config.write_policy]
 
     def prefetch_from_storage(self, request_id: str, last_host_node: TreeNode, key: RadixKey) -> bool:
         """Start fetching the part of ``key`` beyond ``last_host_node`` from L3 into L2; True if started.
@@ -447,10 +489,16 @@ class HiRadixCache:
             host_owned = [n.host_value for n in self.tree.nodes() if n.host_value is not None]
             if self.storage is not None:
                 host_owned += self.storage.owned_host_slots()
+            if self.transfer is not None:  # copies for L3 alone own their slots (_back_up_inserted)
+                host_owned += [q.payload.host_slots for q in self.transfer.writes
+                               if isinstance(q.payload, PendingWrite) and q.payload.backup is not None]
             if caller_host_slots is not None:
                 host_owned.append(caller_host_slots)
             self.host_pool.allocator.check_ownership("host", host_owned)
-            if self.host_reserve_tokens != self.config.staging_tokens or self.eviction.host_room < 0:
+            # L3 I/O in flight may pin the L2 pages that would restore the reserve (a stuck store): it is
+            # restored by the step that retires that I/O (apply_progress)
+            short = self.eviction.host_room < 0 and not (self.storage is not None and self.storage.pins_host_pages)
+            if self.host_reserve_tokens != self.config.staging_tokens or short:
                 raise AssertionError(f"staging reserve not free at rest: {self.host_pool.num_free_slots} L2 slots "
                                      f"free, {self.host_reserve_tokens} reserved of {self.config.staging_tokens}")
 
@@ -460,6 +508,11 @@ def _cut(path: MatchPath, num_nodes: int) -> None:
     if num_nodes < len(path.nodes):
         path.nodes = path.nodes[:num_nodes]
         path.num_tokens = sum(len(n) for n in path.nodes)
+
+
+def _not_in_storage(nodes: list[TreeNode]) -> None:
+    for n in nodes:
+        n.in_storage = False
 
 
 def _describe(value: object) -> str:

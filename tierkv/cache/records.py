@@ -6,11 +6,15 @@ In-flight work is an object that owns its slots and its node locks (see each rec
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
 
 import torch
 
 from tierkv.radix import TreeNode
 from tierkv.copy.transfer import CopyHandle
+
+if TYPE_CHECKING:
+    from tierkv.cache.l3.backup import Backup
 
 
 @dataclass
@@ -43,11 +47,15 @@ class CacheStats:
 
 @dataclass
 class PendingWrite:
-    """An L1 -> L2 backup in flight: ``node``'s path is locked (L1) and protected (L2) until it completes."""
+    """An L1 -> L2 backup in flight: ``node``'s path is locked (L1) and protected (L2) until it completes.
+
+    With ``backup`` (exclusive tiers), a copy for an L3 backup alone: ``host_slots`` are its own, not the
+    tree's, and ``node``'s path is locked but not protected."""
 
     node: TreeNode
     host_slots: torch.Tensor
     num_tokens: int
+    backup: Backup | None = None
 
 
 @dataclass

@@ -23,7 +23,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from tierkv.cli_args import HelpFormatter
-from tierkv.cache.config import TIER_MODES
+from tierkv.cache.config import TIER_MODES, CacheConfig
 from tierkv.engine.bench_crossover import main_crossover
 from tierkv.engine.bench_workload import (L2_FRACTION, ChatWorkload, ModeResult, engine_config,  # noqa: F401
                                           run_mode, warm_up)
@@ -38,7 +38,7 @@ QUICK_WORKLOAD = ChatWorkload(num_conversations=8, num_turns=3, system_tokens=12
 def run_all(model_name: str, workload: ChatWorkload, device: str = "cpu", chunk_tokens: int = 512,
             modes: tuple[str, ...] = CACHE_MODES, repeats: int = 1,
             on_run: Callable[[str], None] | None = None, l2_fraction: float = L2_FRACTION,
-            tier_mode: str = "inclusive") -> list[ModeResult]:
+            tier_mode: str = CacheConfig.tier_mode) -> list[ModeResult]:
     """Each mode ``repeats`` times, the modes interleaved so machine noise hits them alike; per mode the
     run with the shortest wall time is kept (the least disturbed one). ``on_run(mode)`` follows each run."""
     model = build_model(model_name, device)
@@ -112,7 +112,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                   "else 3)")
     runs.add_argument("--l2-fraction", type=float, default=L2_FRACTION,
                       help="L2 of the rows that have one, as a fraction of the working set")
-    runs.add_argument("--tier-mode", choices=TIER_MODES, default="inclusive",
+    runs.add_argument("--tier-mode", choices=TIER_MODES, default=CacheConfig.tier_mode,
                       help="L1+L2 tiers in the rows with an L2 (exclusive: L2 holds what L1 dropped)")
     runs.add_argument("--models", help="comma-separated models: print the crossover table over them "
                                        "(no cache vs L1+L2 vs L1+L2+L3, ratios per run) instead")

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from rich.console import Console
 from rich.table import Table
 
+from tierkv.cache.config import CacheConfig
 from tierkv.engine.bench_workload import ChatWorkload, ModeResult, run_mode, warm_up
 from tierkv.engine.engine import MODE_LABELS
 from tierkv.engine.loader import build_model
@@ -42,7 +43,7 @@ class SweepRow:
 
 
 def run_sweep(models: list[str], workload: ChatWorkload, device: str = "cpu", repeats: int = 5,
-              l2_fraction: float = 0.5, chunk_tokens: int = 512, tier_mode: str = "inclusive") -> list[SweepRow]:
+              l2_fraction: float = 0.5, chunk_tokens: int = 512, tier_mode: str = CacheConfig.tier_mode) -> list[SweepRow]:
     """Every model, its modes interleaved within each repeat so machine noise hits them alike."""
     rows: list[SweepRow] = []
     for name in models:
@@ -102,7 +103,7 @@ def format_crossover(rows: list[SweepRow]) -> str:
 
 
 def main_crossover(models: list[str], workload: ChatWorkload, device: str, repeats: int, l2_fraction: float,
-                   json_path: str | None, tier_mode: str = "inclusive") -> int:
+                   json_path: str | None, tier_mode: str = CacheConfig.tier_mode) -> int:
     print(f"crossover: models {', '.join(models)} on {device}; {workload.num_conversations} conversations x "
           f"{workload.num_turns} turns; {repeats} interleaved runs per mode; L2 {l2_fraction} of the "
           f"working set, {tier_mode} tiers", flush=True)

@@ -9,6 +9,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
+from tierkv.cache.config import CacheConfig
 from tierkv.engine.engine import Engine, EngineConfig, sync_device
 from tierkv.engine.prefetch import l3_counters
 from tierkv.engine.request import Request
@@ -112,7 +113,7 @@ def _record(result: ModeResult, r: Request) -> None:
 
 
 def engine_config(mode: str, workload: ChatWorkload, device: str, l3_dir: str, chunk_tokens: int,
-                  l2_fraction: float = L2_FRACTION, tier_mode: str = "inclusive") -> EngineConfig:
+                  l2_fraction: float = L2_FRACTION, tier_mode: str = CacheConfig.tier_mode) -> EngineConfig:
     """L1 holds about a quarter of the working set (at least two requests); L2, in both rows that have
     one, ``l2_fraction`` of it (at least 1.5x L1). Chat turns come back round robin, which a tier keeps
     only if it holds every history: with L2 under the working set, what the L1+L2+L3 row gains over
@@ -134,7 +135,7 @@ def engine_config(mode: str, workload: ChatWorkload, device: str, l3_dir: str, c
 
 
 def run_mode(model, workload: ChatWorkload, mode: str, device: str, chunk_tokens: int,
-             l2_fraction: float = L2_FRACTION, tier_mode: str = "inclusive") -> ModeResult:
+             l2_fraction: float = L2_FRACTION, tier_mode: str = CacheConfig.tier_mode) -> ModeResult:
     """One replay of ``workload`` in ``mode`` on a fresh engine (and an empty L3 directory)."""
     with tempfile.TemporaryDirectory(prefix="tierkv-bench-l3-") as l3_dir:
         try:

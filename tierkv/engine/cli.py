@@ -135,8 +135,10 @@ def startup_summary(server, args: argparse.Namespace) -> list[str]:
              f"cache {cfg.mode}, page {cfg.page_size} tokens: L1 {engine.device_pool.num_slots:,} tokens "
              f"({engine.device_pool.num_slots * spec.bytes_per_token / 2**20:,.1f} MiB)"]
     if engine.cache.host_pool is not None:
-        host = engine.cache.host_pool.num_slots
-        lines[-1] += (f", L2 {host:,} tokens ({host * spec.bytes_per_token / 2**20:,.1f} MiB, {cfg.tier_mode}, "
+        staging = engine.cache.config.staging_tokens  # the pool's extra chunk for exclusive chunked loads
+        host = engine.cache.host_pool.num_slots - staging
+        tiers = f"{cfg.tier_mode} with {staging:,} tokens of staging" if staging else cfg.tier_mode
+        lines[-1] += (f", L2 {host:,} tokens ({host * spec.bytes_per_token / 2**20:,.1f} MiB, {tiers}, "
                       f"{cfg.write_policy}, {engine.cache.host_pool.layout} layout, {cfg.io_backend} copies)")
     lines[-1] += f"; eviction {cfg.eviction_policy}"
     if engine.cache.storage is not None:

@@ -37,7 +37,7 @@ class EngineConfig:
     hicache_ratio: float = 2.0
     hicache_size_gb: float | None = None
     write_policy: str = "write_through"
-    tier_mode: str = "inclusive"  # CacheConfig.tier_mode: exclusive L2 holds what L1 dropped
+    tier_mode: str = CacheConfig.tier_mode  # exclusive: L2 holds what L1 dropped; inclusive: a copy of L1
     eviction_policy: str = CacheConfig.eviction_policy
     host_layout: str = "layer_first"
     io_backend: str = "kernel"  # CacheConfig.io_backend: L1<->L2 copies (HiCache's --hicache-io-backend)

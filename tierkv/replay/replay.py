@@ -60,7 +60,7 @@ class ReplayConfig:
     include_output: bool = False
     verify: bool = False
     load_back_threshold: int = 10
-    tier_mode: str = "inclusive"
+    tier_mode: str = CacheConfig.tier_mode
     l2_admission: bool = False
     split_victims: bool = True  # CacheConfig.split_victims
     load_chunk_tokens: int = 256  # CacheConfig.load_chunk_tokens

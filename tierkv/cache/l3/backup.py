@@ -21,8 +21,8 @@ log = logging.getLogger(__name__)
 class Backup:
     """Writes ``hashes`` from ``host_pages``; holds one host_ref on ``node`` until the controller retires it.
 
-    ``host_slots`` are the slots of ``host_pages``; the tree owns them, never the backup: backups of
-    sibling prompts share their common prefix's slots. When a reset drops the tree under backups still
+    ``host_slots`` are the slots of ``host_pages``; the tree owns them, never the backup (backups of
+    sibling prompts share their common prefix's slots), but for ``owns_slots``. When a reset drops the tree under backups still
     in flight, one :class:`DrainedBackups` takes those slots over (see there).
 
     Pages already present at the head (batch_exists) are skipped. Only ``done`` and the page counts are
@@ -42,6 +42,10 @@ class Backup:
     # for a store that wants each batch's prefix keys: the page hashes of the path above ``hashes``
     prefix_hashes: list[str] | None = None
     costs: CostModel | None = None
+    # exclusive tiers: the pages were copied from L1 into slots this backup owns (freed when it retires;
+    # no host_ref on ``node``); ``copied_nodes`` are the nodes to copy them from, until the copy is made
+    owns_slots: bool = False
+    copied_nodes: list[TreeNode] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

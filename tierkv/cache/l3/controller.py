@@ -165,7 +165,8 @@ class StorageController:
         self.pass_prefix_keys = config.hicache_storage_pass_prefix_keys and store.accepts_prefix_keys
         self.max_tokens_in_flight = config.prefetch_max_tokens_in_flight
         if self.max_tokens_in_flight is None:  # HiCache: room for prefetches is what L2 has beyond L1
-            room = cache.host_pool.num_slots - cache.device_pool.num_slots
+            # (L2's size: the host pool less the staging it keeps free for exclusive chunked loads)
+            room = cache.host_pool.num_slots - cache.config.staging_tokens - cache.device_pool.num_slots
             self.max_tokens_in_flight = max(int(0.8 * room), cache.config.page_size)
         self.costs = cache.cost_model
         self.backup_batch_pages = batch_pages(store, config.backup_batch_pages, "backup")
@@ -349,6 +350,7 @@ class StorageController:
             leaf = self.tree.add_leaf(parent, elems[path.num_tokens:], key.extra_key)
             leaf.host_value = slots[offset:]
             leaf.hash_values = prefetch.hashes[offset // ps: num_tokens // ps]
+            leaf.in_storage = True  # read from L3: no backup needs to write it again
             # counted as L3 hits now; the next match must not count them as L2 hits too (claim_fetched)
             self.fetched_unmatched[leaf.id] = num_tokens - offset
             while len(self.fetched_unmatched) > MAX_FETCHED_UNMATCHED:  # never matched: forget the oldest
@@ -373,30 +375,73 @@ class StorageController:
             start -= 1
         hashes = self.path_hashes(node)
         above = sum(len(n) for n in path[:start]) // self.page_size  # pages of the prefix not written
-        num_tokens = (len(hashes) - above) * self.page_size
-        pending = sum(b.num_tokens for b in self.backups)
-        if pending + num_tokens > self.config.backup_max_pending_tokens:
-            self.stats.backup_dropped_tokens += num_tokens
+        num_pages = self._pages_to_write(path[start:], above, len(hashes) - above)
+        if num_pages is None:
             return
-        num_pages = len(hashes) - above
-        if not self.skip_backup_writes:  # the leading pages worth writing (a probe's few when none are)
-            num_pages = self.costs.backup_pages(above * self.page_size, num_pages, self.page_size)
-            self.stats.backup_not_worth_tokens += num_tokens - num_pages * self.page_size
         slots = torch.cat([n.host_value for n in path[start:]])[: num_pages * self.page_size]
-        pages = self.host_pool.allocator.slots_to_pages(slots).tolist()
         self.tree.inc_host_ref(node)
-        backup = Backup(node, hashes[above: above + num_pages], pages, slots, self.page_size,
-                        prefix_hashes=hashes[:above] if self.pass_prefix_keys else None, costs=self.costs)
+        self._start_backup(Backup(node, hashes[above: above + num_pages], [], slots, self.page_size,
+                                  prefix_hashes=hashes[:above] if self.pass_prefix_keys else None))
+
+    def plan_copied_backup(self, node: TreeNode) -> Backup | None:
+        """Exclusive tiers, whose L2 holds no copy of what L1 holds: a backup (not started, no slots yet) of
+        the leading pages worth writing of ``node``'s path below its deepest node already backed up
+        (``in_storage``); None when there is nothing to write. The caller copies its pages from L1 (the
+        first ``num_tokens`` tokens of ``copied_nodes``) into host slots of its own and hands it to
+        :meth:`backup_copied`. Lock contract: takes no lock."""
+        path = self.tree.path_to_root(node)
+        start = len(path)
+        while start > 0 and not path[start - 1].in_storage:
+            start -= 1
+        if start == len(path):
+            return None
+        hashes = self.path_hashes(node)
+        above = sum(len(n) for n in path[:start]) // self.page_size
+        num_pages = self._pages_to_write(path[start:], above, len(hashes) - above)
+        if not num_pages:  # dropped or not worth it (the same on every rank: no cost model under TP)
+            return None
+        return Backup(node, hashes[above: above + num_pages], [], torch.empty(0, dtype=torch.int64),
+                      self.page_size, prefix_hashes=hashes[:above] if self.pass_prefix_keys else None,
+                      owns_slots=True, copied_nodes=path[start:])
+
+    def backup_copied(self, backup: Backup, host_slots: torch.Tensor) -> None:
+        """Start ``backup`` (:meth:`plan_copied_backup`) from ``host_slots``, where its pages were copied from
+        L1; it owns them and frees them when retired, so L2 keeps no copy. Lock contract: takes no lock."""
+        backup.host_slots, backup.copied_nodes = host_slots, []
+        self._start_backup(backup)
+
+    def _pages_to_write(self, nodes: list[TreeNode], above: int, num_pages: int) -> int | None:
+        """Of ``num_pages`` pages after the ``above`` pages of the prefix, the leading ones to back up: all,
+        fewer when the cost model judges writing them costlier than their reads save; None (dropped)
+        when the backups in flight are at their bound. ``nodes`` count as backed up from now on either way."""
+        for n in nodes:
+            n.in_storage = True
+        pending = sum(b.num_tokens for b in self.backups)
+        if pending + num_pages * self.page_size > self.config.backup_max_pending_tokens:
+            self.stats.backup_dropped_tokens += num_pages * self.page_size
+            return None
+        if self.skip_backup_writes:  # MLA: rank 0 writes the one copy
+            return num_pages
+        wanted = self.costs.backup_pages(above * self.page_size, num_pages, self.page_size)
+        self.stats.backup_not_worth_tokens += (num_pages - wanted) * self.page_size
+        return wanted
+
+    def _start_backup(self, backup: Backup) -> None:
+        backup.host_pages = self.host_pool.allocator.slots_to_pages(backup.host_slots).tolist()
+        backup.costs = self.costs
         self.backups.append(backup)
         self.stats.backup_started += 1
-        if self.skip_backup_writes or not num_pages:  # queued done (MLA: rank 0 writes the one copy)
+        if self.skip_backup_writes or not backup.hashes:  # queued done
             backup.done.set()
             return
         self._backup_worker.submit(self.pacer.paced(partial(backup.run, self.store, self.host_pool,
                                                             self.backup_batch_pages)))
 
     def _retire_backup(self, backup: Backup) -> None:
-        self.tree.dec_host_ref(backup.node)
+        if backup.owns_slots:
+            self.host_pool.free(backup.host_slots)
+        else:
+            self.tree.dec_host_ref(backup.node)
         self.stats.backed_up_tokens += backup.written_pages * self.page_size
         self.stats.backup_present_tokens += backup.skipped_pages * self.page_size
         self.stats.backup_failed_pages += backup.failed_pages
@@ -477,8 +522,14 @@ class StorageController:
 
     # ---- maintenance --------------------------------------------------------------------------
     def owned_host_slots(self) -> list[torch.Tensor]:
-        """Host slots held by running prefetches and draining items (the tree owns everything else)."""
-        return [p.host_slots for p in self._counted()]
+        """Host slots held by running prefetches, backups of pages copied for them and draining items (the
+        tree owns everything else)."""
+        return [p.host_slots for p in self._counted()] + [b.host_slots for b in self.backups if b.owns_slots]
+
+    @property
+    def pins_host_pages(self) -> bool:
+        """Whether backups, prefetches or draining items hold or protect L2 pages now."""
+        return bool(self.backups) or bool(self._counted())
 
     def wait_idle(self, timeout_s: float | None = None) -> bool:
         """Wait until every backup is written and every prefetch's worker is done; False on timeout."""

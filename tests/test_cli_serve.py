@@ -79,7 +79,8 @@ def test_sglang_hicache_command_line_maps_onto_the_engine_config(tmp_path):
     try:  # each reached the cache it names
         cache = engine.cache
         assert cache.config.write_policy == "write_back" and cache.config.io_backend == "direct"
-        assert cache.host_pool.layout == "page_first_direct" and cache.host_pool.num_slots == 3 * 512 + cache.config.staging_tokens
+        assert cache.host_pool.layout == "page_first_direct"
+        assert cache.host_pool.num_slots == 3 * 512 + cache.config.staging_tokens
         assert cache.storage.config.prefetch_stop_policy == "timeout"
         assert cache.storage.config.prefetch_threshold == 64
     finally:

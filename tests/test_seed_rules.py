@@ -19,7 +19,8 @@ def _path_hits(cache, key: RadixKey) -> list[int]:
 
 
 def test_a_prompt_prefilled_in_two_chunks_counts_one_hit():
-    cache = make_cache(page_size=PS, write_policy="write_through_selective", tier_mode="inclusive")  # backup at the 2nd hit
+    # backup to L2 at the 2nd hit
+    cache = make_cache(page_size=PS, write_policy="write_through_selective", tier_mode="inclusive")
     key = RadixKey(random_tokens(4 * PS, seed=61))
     slots = cache.alloc_device(4 * PS)
     cache.insert(RadixKey(key.token_ids[: 2 * PS]), slots[: 2 * PS], chunked=True)  # the first chunk

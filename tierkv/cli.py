@@ -40,8 +40,9 @@ def _replay_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--policy", default="gdsf", choices=sorted(POLICIES),
                    help="eviction policy (README: 'Eviction policies and tiers' compares them)")
     p.add_argument("--write-policy", default="write_through", choices=sorted(WRITE_POLICIES),
-                   help="when L1 pages are copied to L2: write_through (on insert), write_through_selective "
-                        "(on the second hit), write_back (on L1 eviction); HiCache's policies")
+                   help="when an insert is backed up (to L2 in inclusive tiers, to L3 in exclusive ones): "
+                        "write_through (on insert), write_through_selective (on the second hit), write_back "
+                        "(on L1 eviction); HiCache's policies")
     p.add_argument("--tier-mode", default=CacheConfig.tier_mode, choices=TIER_MODES,
                    help="exclusive (default): L2 keeps what L1 dropped, L3 gets inserts per the write policy; "
                         "inclusive (HiCache's): L2 copies L1 per the write policy")

@@ -43,7 +43,8 @@ class SweepRow:
 
 
 def run_sweep(models: list[str], workload: ChatWorkload, device: str = "cpu", repeats: int = 5,
-              l2_fraction: float = 0.5, chunk_tokens: int = 512, tier_mode: str = CacheConfig.tier_mode) -> list[SweepRow]:
+              l2_fraction: float = 0.5, chunk_tokens: int = 512,
+              tier_mode: str = CacheConfig.tier_mode) -> list[SweepRow]:
     """Every model, its modes interleaved within each repeat so machine noise hits them alike."""
     rows: list[SweepRow] = []
     for name in models:

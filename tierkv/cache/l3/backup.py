@@ -19,11 +19,13 @@ log = logging.getLogger(__name__)
 
 @dataclass(eq=False)
 class Backup:
-    """Writes ``hashes`` from ``host_pages``; holds one host_ref on ``node`` until the controller retires it.
+    """Writes ``hashes`` from ``host_pages``; holds one host_ref on ``node`` until the controller retires it
+    (unless ``owns_slots``).
 
-    ``host_slots`` are the slots of ``host_pages``; the tree owns them, never the backup (backups of
-    sibling prompts share their common prefix's slots), but for ``owns_slots``. When a reset drops the tree under backups still
-    in flight, one :class:`DrainedBackups` takes those slots over (see there).
+    ``host_slots`` are the slots of ``host_pages``. The tree owns them, never the backup (backups of
+    sibling prompts share their common prefix's slots), except for ``owns_slots``: pages copied from L1
+    for this backup alone. When a reset drops the tree under backups still in flight, one
+    :class:`DrainedBackups` takes those slots over (see there).
 
     Pages already present at the head (batch_exists) are skipped. Only ``done`` and the page counts are
     written by the worker thread. ``costs`` (the cache's cost model) gets the thread's CPU per page written.

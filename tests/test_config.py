@@ -70,3 +70,17 @@ def test_cache_rejects_mismatched_sizes():
         HiRadixCache(DeviceKVPool(spec, 16, 1, "cpu"), CacheConfig(hicache_ratio=0.5))
     with pytest.raises(ValueError, match="not larger"):
         HiRadixCache(DeviceKVPool(spec, 16, 1, "cpu"), CacheConfig(hicache_size_gb=1e-7))
+
+
+def test_the_replay_and_the_engine_scale_load_chunks_with_l1():
+    # 256-token chunks made a replay of the shipped trace (L1 500k) spend two fifths of its CPU on chunk
+    # copies and victim splits; chunks scale with L1 now, from 256 up to 8192 tokens, in whole pages
+    from tierkv.cache.config import scaled_load_chunk_tokens
+    from tierkv.replay.replay import ReplayConfig
+
+    assert scaled_load_chunk_tokens(512, 16) == 256 and scaled_load_chunk_tokens(10**8, 16) == 8192
+    assert scaled_load_chunk_tokens(500_000, 16) == 7808 and scaled_load_chunk_tokens(100_000, 512) == 1536
+    assert scaled_load_chunk_tokens(1024, 512) == 512  # at least one page
+    assert ReplayConfig(l1_tokens=500_000, l2_tokens=4_500_000).cache_config().load_chunk_tokens == 7808
+    assert ReplayConfig(l1_tokens=500_000, l2_tokens=4_500_000, load_chunk_tokens=0).cache_config().load_chunk_tokens == 0
+    assert CacheConfig().load_chunk_tokens == 256

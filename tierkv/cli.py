@@ -46,8 +46,9 @@ def _replay_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tier-mode", default=CacheConfig.tier_mode, choices=TIER_MODES,
                    help="exclusive (default): L2 keeps what L1 dropped, L3 gets inserts per the write policy; "
                         "inclusive (HiCache's): L2 copies L1 per the write policy")
-    p.add_argument("--load-chunk-tokens", type=int, default=256,
-                   help="exclusive tiers: a load back that makes L2 evict goes in chunks of this many tokens (0: one)")
+    p.add_argument("--load-chunk-tokens", type=int, default=None,
+                   help="exclusive tiers: a load back that makes L2 evict goes in chunks of this many tokens "
+                        "(0: one; default: L1 / 256, 256 to 8192)")
     p.add_argument("--l2-admission", action="store_true",
                    help="copy a node to L2 only if the policy admits it (e.g. tinylfu: used twice)")
     p.add_argument("--l3-tokens", default=None, help="a bounded L3's capacity, for MIN's bound (default: unbounded)")

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tierkv.cache.config import IO_BACKENDS, TIER_MODES, WRITE_POLICIES, CacheConfig
+from tierkv.cache.config import IO_BACKENDS, TIER_MODES, WRITE_POLICIES, CacheConfig, scaled_load_chunk_tokens
 from tierkv.engine.config import ModelConfig
 from tierkv.engine.loader import build_model, model_namespace
 from tierkv.engine.models import CausalLM
@@ -97,7 +97,8 @@ class Engine:
                                 io_backend=cfg.io_backend, tier_mode=cfg.tier_mode, eviction_policy=cfg.eviction_policy,
                                 hicache_ratio=cfg.hicache_ratio, hicache_size_gb=cfg.hicache_size_gb,
                                 enable_host=cfg.mode in ("l1+l2", "l1+l2+l3"), cost_aware=cfg.cost_aware,
-                                prefill_tokens_per_s=cfg.prefill_tokens_per_s)
+                                prefill_tokens_per_s=cfg.prefill_tokens_per_s,
+                                load_chunk_tokens=scaled_load_chunk_tokens(cfg.l1_tokens, cfg.page_size))
         self.cache = HiRadixCache(self.device_pool, cache_cfg)
         self.runner = ModelRunner(self.model, self.device_pool)
         self.scheduler = Scheduler(self.runner, self.cache, SchedulerConfig(

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tierkv.cache.config import CacheConfig
+from tierkv.cache.config import CacheConfig, scaled_load_chunk_tokens
 from tierkv.cache.hicache import HiRadixCache, MatchResult
 from tierkv.cache.l3.controller import open_storage
 from tierkv.pools import DeviceKVPool, HostKVPool, KVSpec
@@ -63,7 +63,7 @@ class ReplayConfig:
     tier_mode: str = CacheConfig.tier_mode
     l2_admission: bool = False
     split_victims: bool = True  # CacheConfig.split_victims
-    load_chunk_tokens: int = 256  # CacheConfig.load_chunk_tokens
+    load_chunk_tokens: int | None = None  # CacheConfig.load_chunk_tokens; None: scaled_load_chunk_tokens
     l3_tokens: int | None = None  # a bounded L3's capacity, for MIN's bound (None: unbounded)
 
     def __post_init__(self) -> None:
@@ -85,7 +85,8 @@ class ReplayConfig:
                            write_policy=self.write_policy, load_back_threshold=self.load_back_threshold,
                            enable_host=self.l2_tokens is not None, tier_mode=self.tier_mode,
                            l2_admission=self.l2_admission, split_victims=self.split_victims,
-                           load_chunk_tokens=self.load_chunk_tokens,
+                           load_chunk_tokens=scaled_load_chunk_tokens(self.l1_tokens, self.page_size)
+                           if self.load_chunk_tokens is None else self.load_chunk_tokens,
                            overlap_cpu_writes=False)  # each request's writes are waited for (flush)
 
     @property

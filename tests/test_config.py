@@ -82,5 +82,6 @@ def test_the_replay_and_the_engine_scale_load_chunks_with_l1():
     assert scaled_load_chunk_tokens(500_000, 16) == 7808 and scaled_load_chunk_tokens(100_000, 512) == 1536
     assert scaled_load_chunk_tokens(1024, 512) == 512  # at least one page
     assert ReplayConfig(l1_tokens=500_000, l2_tokens=4_500_000).cache_config().load_chunk_tokens == 7808
-    assert ReplayConfig(l1_tokens=500_000, l2_tokens=4_500_000, load_chunk_tokens=0).cache_config().load_chunk_tokens == 0
+    unchunked = ReplayConfig(l1_tokens=500_000, l2_tokens=4_500_000, load_chunk_tokens=0)
+    assert unchunked.cache_config().load_chunk_tokens == 0
     assert CacheConfig().load_chunk_tokens == 256

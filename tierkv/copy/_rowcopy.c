@@ -102,15 +102,9 @@ int slots_to_pages(const int64_t *slots, Py_ssize_t num_slots, Py_ssize_t page_s
  * chunks (up to LOOKAHEAD_MAX_CHUNK_NBYTES: a page of a one-layer pool) are prefetched a few pages ahead
  * instead, since one run ahead leaves too little time: with the replay's 128-byte chunks, 25-45% less
  * time. (Looking ahead with large chunks halved the speed of 32 KiB chunks: kept to small ones.) */
-#define PREFETCH_MAX_NBYTES 2048
 #define LOOKAHEAD_MAX_CHUNK_NBYTES 512
 #define LOOKAHEAD_NBYTES 16384  /* in flight, at most LOOKAHEAD_MAX_PAGES pages */
 #define LOOKAHEAD_MAX_PAGES 8
-#if defined(__GNUC__) || defined(__clang__)
-#define PREFETCH(address, for_write) __builtin_prefetch((address), (for_write))
-#else
-#define PREFETCH(address, for_write) ((void)0)
-#endif
 
 static void prefetch_page(const PageCopy *c, Py_ssize_t p, Py_ssize_t o, Py_ssize_t prefetch_nbytes) {
     char *page_dst = c->dst + c->dst_pages[p] * c->dst_page_nbytes;
@@ -126,7 +120,7 @@ static void prefetch_page(const PageCopy *c, Py_ssize_t p, Py_ssize_t o, Py_ssiz
 /* Chunks in (outer, page, inner) order: the caller picks the order that walks the destination
  * forward. A chunk that continues the previous one on both sides extends it instead of starting
  * a new memcpy. */
-static void run_page_copy(const PageCopy *c) {
+void run_page_copy(const PageCopy *c) {
     Py_ssize_t prefetch_nbytes = c->chunk_nbytes < PREFETCH_MAX_NBYTES ? c->chunk_nbytes : PREFETCH_MAX_NBYTES;
     Py_ssize_t ahead = 0;  /* pages to look ahead; 0: prefetch each run's start instead */
     if (c->chunk_nbytes <= LOOKAHEAD_MAX_CHUNK_NBYTES) {

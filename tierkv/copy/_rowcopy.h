@@ -25,6 +25,14 @@ ROWCOPY_INTERNAL PyObject *pages_to_slots(PyObject *self, PyObject *args);
 
 #endif
 
+/* A run's first bytes fetched ahead of its copy, at most this many (see _rowcopy.c's run_page_copy). */
+#define PREFETCH_MAX_NBYTES 2048
+#if defined(__GNUC__) || defined(__clang__)
+#define PREFETCH(address, for_write) __builtin_prefetch((address), (for_write))
+#else
+#define PREFETCH(address, for_write) ((void)0)
+#endif
+
 /* One copy: chunk i of page p sits at base[i] + pages[p] * page_nbytes on each side, chunks walked in
  * (outer, page, inner) order. ``digests`` / ``digest_valid``: NULL, or per destination page the xxh3-64 of
  * its bytes and a flag, both written by a hashed copy (run_hashed_page_copy). */
@@ -36,6 +44,9 @@ typedef struct {
     uint64_t *digests;
     unsigned char *digest_valid;
 } PageCopy;
+
+/* The plain copy (_rowcopy.c): chunks in (outer, page, inner) order, adjacent ones merged, runs prefetched. */
+ROWCOPY_INTERNAL void run_page_copy(const PageCopy *c);
 
 /* 1 when each destination page is written whole and in address order by one pass over its chunks (outer
  * 1, chunks back to back from the page's start and filling it): the bytes a hashed copy can digest. */

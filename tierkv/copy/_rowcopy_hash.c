@@ -4,6 +4,11 @@
  * page) then writes its header without reading the page again, which matters where the store's own
  * transfer copies the page on a thread tierkv cannot hash in (Mooncake's transfer engine).
  *
+ * Each page is copied a piece at a time by the plain copy's own loop (run_page_copy, its prefetch of each
+ * scattered source chunk included): a simpler chunk-by-chunk memcpy here took 28-30 ms for 128 MiB of 2 KiB
+ * chunks where the plain copy took 19.5, and as slow with the hash calls left out; through run_page_copy
+ * the hashed copy takes what the plain one does (25.0-25.2 against 25.4-26.5 ms on a busier moment).
+ *
  * The digest is of the destination's bytes as written (read back from cache), so it describes exactly
  * what the host page holds. It is recorded (value, then its valid flag) only once the whole page is
  * written; the host pool clears the flag whenever the page is handed out again or written any other way.
@@ -52,25 +57,25 @@ int pages_written_in_order(const PageCopy *c) {
     return 1;
 }
 
-/* One page: its chunks copied in pieces, each stretch of HASH_PIECE_NBYTES written fed to the hash. */
-static uint64_t copy_page_hashed(const PageCopy *c, char *page_dst, const char *page_src, void *state) {
+/* Page ``p``: copied a piece at a time by the plain copy's loop (its prefetching included), each piece fed to
+ * the hash right after it lands. A piece is the chunks of HASH_PIECE_NBYTES (at least one chunk). */
+static uint64_t copy_page_hashed(const PageCopy *c, Py_ssize_t p, void *state) {
     const Xxh3Functions *x = bound_xxh3;
-    Py_ssize_t hashed = 0;  /* the page's leading bytes fed to the hash: chunks land in address order */
+    char *page_dst = c->dst + c->dst_pages[p] * c->dst_page_nbytes;
+    Py_ssize_t per_piece = c->chunk_nbytes >= HASH_PIECE_NBYTES ? 1 : HASH_PIECE_NBYTES / c->chunk_nbytes;
+    PageCopy piece = *c;
+    piece.num_pages = 1;
+    piece.dst_pages = c->dst_pages + p;
+    piece.src_pages = c->src_pages + p;
     x->reset(state);
-    for (Py_ssize_t i = 0; i < c->inner; i++) {
-        char *d = page_dst + c->dst_base[i];
-        const char *s = page_src + c->src_base[i];
-        for (Py_ssize_t off = 0; off < c->chunk_nbytes; off += HASH_PIECE_NBYTES) {
-            Py_ssize_t n = c->chunk_nbytes - off < HASH_PIECE_NBYTES ? c->chunk_nbytes - off : HASH_PIECE_NBYTES;
-            memcpy(d + off, s + off, (size_t)n);
-            Py_ssize_t written = c->dst_base[i] + off + n;
-            if (written - hashed >= HASH_PIECE_NBYTES) {
-                x->update(state, page_dst + hashed, (size_t)(written - hashed));
-                hashed = written;
-            }
-        }
+    for (Py_ssize_t first = 0; first < c->inner; first += per_piece) {
+        piece.inner = c->inner - first < per_piece ? c->inner - first : per_piece;
+        piece.dst_base = c->dst_base + first;
+        piece.src_base = c->src_base + first;
+        run_page_copy(&piece);
+        /* chunks lie back to back from the page's start (pages_written_in_order) */
+        x->update(state, page_dst + first * c->chunk_nbytes, (size_t)(piece.inner * c->chunk_nbytes));
     }
-    if (hashed < c->dst_page_nbytes) x->update(state, page_dst + hashed, (size_t)(c->dst_page_nbytes - hashed));
     return x->digest(state);
 }
 
@@ -80,8 +85,7 @@ int run_hashed_page_copy(const PageCopy *c) {
     for (Py_ssize_t p = 0; p < c->num_pages; p++) {
         int64_t page = c->dst_pages[p];
         c->digest_valid[page] = 0;  /* the page is being rewritten: its old digest no longer holds */
-        uint64_t digest = copy_page_hashed(c, c->dst + page * c->dst_page_nbytes,
-                                           c->src + c->src_pages[p] * c->src_page_nbytes, state);
+        uint64_t digest = copy_page_hashed(c, p, state);
         c->digests[page] = digest;
         __atomic_store_n(&c->digest_valid[page], 1, __ATOMIC_RELEASE);  /* the value before its flag */
     }

@@ -33,6 +33,7 @@ import re
 import socket
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -200,10 +201,10 @@ class MooncakeStore(PageStore):
         return len(present)
 
     @staticmethod
-    def _buffers(pages: list[torch.Tensor], headers: torch.Tensor) -> list[list[int]]:
+    def _buffers(addresses: list[int], headers: torch.Tensor) -> list[list[int]]:
         """[payload address, header address] per page: the page, then its row of the header arena."""
         base = headers.data_ptr()
-        return [[page.data_ptr(), base + i * HEADER_SIZE] for i, page in enumerate(pages)]
+        return [[address, base + i * HEADER_SIZE] for i, address in enumerate(addresses)]
 
     def _ranges(self, num_pages: int) -> list[tuple[int, int]]:
         """(start, end) of each range of a batch: ``RANGE_NBYTES`` (at most ``_MAX_CALL_PAGES`` pages)."""
@@ -286,7 +287,7 @@ class MooncakeStore(PageStore):
         found = [False] * len(keys)
         headers = self._get_headers[thread * _MAX_CALL_PAGES:(thread + 1) * _MAX_CALL_PAGES]
         try:
-            sizes = client.batch_get_into_multi_buffers(names, self._buffers(targets, headers),
+            sizes = client.batch_get_into_multi_buffers(names, self._buffers([t.data_ptr() for t in targets], headers),
                                                         [[self.page_nbytes, HEADER_SIZE]] * len(keys))
         except RuntimeError as err:
             self._failed("get", err)
@@ -319,10 +320,26 @@ class MooncakeStore(PageStore):
     def batch_set(self, keys: list[str], values: list[torch.Tensor],
                   digests: Sequence[int | None] | None = None) -> list[bool]:
         """Store each page (put-if-absent). ``digests``: per page the xxh3-64 of its payload or None (see
-        :attr:`PageStore.accepts_digests`), used for unkeyed headers in place of hashing the page; with all
-        of them given nothing is hashed, so a batch goes in calls of up to ``_MAX_CALL_PAGES`` pages on this
-        thread (ranges on two threads only pay where a hash overlaps a transfer)."""
+        :attr:`PageStore.accepts_digests`), used for unkeyed headers in place of hashing the page."""
         views = self._check_batch(keys, values)
+        return self._set(keys, [value.data_ptr() for value in values], views, digests)
+
+    def batch_set_rows(self, keys: list[str], rows: np.ndarray, pages: Any, **kwargs: Any) -> list[bool]:
+        """:meth:`batch_set` of host pool rows (a backup), their addresses worked out for the whole batch
+        at once: no tensor a page. A subclass that overrides batch_set gets it as before."""
+        if set(kwargs) - {"digests"} or type(self).batch_set is not MooncakeStore.batch_set:
+            return super().batch_set_rows(keys, rows, pages, **kwargs)
+        index = self._row_index(keys, rows, pages)
+        flat, nbytes = memoryview(rows).cast("B"), self.page_nbytes
+        views = [flat[p * nbytes:(p + 1) * nbytes] for p in index.tolist()]
+        addresses = (rows.ctypes.data + index.astype(np.int64) * nbytes).tolist()
+        return self._set(keys, addresses, views, kwargs.get("digests"))
+
+    def _set(self, keys: list[str], addresses: list[int], views: list[memoryview],
+             digests: Sequence[int | None] | None) -> list[bool]:
+        """Put the pages at ``addresses`` (``views`` of them, checked). With every digest given nothing is
+        hashed, so the batch goes in calls of up to ``_MAX_CALL_PAGES`` pages on this thread (ranges on two
+        threads pay only where a hash overlaps a transfer)."""
         if digests is not None and len(digests) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(digests)} digests")
         if not keys:
@@ -335,7 +352,7 @@ class MooncakeStore(PageStore):
                 return [False] * len(keys)
 
             def put_range(thread: int, start: int, end: int) -> list[int]:
-                return self._hash_and_put(client, thread, keys[start:end], values[start:end], views[start:end],
+                return self._hash_and_put(client, thread, keys[start:end], addresses[start:end], views[start:end],
                                           None if digests is None else digests[start:end])
             if digests is not None and None not in digests:
                 calls = range(0, len(keys), _MAX_CALL_PAGES)
@@ -348,8 +365,8 @@ class MooncakeStore(PageStore):
         self._count(set_pages=sum(done), set_bytes=sum(done) * self.page_nbytes)
         return done
 
-    def _hash_and_put(self, client, thread: int, keys: list[str], values: list[torch.Tensor],
-                      views: list[memoryview], digests: Sequence[int | None] | None = None) -> list[int]:
+    def _hash_and_put(self, client, thread: int, keys: list[str], addresses: list[int], views: list[memoryview],
+                      digests: Sequence[int | None] | None = None) -> list[int]:
         """The headers of a range (into ``thread``'s rows of the arena), then one put call for it. Pages
         whose digest is given (unkeyed format) are not hashed."""
         rows = self._set_headers[thread * _MAX_CALL_PAGES:(thread + 1) * _MAX_CALL_PAGES]
@@ -361,7 +378,7 @@ class MooncakeStore(PageStore):
         try:
             return client.batch_put_from_multi_buffers(
                 [self.key_prefix + k for k in keys],  # keys checked by batch_set
-                self._buffers(values, rows),
+                self._buffers(addresses, rows),
                 [[self.page_nbytes, HEADER_SIZE]] * len(keys), self._replicate)
         except RuntimeError as err:
             self._error("put via master " + self.master, err)

@@ -18,9 +18,16 @@ hashed by the thread that moves it: with a spare core it can beat raw, the CPU r
 >= 0.8. A last table gives the memory backend's RSS over the bytes it stores, measured in a fresh
 subprocess per page size (target <= 1.2). ``--digests`` adds a table of the digests alone.
 
+``--l2-copy`` times a set as the product makes it, an L1 -> L2 copy then the backup's store call, on both
+sides: tierkv copies the batch from a CPU L1 pool into a page-first host pool with the transfer controller's
+write (which hashes each page as it writes it where the store takes digests: Mooncake) and stores the host
+pages with ``batch_set_rows``, handing over those digests as a backup does; raw copies the same pages with
+the same native copy, not hashing, into a host pool of its own and stores them with its client as above.
+Gets are unchanged (the set op is labelled ``c+set``).
+
     python bench/bench_storage.py [--page-sizes 131072,8388608] [--batch-mib 128] [--repeats 5]
                                   [--backends memory,file,redis,mooncake] [--fsync] [--page-key SECRET]
-                                  [--busy-cores 1]
+                                  [--busy-cores 1] [--l2-copy]
 """
 
 from __future__ import annotations
@@ -43,7 +50,11 @@ import xxhash
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from tierkv.copy.cpu_copy import ChunkCopy
+from tierkv.copy.transfer import TransferController
 from tierkv.hashing import HashNamespace, page_hashes
+from tierkv.pools.kv import DeviceKVPool, HostKVPool
+from tierkv.pools.spec import KVSpec
 from tierkv.storage import file as file_backend
 from tierkv.storage import mooncake_store, native
 from tierkv.storage.factory import open_store
@@ -63,12 +74,64 @@ def best_seconds(fn: Callable[[], object], repeats: int, before: Callable[[], ob
 
 
 class Case:
-    """One backend: its store, the raw baseline's write and read, and the cleanup between runs."""
+    """One backend: its store, the raw baseline's write and read, and the cleanup between runs. ``ours_set``:
+    tierkv's side of a set when not a plain batch_set of the pages (``--l2-copy``)."""
 
     def __init__(self, name: str, store, raw_set, raw_get, reset) -> None:
         self.name, self.store, self.raw_set, self.raw_get, self.reset = name, store, raw_set, raw_get, reset
         self.before_get: Callable[[], object] | None = None
         self.cleanup: Callable[[], object] = lambda: None
+        self.ours_set: Callable[[], object] | None = None
+        self.set_label = "set"
+
+
+class L2Copy:
+    """``--l2-copy``: a CPU L1 pool holding the batch and two page-first host pools, one for each side, each
+    allocated whole. ``raw_pages``: the raw side's host pages (what its client stores)."""
+
+    def __init__(self, page_nbytes: int, num_pages: int, gen: torch.Generator) -> None:
+        page_size = 16 if page_nbytes <= 1 << 20 else 64
+        num_layers, rest = divmod(page_nbytes // page_size, 2 * 8 * 128 * 2)  # K and V, 8 heads of 128, fp16
+        if rest or not num_layers:
+            raise ValueError(f"--l2-copy needs pages of a multiple of {page_size * 4096} bytes, got {page_nbytes}")
+        spec = KVSpec(num_layers=num_layers, kv_heads=8, head_dim=128, dtype=torch.float16)
+        num_tokens = num_pages * page_size
+        self.device = DeviceKVPool(spec, num_tokens, page_size, "cpu")
+        self.device.buffer.view(-1).view(torch.uint8).copy_(
+            torch.randint(0, 256, (self.device.size_bytes,), dtype=torch.uint8, generator=gen))
+        self.device_slots = torch.arange(num_tokens)
+        self.host, self.raw_host = (HostKVPool(spec, num_tokens, page_size, "page_first", pin_memory=False)
+                                    for _ in range(2))
+        self.host_slots, self.raw_slots = self.host.alloc(num_tokens), self.raw_host.alloc(num_tokens)
+        self.host_pages = self.host.allocator.slots_to_pages(self.host_slots).numpy()
+        self.transfer = TransferController(self.device, self.host)  # the product's write, hashing when on
+        self.raw_copy = ChunkCopy(self.device, self.raw_host)  # the same native copy, no digests
+        self.raw_copy.copy_slots(self.device_slots, self.raw_slots)
+        raw_rows = self.raw_host.page_bytes_array()
+        self.raw_pages = [torch.from_numpy(raw_rows[p]) for p in
+                          self.raw_host.allocator.slots_to_pages(self.raw_slots).tolist()]
+
+    def attach(self, case: Case, keys: list[str]) -> None:
+        """Both sides of ``case``'s set start with their L1 -> L2 copy; tierkv stores as a backup does."""
+        store, rows, digests = case.store, self.host.page_bytes_array(), self.host.digests
+        if store.accepts_digests:
+            digests.enable()
+        raw_set = case.raw_set
+
+        def ours_set():
+            error = self.transfer.write_now(self.device_slots, self.host_slots)
+            if error is not None:
+                raise RuntimeError(f"L1 -> L2 copy failed: {error!r}")
+            extra = {"digests": digests.lookup(self.host_pages)} if store.accepts_digests else {}
+            return store.batch_set_rows(keys, rows, self.host_pages, **extra)
+
+        def raw_with_copy():
+            self.raw_copy.copy_slots(self.device_slots, self.raw_slots)
+            raw_set()
+        case.ours_set, case.raw_set, case.set_label = ours_set, raw_with_copy, "c+set"
+
+    def close(self) -> None:
+        self.transfer.shutdown()
 
 
 def store_options(args) -> dict:
@@ -251,16 +314,17 @@ def summary(name: str, page_nbytes: int, op: str, nbytes: int, times: list[tuple
 def run_case(case: Case, keys, pages, targets, repeats: int) -> list[tuple]:
     nbytes = len(pages) * pages[0].numel()
     store = case.store
-    set_times = interleaved(lambda: store.batch_set(keys, pages), case.raw_set, repeats, case.reset)
+    ours_set = case.ours_set or (lambda: store.batch_set(keys, pages))
+    set_times = interleaved(ours_set, case.raw_set, repeats, case.reset)
     case.reset()
-    if not all(store.batch_set(keys, pages)):
+    if not all(ours_set()):
         raise RuntimeError(f"{case.name}: writes failed ({store.stats.errors} errors)")
     case.raw_set()
     get_times = interleaved(lambda: store.batch_get(keys, targets), case.raw_get, repeats, case.before_get)
     found = store.batch_get(keys, targets)
     if not all(found) or not all(torch.equal(t, p) for t, p in zip(targets, pages)):
         raise RuntimeError(f"{case.name}: read-back mismatch (found {sum(found)}/{len(found)})")
-    return [summary(case.name, pages[0].numel(), "set", nbytes, set_times),
+    return [summary(case.name, pages[0].numel(), case.set_label, nbytes, set_times),
             summary(case.name, pages[0].numel(), "get", nbytes, get_times)]
 
 
@@ -336,7 +400,9 @@ def bench_page_size(page_nbytes: int, args) -> list[tuple]:
     ns = HashNamespace(model="llama-3-8b", kv_dtype="bfloat16", kv_shape=(2, 32, 8, 128))
     keys = page_hashes(list(range(num_pages)), 1, None, ns)
     gen = torch.Generator().manual_seed(0)
-    pages = [torch.randint(0, 256, (page_nbytes,), dtype=torch.uint8, generator=gen) for _ in keys]
+    l2_copy = L2Copy(page_nbytes, num_pages, gen) if args.l2_copy else None
+    pages = (l2_copy.raw_pages if l2_copy is not None else
+             [torch.randint(0, 256, (page_nbytes,), dtype=torch.uint8, generator=gen) for _ in keys])
     targets = [torch.ones(page_nbytes, dtype=torch.uint8) for _ in keys]  # touched up front
     print(f"{size_label(page_nbytes)} pages: {num_pages} per batch, {args.repeats} interleaved repeats; "
           f"xxh3 over the batch, one thread: {cold_hash_gbps(pages, args.repeats):.2f} GB/s (the verification "
@@ -353,22 +419,26 @@ def bench_page_size(page_nbytes: int, args) -> list[tuple]:
             print(f"{name}: skipped ({type(err).__name__}: {err})")
             continue
         try:
+            if l2_copy is not None:
+                l2_copy.attach(case, keys)
             rows += run_case(case, keys, pages, targets, args.repeats)
         except RuntimeError as err:
             print(f"{name}: FAILED ({err})")
         finally:
             case.reset()
             case.cleanup()
+    if l2_copy is not None:
+        l2_copy.close()
     return rows
 
 
 def print_rows(rows: list[tuple]) -> None:
-    print(f"{'backend':<9} {'page':>7} {'op':<4} {'raw GB/s':>9} {'tierkv GB/s':>11} "
+    print(f"{'backend':<9} {'page':>7} {'op':<5} {'raw GB/s':>9} {'tierkv GB/s':>11} "
           f"{'ratio min':>9} {'median':>7} {'cpu ratio':>9} {'target':>6}")
     for name, page_nbytes, op, raw, ours, ratio_min, ratio_median, cpu_ratio in rows:
         target = TARGETS.get(name)
         flag = "" if target is None else f"{target:>6.2f}" + ("" if ratio_median >= target else "  below")
-        print(f"{name:<9} {size_label(page_nbytes):>7} {op:<4} {raw:>9.2f} {ours:>11.2f} {ratio_min:>9.2f} "
+        print(f"{name:<9} {size_label(page_nbytes):>7} {op:<5} {raw:>9.2f} {ours:>11.2f} {ratio_min:>9.2f} "
               f"{ratio_median:>7.2f} {cpu_ratio:>9.2f} {flag}")
 
 
@@ -393,6 +463,9 @@ def main() -> None:
                         help="file: drop both sides' pages from the page cache before each read run")
     parser.add_argument("--page-key", default=None, help="authenticate pages with this secret (a MAC)")
     parser.add_argument("--digests", action="store_true", help="also a table of the digests alone")
+    parser.add_argument("--l2-copy", action="store_true",
+                        help="sets start with the L1 -> L2 copy on both sides (tierkv's hashes where the store takes "
+                             "digests)")
     parser.add_argument("--busy-cores", type=int, default=0,
                         help="keep this many cores busy with spinning processes while timing (as a loaded server)")
     parser.add_argument("--rss-pages", type=int, default=1 << 30, help="bytes the RSS check stores per size")
@@ -404,6 +477,7 @@ def main() -> None:
     page_sizes = [int(size) for size in args.page_sizes.split(",")]
     start_spinners(args.busy_cores)
     print(f"busy cores {args.busy_cores}, fsync={args.fsync}, cold={args.cold}, page_key={bool(args.page_key)}, "
+          f"l2_copy={args.l2_copy}, "
           f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; tierkv moves a batch on up to "
           f"{min(file_backend.MAX_READ_THREADS, file_backend.usable_cores())} threads (file reads) or "
           f"{mooncake_store.IO_THREADS} (mooncake), each page hashed by the thread that moves it; raw sides use one")

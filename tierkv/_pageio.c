@@ -303,7 +303,12 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_pageio", NULL, -1, 
 
 PyMODINIT_FUNC PyInit__pageio(void) {
     PyObject *m = PyModule_Create(&module);
-    if (m != NULL && PyModule_AddIntConstant(m, "API_VERSION", API_VERSION) < 0) {
+    if (m == NULL) return NULL;
+    /* the bound functions, for tierkv.copy._rowcopy's hashed L1 -> L2 copy (one binding for both modules) */
+    PyObject *capsule = PyCapsule_New(&xxh3, "tierkv._pageio.xxh3_functions", NULL);
+    if (PyModule_AddIntConstant(m, "API_VERSION", API_VERSION) < 0 || capsule == NULL
+        || PyModule_AddObject(m, "xxh3_functions", capsule) < 0) {
+        Py_XDECREF(capsule);
         Py_DECREF(m);
         return NULL;
     }

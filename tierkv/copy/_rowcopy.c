@@ -19,12 +19,11 @@
  * all its life: it holds the pools' buffers and chunk maps, so a copy's call parses two slot arrays and
  * nothing else, and it takes the allocator's int64 tensors as they are (through their numpy view).
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-#include <stdint.h>
+#include "_rowcopy.h"
+
 #include <string.h>
 
-static int get_int64s(PyObject *obj, Py_buffer *view, const char *name) {
+int get_int64s(PyObject *obj, Py_buffer *view, const char *name) {
     /* strided request, contiguity checked here: numpy refuses a C-contiguous request for a strided
      * array with a ValueError, which callers would read as bad slots rather than a wrong argument */
     if (PyObject_GetBuffer(obj, view, PyBUF_RECORDS_RO) < 0) {
@@ -74,7 +73,7 @@ static int check_side(const char *side, const int64_t *base, Py_ssize_t num_base
 }
 
 /* pages[p] = slots[p * page_size] / page_size, checking the slots form whole aligned pages below num_pages. */
-static int slots_to_pages(const int64_t *slots, Py_ssize_t num_slots, Py_ssize_t page_size, Py_ssize_t num_pages,
+int slots_to_pages(const int64_t *slots, Py_ssize_t num_slots, Py_ssize_t page_size, Py_ssize_t num_pages,
                           int64_t *pages) {
     if (num_slots % page_size) {
         PyErr_Format(PyExc_ValueError, "%zd slots are not whole pages of %zd", num_slots, page_size);
@@ -97,28 +96,15 @@ static int slots_to_pages(const int64_t *slots, Py_ssize_t num_slots, Py_ssize_t
     return 0;
 }
 
-typedef struct {
-    char *dst;
-    const char *src;
-    const int64_t *dst_base, *src_base, *dst_pages, *src_pages;
-    Py_ssize_t num_pages, outer, inner, dst_page_nbytes, src_page_nbytes, chunk_nbytes;
-} PageCopy;
-
 /* Each new run's first bytes (up to PREFETCH_MAX_NBYTES) are prefetched before the previous run is copied:
  * runs are scattered, so without it each one starts with cache misses on both sides that the hardware
  * prefetcher cannot foresee. Measured with MLA's 1152-byte chunks: the copy takes ~15% less time. Small
  * chunks (up to LOOKAHEAD_MAX_CHUNK_NBYTES: a page of a one-layer pool) are prefetched a few pages ahead
  * instead, since one run ahead leaves too little time: with the replay's 128-byte chunks, 25-45% less
  * time. (Looking ahead with large chunks halved the speed of 32 KiB chunks: kept to small ones.) */
-#define PREFETCH_MAX_NBYTES 2048
 #define LOOKAHEAD_MAX_CHUNK_NBYTES 512
 #define LOOKAHEAD_NBYTES 16384  /* in flight, at most LOOKAHEAD_MAX_PAGES pages */
 #define LOOKAHEAD_MAX_PAGES 8
-#if defined(__GNUC__) || defined(__clang__)
-#define PREFETCH(address, for_write) __builtin_prefetch((address), (for_write))
-#else
-#define PREFETCH(address, for_write) ((void)0)
-#endif
 
 static void prefetch_page(const PageCopy *c, Py_ssize_t p, Py_ssize_t o, Py_ssize_t prefetch_nbytes) {
     char *page_dst = c->dst + c->dst_pages[p] * c->dst_page_nbytes;
@@ -134,7 +120,7 @@ static void prefetch_page(const PageCopy *c, Py_ssize_t p, Py_ssize_t o, Py_ssiz
 /* Chunks in (outer, page, inner) order: the caller picks the order that walks the destination
  * forward. A chunk that continues the previous one on both sides extends it instead of starting
  * a new memcpy. */
-static void run_page_copy(const PageCopy *c) {
+void run_page_copy(const PageCopy *c) {
     Py_ssize_t prefetch_nbytes = c->chunk_nbytes < PREFETCH_MAX_NBYTES ? c->chunk_nbytes : PREFETCH_MAX_NBYTES;
     Py_ssize_t ahead = 0;  /* pages to look ahead; 0: prefetch each run's start instead */
     if (c->chunk_nbytes <= LOOKAHEAD_MAX_CHUNK_NBYTES) {
@@ -206,10 +192,13 @@ static int copy_checked(PageCopy *c, Py_ssize_t num_bases, Py_ssize_t dst_nbytes
                    c->chunk_nbytes, dst_nbytes) < 0) goto done;
     if (check_side("source", c->src_base, num_bases, c->src_pages, c->num_pages, c->src_page_nbytes,
                    c->chunk_nbytes, src_nbytes) < 0) goto done;
+    int hash_failed = 0;
     Py_BEGIN_ALLOW_THREADS
-    run_page_copy(c);
+    if (c->digests != NULL) hash_failed = run_hashed_page_copy(c) < 0;
+    else run_page_copy(c);
     Py_END_ALLOW_THREADS
-    status = 0;
+    if (hash_failed) PyErr_NoMemory();
+    else status = 0;
 done:
     PyMem_Free(slot_pages);
     return status;
@@ -237,7 +226,7 @@ static int check_chunk_maps(const Py_buffer *dst_base, const Py_buffer *src_base
 static PyObject *copy_pages(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *dst_obj, *src_obj, *dst_base_obj, *src_base_obj, *dst_pages_obj, *src_pages_obj;
-    PageCopy c;
+    PageCopy c = {0};
     SlotRule rule = {0, 0, 0, 0};  /* page_size > 0: slots are given */
     if (!PyArg_ParseTuple(args, "OOOOOOnnnn|nnnp:copy_pages", &dst_obj, &src_obj, &dst_base_obj, &src_base_obj,
                           &dst_pages_obj, &src_pages_obj, &c.dst_page_nbytes, &c.src_page_nbytes, &c.inner,
@@ -283,7 +272,9 @@ done:
 typedef struct {
     PyObject_HEAD
     Py_buffer dst, src, dst_base, src_base;
-    PageCopy layout;  /* everything but the page lists */
+    Py_buffer digests, digest_valid;  /* the destination's digest table (uint64, uint8 per page), or none */
+    int pages_in_order;  /* the destination's pages are written whole, in order: a copy can hash them */
+    PageCopy layout;  /* everything but the page lists (and digests: set per hashed copy) */
     Py_ssize_t page_size, dst_num_pages, src_num_pages;
     PyObject *name;  /* of the copy, for errors */
 } SlotCopier;
@@ -295,23 +286,41 @@ static void slot_copier_dealloc(SlotCopier *self) {
     if (self->src.obj) PyBuffer_Release(&self->src);
     if (self->dst_base.obj) PyBuffer_Release(&self->dst_base);
     if (self->src_base.obj) PyBuffer_Release(&self->src_base);
+    if (self->digests.obj) PyBuffer_Release(&self->digests);
+    if (self->digest_valid.obj) PyBuffer_Release(&self->digest_valid);
     Py_XDECREF(self->name);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
+/* The destination's digest table: a writable uint64 and a writable 1-byte array, one entry per page. */
+static int get_digest_table(SlotCopier *self, PyObject *digests, PyObject *digest_valid) {
+    if (PyObject_GetBuffer(digests, &self->digests, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) return -1;
+    if (PyObject_GetBuffer(digest_valid, &self->digest_valid, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return -1;
+    const char *f = self->digests.format;
+    if (self->digests.itemsize != 8 || f == NULL || strchr("QLk", f[0]) == NULL || f[1] != '\0'
+        || self->digests.len / 8 != self->dst_num_pages || self->digest_valid.itemsize != 1
+        || self->digest_valid.len != self->dst_num_pages) {
+        PyErr_Format(PyExc_ValueError, "digest table: %zd uint64 digests and %zd flags for %zd pages",
+                     self->digests.len / 8, self->digest_valid.len, self->dst_num_pages);
+        return -1;
+    }
+    return 0;
+}
+
 static int slot_copier_init(SlotCopier *self, PyObject *args, PyObject *kwargs) {
     static char *keywords[] = {"dst", "src", "dst_base", "src_base", "dst_page_nbytes", "src_page_nbytes", "inner",
-                               "chunk_nbytes", "page_size", "dst_num_pages", "src_num_pages", "name", NULL};
-    PyObject *dst_obj, *src_obj, *dst_base_obj, *src_base_obj, *name;
+                               "chunk_nbytes", "page_size", "dst_num_pages", "src_num_pages", "name", "digests",
+                               "digest_valid", NULL};
+    PyObject *dst_obj, *src_obj, *dst_base_obj, *src_base_obj, *name, *digests = Py_None, *digest_valid = Py_None;
     PageCopy *c = &self->layout;
     if (self->dst.obj != NULL) {
         PyErr_SetString(PyExc_TypeError, "SlotCopier is initialised once");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOnnnnnnnU:SlotCopier", keywords, &dst_obj, &src_obj,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOnnnnnnnU|OO:SlotCopier", keywords, &dst_obj, &src_obj,
                                      &dst_base_obj, &src_base_obj, &c->dst_page_nbytes, &c->src_page_nbytes,
                                      &c->inner, &c->chunk_nbytes, &self->page_size, &self->dst_num_pages,
-                                     &self->src_num_pages, &name)) {
+                                     &self->src_num_pages, &name, &digests, &digest_valid)) {
         return -1;
     }
     if (check_sizes(c, self->page_size) < 0) return -1;
@@ -329,13 +338,30 @@ static int slot_copier_init(SlotCopier *self, PyObject *args, PyObject *kwargs) 
     c->dst_base = self->dst_base.buf;
     c->src_base = self->src_base.buf;
     c->outer = self->dst_base.len / 8 / c->inner;
+    self->pages_in_order = pages_written_in_order(c);
+    if ((digests == Py_None) != (digest_valid == Py_None)) {
+        PyErr_SetString(PyExc_TypeError, "digests and digest_valid go together");
+        return -1;
+    }
+    if (digests != Py_None && get_digest_table(self, digests, digest_valid) < 0) return -1;
     Py_INCREF(name);
     self->name = name;
     return 0;
 }
 
+/* 0 when this copier can hash its destination pages (a digest table, pages written in order, xxh3 bound);
+ * else -1 with the reason set. */
+static int hash_ready(const SlotCopier *self) {
+    if (self->digests.obj == NULL || !self->pages_in_order) {
+        PyErr_Format(PyExc_ValueError, "%U: cannot hash the destination pages (%s)", self->name,
+                     self->digests.obj == NULL ? "no digest table" : "a page is not written whole and in order");
+        return -1;
+    }
+    return xxh3_bound() ? 0 : -1;
+}
+
 /* A slot array's buffer: the object's own, else its numpy view's (a CPU torch tensor: no copy). */
-static int get_slots(PyObject *obj, Py_buffer *view, PyObject **holder, const char *name) {
+int get_slots(PyObject *obj, Py_buffer *view, PyObject **holder, const char *name) {
     if (!PyObject_CheckBuffer(obj)) {
         *holder = PyObject_CallMethodObjArgs(obj, str_numpy, NULL);
         if (*holder == NULL) return -1;
@@ -349,12 +375,15 @@ static PyObject *slot_copier_copy_slots(SlotCopier *self, PyObject *const *args,
         PyErr_SetString(PyExc_TypeError, "SlotCopier is not initialised");
         return NULL;
     }
-    if (nargs < 2 || nargs > 3) {
-        PyErr_Format(PyExc_TypeError, "copy_slots(src_slots, dst_slots, check_only=False): %zd arguments", nargs);
+    if (nargs < 2 || nargs > 4) {
+        PyErr_Format(PyExc_TypeError, "copy_slots(src_slots, dst_slots, check_only=False, hash=False): %zd arguments",
+                     nargs);
         return NULL;
     }
     SlotRule rule = {self->page_size, self->dst_num_pages, self->src_num_pages, 0};
-    if (nargs == 3 && (rule.check_only = PyObject_IsTrue(args[2])) < 0) return NULL;
+    if (nargs >= 3 && (rule.check_only = PyObject_IsTrue(args[2])) < 0) return NULL;
+    int hash = nargs == 4 ? PyObject_IsTrue(args[3]) : 0;
+    if (hash < 0 || (hash && hash_ready(self) < 0)) return NULL;
     Py_buffer src_slots = {0}, dst_slots = {0};
     PyObject *src_holder = NULL, *dst_holder = NULL, *result = NULL;
     PageCopy c = self->layout;
@@ -368,6 +397,10 @@ static PyObject *slot_copier_copy_slots(SlotCopier *self, PyObject *const *args,
     c.num_pages = dst_slots.len / 8;
     c.dst_pages = dst_slots.buf;
     c.src_pages = src_slots.buf;
+    if (hash) {
+        c.digests = self->digests.buf;
+        c.digest_valid = self->digest_valid.buf;
+    }
     if (copy_checked(&c, self->dst_base.len / 8, self->dst.len, self->src.len, &rule) == 0) result = Py_None;
 done:
     Py_XINCREF(result);
@@ -378,10 +411,19 @@ done:
     return result;
 }
 
+static PyObject *slot_copier_hashes_pages(SlotCopier *self, PyObject *unused) {
+    (void)unused;
+    return PyBool_FromLong(self->digests.obj != NULL && self->pages_in_order);
+}
+
 static PyMethodDef slot_copier_methods[] = {
     {"copy_slots", (PyCFunction)(void (*)(void))slot_copier_copy_slots, METH_FASTCALL,
-     "copy_slots(src_slots, dst_slots, check_only=False): copy_pages with the held buffers, given token slots "
-     "(int64 arrays, or CPU torch tensors: their numpy views); check_only: check, copy nothing"},
+     "copy_slots(src_slots, dst_slots, check_only=False, hash=False): copy_pages with the held buffers, given token "
+     "slots (int64 arrays, or CPU torch tensors: their numpy views); check_only: check, copy nothing; hash: record "
+     "each destination page's xxh3-64 in the digest table as it is written (flag cleared first, set after)"},
+    {"hashes_pages", (PyCFunction)slot_copier_hashes_pages, METH_NOARGS,
+     "hashes_pages() -> whether copy_slots can hash: a digest table is held and each destination page is "
+     "written whole and in address order"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -398,139 +440,6 @@ static PyTypeObject SlotCopierType = {
     .tp_methods = slot_copier_methods,
 };
 
-/* ---- The slot allocator's bookkeeping (tierkv/pools/allocator.py) -------------------------------------------
- * Every free, insert and copy validates its slots. In numpy that is a dozen small ops and full-size
- * temporaries per call (a sort to find a page freed twice): a third of a trace replay's CPU once eviction
- * frees a few pages per call. Here it is one pass. On any complaint these raise ValueError with the state
- * unchanged, and the allocator re-runs its numpy reference, which names the problem exactly. */
-
-static int get_flags(PyObject *obj, Py_buffer *view) {
-    if (PyObject_GetBuffer(obj, view, PyBUF_WRITABLE | PyBUF_RECORDS) < 0) return -1;
-    if (view->itemsize != 1 || !PyBuffer_IsContiguous(view, 'C')) {
-        PyErr_SetString(PyExc_TypeError, "page flags must be a contiguous array of 1-byte bools");
-        PyBuffer_Release(view);
-        return -1;
-    }
-    return 0;
-}
-
-/* Each page's flag must be ``from`` (each page listed once): flips them to !from. On a page whose flag is
- * not (a repeat, flipped already), flips back those done and fails. */
-static int flip_pages(char *flags, const int64_t *pages, Py_ssize_t num_pages, char from) {
-    for (Py_ssize_t p = 0; p < num_pages; p++) {
-        if (flags[pages[p]] != from) {
-            while (p-- > 0) flags[pages[p]] = from;
-            PyErr_SetString(PyExc_ValueError, "a page in the wrong state, or given twice");
-            return -1;
-        }
-        flags[pages[p]] = !from;
-    }
-    return 0;
-}
-
-/* slots, page_size, flags (per page: 1 = free), then free_slots' output pages: whole aligned pages below
- * len(flags), which are checked. Returns the page count. */
-static Py_ssize_t slot_pages(PyObject *const *args, Py_ssize_t nargs, const char *usage, Py_buffer *slots,
-                             PyObject **holder, Py_ssize_t *page_size, Py_buffer *flags, int64_t **pages) {
-    if (nargs != 4 && nargs != 3) {
-        PyErr_Format(PyExc_TypeError, "%s: %zd arguments", usage, nargs);
-        return -1;
-    }
-    *page_size = PyLong_AsSsize_t(args[1]);
-    if (*page_size == -1 && PyErr_Occurred()) return -1;
-    if (*page_size <= 0) {
-        PyErr_Format(PyExc_ValueError, "page_size must be positive, got %zd", *page_size);
-        return -1;
-    }
-    if (get_slots(args[0], slots, holder, "slots") < 0 || get_flags(args[2], flags) < 0) return -1;
-    Py_ssize_t num_pages = slots->len / 8 / *page_size;
-    *pages = PyMem_Malloc((num_pages + 1) * sizeof(int64_t));
-    if (*pages == NULL) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    if (slots_to_pages(slots->buf, slots->len / 8, *page_size, flags->len, *pages) < 0) return -1;
-    return num_pages;
-}
-
-static PyObject *slot_pages_done(PyObject *result, Py_buffer *slots, PyObject *holder, Py_buffer *flags,
-                                 int64_t *pages) {
-    if (slots->obj) PyBuffer_Release(slots);
-    if (flags->obj) PyBuffer_Release(flags);
-    Py_XDECREF(holder);
-    PyMem_Free(pages);
-    Py_XINCREF(result);
-    return result;
-}
-
-static PyObject *free_slots(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    static const char usage[] = "free_slots(slots, page_size, is_free, out_pages)";
-    Py_buffer slots = {0}, flags = {0}, out = {0};
-    PyObject *holder = NULL, *result = NULL;
-    int64_t *pages = NULL;
-    Py_ssize_t page_size;
-    Py_ssize_t num_pages = slot_pages(args, nargs, usage, &slots, &holder, &page_size, &flags, &pages);
-    if (num_pages < 0) goto done;
-    if (nargs != 4 || get_int64s(args[3], &out, "out_pages") < 0) {
-        if (!PyErr_Occurred()) PyErr_Format(PyExc_TypeError, "%s: out_pages is missing", usage);
-        goto done;
-    }
-    if (out.readonly == 0 && out.len / 8 == num_pages
-        && flip_pages(flags.buf, pages, num_pages, 0) == 0) {
-        memcpy(out.buf, pages, num_pages * sizeof(int64_t));
-        result = Py_None;
-    } else if (!PyErr_Occurred()) {
-        PyErr_Format(PyExc_ValueError, "out_pages must be a writable array of %zd pages", num_pages);
-    }
-done:
-    if (out.obj) PyBuffer_Release(&out);
-    return slot_pages_done(result, &slots, holder, &flags, pages);
-}
-
-static PyObject *check_allocated(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    Py_buffer slots = {0}, flags = {0};
-    PyObject *holder = NULL, *result = NULL;
-    int64_t *pages = NULL;
-    Py_ssize_t page_size;
-    Py_ssize_t num_pages = slot_pages(args, nargs, "check_allocated(slots, page_size, is_free)", &slots, &holder,
-                                      &page_size, &flags, &pages);
-    /* flipped to free and back: a page already free, or listed twice, fails the first flip */
-    if (num_pages >= 0 && flip_pages(flags.buf, pages, num_pages, 0) == 0) {
-        flip_pages(flags.buf, pages, num_pages, 1);
-        result = Py_None;
-    }
-    return slot_pages_done(result, &slots, holder, &flags, pages);
-}
-
-static PyObject *pages_to_slots(PyObject *self, PyObject *args) {
-    (void)self;
-    PyObject *pages_obj, *out_obj;
-    Py_ssize_t page_size;
-    if (!PyArg_ParseTuple(args, "OnO:pages_to_slots", &pages_obj, &page_size, &out_obj)) return NULL;
-    Py_buffer pages = {0}, out = {0};
-    PyObject *result = NULL;
-    if (get_int64s(pages_obj, &pages, "pages") < 0 || get_int64s(out_obj, &out, "out") < 0) goto done;
-    if (page_size <= 0 || out.readonly || out.len != pages.len * page_size) {
-        PyErr_Format(PyExc_ValueError, "pages_to_slots: %zd pages of %zd slots into a %s array of %zd slots",
-                     pages.len / 8, page_size, out.readonly ? "read-only" : "writable", out.len / 8);
-        goto done;
-    }
-    const int64_t *p = pages.buf;
-    int64_t *s = out.buf;
-    for (Py_ssize_t i = 0; i < pages.len / 8; i++) {
-        int64_t first = p[i] * page_size;
-        for (Py_ssize_t j = 0; j < page_size; j++) *s++ = first + j;
-    }
-    result = Py_None;
-done:
-    if (pages.obj) PyBuffer_Release(&pages);
-    if (out.obj) PyBuffer_Release(&out);
-    Py_XINCREF(result);
-    return result;
-}
-
 static PyMethodDef methods[] = {
 
     {"copy_pages", copy_pages, METH_VARARGS,
@@ -545,6 +454,8 @@ static PyMethodDef methods[] = {
     {"check_allocated", (PyCFunction)(void (*)(void))check_allocated, METH_FASTCALL,
      "check_allocated(slots, page_size, is_free): ValueError unless the slots are whole aligned pages below "
      "len(is_free), each allocated and given once"},
+    {"use_xxh3", use_xxh3, METH_O,
+     "use_xxh3(capsule): hash with the xxh3-64 functions of tierkv._pageio (its xxh3_functions capsule, bound)"},
     {"pages_to_slots", pages_to_slots, METH_VARARGS,
      "pages_to_slots(pages, page_size, out): out[p * page_size + i] = pages[p] * page_size + i"},
     {NULL, NULL, 0, NULL},
@@ -554,8 +465,9 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_rowcopy", NULL, -1,
 
 /* Bumped whenever a function's arguments change: tierkv/copy/cpu_copy.py ignores a build of another version
  * (say, one an editable install of another checkout left on the path) instead of calling it wrongly.
- * 3: SlotCopier. 4: the slot allocator's free_slots, check_allocated, pages_to_slots. */
-#define API_VERSION 4
+ * 3: SlotCopier. 4: the slot allocator's free_slots, check_allocated, pages_to_slots. 5: copy_slots(..., hash),
+ * SlotCopier's digest table and hashes_pages, use_xxh3. */
+#define API_VERSION 5
 
 PyMODINIT_FUNC PyInit__rowcopy(void) {
     if (PyType_Ready(&SlotCopierType) < 0) return NULL;

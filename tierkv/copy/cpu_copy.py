@@ -19,10 +19,11 @@ import numpy as np
 import torch
 
 from tierkv.pools.kv import PagedKVBuffer, rows_adjacent_per_page
+from tierkv.pools.page_digests import PageDigests
 
 log = logging.getLogger(__name__)
 
-NATIVE_API_VERSION = 4  # the API_VERSION of tierkv/copy/_rowcopy.c that this module calls
+NATIVE_API_VERSION = 5  # the API_VERSION of tierkv/copy/_rowcopy.c that this module calls
 
 
 def usable_native(module: ModuleType | None) -> ModuleType | None:
@@ -47,6 +48,21 @@ def native_available() -> bool:
     return native is not None
 
 
+def native_hashing() -> bool:
+    """Whether the native copy can hash the pages it writes: both native modules built, the copy given the
+    page I/O's xxh3 (bound there from the xxhash package and checked against it) on first ask."""
+    global _hash_bound
+    if _hash_bound is None:
+        from tierkv.storage.native import pageio  # a leaf module: xxhash and the built _pageio only
+        _hash_bound = native is not None and pageio is not None and hasattr(pageio, "xxh3_functions")
+        if _hash_bound:
+            native.use_xxh3(pageio.xxh3_functions)
+    return _hash_bound
+
+
+_hash_bound: bool | None = None
+
+
 def copy_page_chunks(src: PagedKVBuffer, src_pages: torch.Tensor, dst: PagedKVBuffer,
                      dst_pages: torch.Tensor, layer: int | None = None) -> None:
     """Copy whole pages between two CPU pools with the native module, one call per batch (``layer``:
@@ -57,9 +73,13 @@ def copy_page_chunks(src: PagedKVBuffer, src_pages: torch.Tensor, dst: PagedKVBu
 class ChunkCopy:
     """The native copy between two CPU pools (``layer``: that layer's part of each page only), its
     layout-dependent arguments worked out once: a transfer controller copies between the same two pools
-    all its life, and at a few pages per copy that work costs as much as the copy's own call."""
+    all its life, and at a few pages per copy that work costs as much as the copy's own call.
 
-    def __init__(self, src: PagedKVBuffer, dst: PagedKVBuffer, layer: int | None = None, name: str = "copy") -> None:
+    ``digests``: the destination's digest table, which a slot copy asked to hash fills as it writes each
+    page (see :mod:`tierkv.pools.page_digests`)."""
+
+    def __init__(self, src: PagedKVBuffer, dst: PagedKVBuffer, layer: int | None = None, name: str = "copy",
+                 digests: PageDigests | None = None) -> None:
         if native is None:
             raise RuntimeError("tierkv.copy._rowcopy is not built; use copy_rows")
         # a page's token rows are adjacent on both sides: one chunk per page and (kv, layer)
@@ -75,25 +95,34 @@ class ChunkCopy:
         self._buffers = (dst.rows_np, src.rows_np, dst_base, src_base)
         self._sizes = (dst.page_stride_nbytes, src.page_stride_nbytes, inner, chunk_nbytes)
         self._slot_rule = (src.page_size, dst.allocator.num_pages, src.allocator.num_pages, name)
+        self._digests = digests if layer is None else None
 
     @cached_property
     def _slots(self) -> "native.SlotCopier":
         """The slot path's arguments held in C: a copy's call then parses its two slot arrays only (built
         on first use: a layer-wise load makes a ChunkCopy per layer and never copies slots)."""
-        return native.SlotCopier(*self._buffers, *self._sizes, *self._slot_rule)
+        table = {} if self._digests is None else {"digests": self._digests.values, "digest_valid": self._digests.valid}
+        return native.SlotCopier(*self._buffers, *self._sizes, *self._slot_rule, **table)
+
+    @cached_property
+    def hashes_pages(self) -> bool:
+        """Whether :meth:`copy_slots` can hash: a digest table, xxh3 bound, and each destination page written
+        whole and in address order (page-first destinations)."""
+        return self._digests is not None and native_hashing() and self._slots.hashes_pages()
 
     def __call__(self, src_pages: torch.Tensor, dst_pages: torch.Tensor) -> None:
         native.copy_pages(*self._buffers, _int64_array(dst_pages), _int64_array(src_pages), *self._sizes)
 
     def copy_slots(self, src_slots: torch.Tensor | np.ndarray, dst_slots: torch.Tensor | np.ndarray,
-                   check_only: bool = False) -> None:
+                   check_only: bool = False, hash_pages: bool = False) -> None:
         """Copy the whole pages of these token slots (equally many on both sides), checked as the slot
         allocator checks them: a ValueError names the first problem and nothing is copied. One native
-        call, no tensor op (the path of small copies). ``check_only``: check, copy nothing."""
+        call, no tensor op (the path of small copies). ``check_only``: check, copy nothing. ``hash_pages``
+        (only where :attr:`hashes_pages`): record each destination page's digest as it is written."""
         try:  # the common case, CPU int64 tensors or arrays, goes to C as it is
-            self._slots.copy_slots(src_slots, dst_slots, check_only)
+            self._slots.copy_slots(src_slots, dst_slots, check_only, hash_pages)
         except (TypeError, BufferError, RuntimeError):  # another dtype or device, strided, or autograd
-            self._slots.copy_slots(_int64_array(src_slots), _int64_array(dst_slots), check_only)
+            self._slots.copy_slots(_int64_array(src_slots), _int64_array(dst_slots), check_only, hash_pages)
 
 
 def _int64_array(pages: torch.Tensor | np.ndarray) -> np.ndarray:

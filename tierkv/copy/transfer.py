@@ -439,14 +439,28 @@ class TransferController:
 class _SlotCopy:
     """CPU copies of whole pages from one pool to another, given token slots: the native chunk copy with
     its layout work done once (one native call per copy, slot checks included), else :func:`copy_pages`
-    over the allocators' page mapping."""
+    over the allocators' page mapping.
+
+    A write into a host pool that keeps digests (an L3 store takes them) hashes each page as it writes it
+    where the native copy can (page-first host layouts); any other write clears the pages' digests."""
 
     def __init__(self, kind: str, src: PagedKVBuffer, dst: PagedKVBuffer, io_backend: str) -> None:
         self.kind, self.src, self.dst, self.io_backend = kind, src, dst, io_backend
         self.bytes_per_slot = src.spec.bytes_per_token
         native = (io_backend == "kernel" and cpu_copy.native_available()
                   and device_copy.select_device_copy(src, dst, io_backend) is None)
-        self.chunks = cpu_copy.ChunkCopy(src, dst, name=kind) if native else None
+        self.digests = dst.digests if isinstance(dst, HostKVPool) else None
+        self.chunks = cpu_copy.ChunkCopy(src, dst, name=kind, digests=self.digests) if native else None
+
+    def _hash_pages(self, dst_slots: Any) -> bool:
+        """Whether this copy records its destination pages' digests; where the table is on and the copy
+        cannot hash, their old digests are cleared here first."""
+        if self.digests is None or not self.digests.enabled:
+            return False
+        if self.chunks is not None and self.chunks.hashes_pages:
+            return True
+        self.digests.forget_slots(dst_slots)
+        return False
 
     def check(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> tuple:
         """What :meth:`run` needs, from slots checked now (ValueError: bad slots) and held as copies of
@@ -458,17 +472,19 @@ class _SlotCopy:
         return mapping
 
     def run(self, mapping: tuple) -> None:
-        if self.chunks is None:
+        if self.chunks is None:  # a page mapping: its destination pages' digests cleared, never made
+            if self.digests is not None:
+                self.digests.forget_pages(mapping[1])
             copy_pages(self.src, mapping[0], self.dst, mapping[1], self.io_backend)
         else:
-            self.chunks.copy_slots(*mapping)
+            self.chunks.copy_slots(*mapping, False, self._hash_pages(mapping[1]))
 
     def run_now(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
         """Check and copy at once (ValueError: bad slots, nothing copied)."""
         if self.chunks is None:
             self.run(self.check(src_slots, dst_slots))
         else:
-            self.chunks.copy_slots(src_slots, dst_slots)
+            self.chunks.copy_slots(src_slots, dst_slots, False, self._hash_pages(dst_slots))
 
 
 class _CopyWorker:

@@ -12,9 +12,10 @@ try:
     from tierkv.copy import _rowcopy
 except ImportError:  # no compiler at install time: the numpy checks below do it all
     _rowcopy = None
-# The native checks of free and check_allocated (tierkv/copy/_rowcopy.c, API 4): one pass each, where numpy's
-# take a dozen ops and a sort. None: the numpy reference alone (a build without them; tests set it).
-native = _rowcopy if getattr(_rowcopy, "API_VERSION", 0) == 4 else None
+# The native checks of free and check_allocated (tierkv/copy/_rowcopy_alloc.c): one pass each, where numpy's
+# take a dozen ops and a sort. None: the numpy reference alone (a build without them; tests set it). Their
+# arguments are those of API 4; API 5 added the hashed copy only.
+native = _rowcopy if getattr(_rowcopy, "API_VERSION", 0) in (4, 5) else None
 _NATIVE_REFUSED = (ValueError, TypeError, BufferError, RuntimeError)
 # torch's dispatch guard that skips autograd's view tracking (what inference mode uses inside); None
 # where a torch build lacks it

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from tierkv.pools.allocator import SlotAllocator
+from tierkv.pools.page_digests import PageDigests
 from tierkv.pools.spec import KVSpec
 
 log = logging.getLogger(__name__)
@@ -199,6 +200,9 @@ class HostKVPool(PagedKVBuffer):
         # bytes are one index (~1 us) instead of a select, a reshape and a view (~4 us) per page.
         self._page_rows = (None if layout == "layer_first"
                            else self.buffer.view(self.num_pages, -1).view(torch.uint8))
+        # each page's checksum as the hashed L1 -> L2 copy wrote it, for L3 backups (page-contiguous layouts:
+        # a digest is of one page's bytes as stored); off until an L3 store that takes digests enables it
+        self.digests = None if self._page_rows is None else PageDigests(self.num_pages, page_size)
 
     def _shape(self) -> tuple[int, ...]:
         s = self.spec
@@ -215,13 +219,26 @@ class HostKVPool(PagedKVBuffer):
             return self.buffer, 0, (1, 2, 0, 3, 4, 5)
         return super()._paged_view()
 
+    def alloc(self, num_tokens: int) -> torch.Tensor | None:
+        """Slots of whole free pages, their digests cleared: what is written there next is new bytes."""
+        slots = self.allocator.alloc(num_tokens)
+        if slots is not None and self.digests is not None:
+            self.digests.forget_slots(slots)
+        return slots
+
+    def scatter_pages(self, pages: torch.Tensor, canonical: torch.Tensor) -> None:
+        if self.digests is not None:
+            self.digests.forget_pages(pages)
+        super().scatter_pages(pages, canonical)
+
     def page_bytes(self, page: int) -> torch.Tensor | None:
         """A writable uint8 view of one page's bytes when the layout keeps a page contiguous, else None."""
         return None if self._page_rows is None else self._page_rows[page]
 
     def page_bytes_array(self) -> np.ndarray | None:
         """The whole pool as a writable (num_pages, page_nbytes) uint8 array, row ``p`` page ``p``'s bytes
-        (the page stores' batch_set_rows / batch_get_rows take it); None when the layout splits a page."""
+        (the page stores' batch_set_rows / batch_get_rows take it); None when the layout splits a page.
+        Written only into pages just allocated (:meth:`alloc` cleared their digests), else clear them."""
         return None if self._page_rows is None else self._page_rows.numpy()
 
     def read_page(self, page: int) -> torch.Tensor:
@@ -235,6 +252,8 @@ class HostKVPool(PagedKVBuffer):
         """Fill one page from uint8 bytes as produced by :meth:`read_page`."""
         if data.numel() != self.page_nbytes:
             raise ValueError(f"page data has {data.numel()} bytes, expected {self.page_nbytes}")
+        if self.digests is not None:
+            self.digests.forget_pages([page])
         view = self.page_bytes(page)
         if view is not None:
             view.copy_(data)

@@ -9,7 +9,9 @@ and put, or fetched and verified, by the thread that took it (see
 two ranges in flight its copies never wait for a hash. With the native module
 (:mod:`tierkv.storage.native`) a range's checksums are one GIL-free xxh3 call (and one vectorised
 header compare), not Python work per page; the hash stays a pass over memory the transfer does not
-make (the transfer engine's copy cannot carry it), hidden only by a spare core. Objects are
+make (the transfer engine's copy cannot carry it), hidden only by a spare core; unless the caller hands
+in each page's digest (a backup of host pages the hashed L1 -> L2 copy wrote: see
+:mod:`tierkv.pools.page_digests`), and then nothing is hashed and a batch is put in one call. Objects are
 put-if-absent: a page's key names its whole prefix, so its bytes never change, and a repeated put keeps
 the first copy. A page that fails verification is removed so a later backup can write it again.
 
@@ -30,6 +32,8 @@ import os
 import re
 import socket
 import threading
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -99,6 +103,8 @@ class MooncakeStore(PageStore):
         # Native checksums (one GIL-free call and one vectorised header compare per range) for xxh3
         # pages; a MAC is computed page by page in Python.
         self._native = native.pageio if self.format.page_key is None else None
+        # xxh3 headers can take the digests the L1 -> L2 copy made; a MAC is computed here whatever is given
+        self.accepts_digests = self._native is not None
 
     def object_key(self, key: str) -> str:
         return self.key_prefix + check_key(key)
@@ -195,10 +201,10 @@ class MooncakeStore(PageStore):
         return len(present)
 
     @staticmethod
-    def _buffers(pages: list[torch.Tensor], headers: torch.Tensor) -> list[list[int]]:
+    def _buffers(addresses: list[int], headers: torch.Tensor) -> list[list[int]]:
         """[payload address, header address] per page: the page, then its row of the header arena."""
         base = headers.data_ptr()
-        return [[page.data_ptr(), base + i * HEADER_SIZE] for i, page in enumerate(pages)]
+        return [[address, base + i * HEADER_SIZE] for i, address in enumerate(addresses)]
 
     def _ranges(self, num_pages: int) -> list[tuple[int, int]]:
         """(start, end) of each range of a batch: ``RANGE_NBYTES`` (at most ``_MAX_CALL_PAGES`` pages)."""
@@ -281,7 +287,7 @@ class MooncakeStore(PageStore):
         found = [False] * len(keys)
         headers = self._get_headers[thread * _MAX_CALL_PAGES:(thread + 1) * _MAX_CALL_PAGES]
         try:
-            sizes = client.batch_get_into_multi_buffers(names, self._buffers(targets, headers),
+            sizes = client.batch_get_into_multi_buffers(names, self._buffers([t.data_ptr() for t in targets], headers),
                                                         [[self.page_nbytes, HEADER_SIZE]] * len(keys))
         except RuntimeError as err:
             self._failed("get", err)
@@ -311,41 +317,84 @@ class MooncakeStore(PageStore):
         if client is not None and client.remove(self.object_key(key), True) not in (0, _NOT_FOUND):
             self._count(errors=1)
 
-    def batch_set(self, keys: list[str], values: list[torch.Tensor]) -> list[bool]:
+    def batch_set(self, keys: list[str], values: list[torch.Tensor],
+                  digests: Sequence[int | None] | None = None) -> list[bool]:
+        """Store each page (put-if-absent). ``digests``: per page the xxh3-64 of its payload or None (see
+        :attr:`PageStore.accepts_digests`), used for unkeyed headers in place of hashing the page."""
         views = self._check_batch(keys, values)
+        return self._set(keys, [value.data_ptr() for value in values], views, digests)
+
+    def batch_set_rows(self, keys: list[str], rows: np.ndarray, pages: Any, **kwargs: Any) -> list[bool]:
+        """:meth:`batch_set` of host pool rows (a backup), their addresses worked out for the whole batch
+        at once: no tensor a page. A subclass that overrides batch_set gets it as before."""
+        if set(kwargs) - {"digests"} or type(self).batch_set is not MooncakeStore.batch_set:
+            return super().batch_set_rows(keys, rows, pages, **kwargs)
+        index = self._row_index(keys, rows, pages)
+        flat, nbytes = memoryview(rows).cast("B"), self.page_nbytes
+        views = [flat[p * nbytes:(p + 1) * nbytes] for p in index.tolist()]
+        addresses = (rows.ctypes.data + index.astype(np.int64) * nbytes).tolist()
+        return self._set(keys, addresses, views, kwargs.get("digests"))
+
+    def _set(self, keys: list[str], addresses: list[int], views: list[memoryview],
+             digests: Sequence[int | None] | None) -> list[bool]:
+        """Put the pages at ``addresses`` (``views`` of them, checked). With every digest given nothing is
+        hashed, so the batch goes in calls of up to ``_MAX_CALL_PAGES`` pages on this thread (ranges on two
+        threads pay only where a hash overlaps a transfer)."""
+        if digests is not None and len(digests) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(digests)} digests")
         if not keys:
             return []
+        if self._native is None:
+            digests = None  # a MAC covers the key and the header fields too: computed here
         with self._timed("set"), self._set_lock:
             client = self._connect()
             if client is None:
                 return [False] * len(keys)
 
             def put_range(thread: int, start: int, end: int) -> list[int]:
-                return self._hash_and_put(client, thread, keys[start:end], values[start:end], views[start:end])
-            parts = run_ranges(put_range, self._ranges(len(keys)), self._helper_pool, IO_THREADS)
+                return self._hash_and_put(client, thread, keys[start:end], addresses[start:end], views[start:end],
+                                          None if digests is None else digests[start:end])
+            if digests is not None and None not in digests:
+                calls = range(0, len(keys), _MAX_CALL_PAGES)
+                parts = [put_range(0, start, min(start + _MAX_CALL_PAGES, len(keys))) for start in calls]
+            else:
+                parts = run_ranges(put_range, self._ranges(len(keys)), self._helper_pool, IO_THREADS)
         codes = [code for part in parts for code in part]
         self._judge("put", codes, ())
         done = [code == 0 for code in codes]
         self._count(set_pages=sum(done), set_bytes=sum(done) * self.page_nbytes)
         return done
 
-    def _hash_and_put(self, client, thread: int, keys: list[str], values: list[torch.Tensor],
-                      views: list[memoryview]) -> list[int]:
-        """The headers of a range (into ``thread``'s rows of the arena), then one put call for it."""
+    def _hash_and_put(self, client, thread: int, keys: list[str], addresses: list[int], views: list[memoryview],
+                      digests: Sequence[int | None] | None = None) -> list[int]:
+        """The headers of a range (into ``thread``'s rows of the arena), then one put call for it. Pages
+        whose digest is given (unkeyed format) are not hashed."""
         rows = self._set_headers[thread * _MAX_CALL_PAGES:(thread + 1) * _MAX_CALL_PAGES]
         if self._native is not None:
-            rows.numpy()[:len(keys)] = self.format.filled_headers(keys, self._native.xxh3_many(views))
+            rows.numpy()[:len(keys)] = self.format.filled_headers(keys, self._checksums(views, digests))
         else:
             rows.numpy()[:len(keys)] = np.frombuffer(b"".join([self.format.header(k, v) for k, v in zip(keys, views)]),
                                                      np.uint8).reshape(len(keys), HEADER_SIZE)
         try:
             return client.batch_put_from_multi_buffers(
                 [self.key_prefix + k for k in keys],  # keys checked by batch_set
-                self._buffers(values, rows),
+                self._buffers(addresses, rows),
                 [[self.page_nbytes, HEADER_SIZE]] * len(keys), self._replicate)
         except RuntimeError as err:
             self._error("put via master " + self.master, err)
             return [_TRANSPORT_ERROR] * len(keys)
+
+    def _checksums(self, views: list[memoryview], digests: Sequence[int | None] | None) -> list[int]:
+        """Each payload's xxh3-64: the given digest, else hashed here (one native call for those missing)."""
+        if digests is None:
+            return self._native.xxh3_many(views)
+        missing = [i for i, digest in enumerate(digests) if digest is None]
+        if not missing:
+            return list(digests)
+        checksums = list(digests)
+        for i, checksum in zip(missing, self._native.xxh3_many([views[i] for i in missing])):
+            checksums[i] = checksum
+        return checksums
 
     def clear(self) -> None:
         client = self._connect()

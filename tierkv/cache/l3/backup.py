@@ -6,6 +6,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -63,13 +64,20 @@ class Backup:
             self.skipped_pages = store.batch_exists(self.hashes, **self._prefix_keys(0))
             # page-first layouts: the store reads the pool's rows in place
             rows = host_pool.page_bytes_array() if takes_rows(store) else None
+            digests = host_pool.digests if rows is not None and store.accepts_digests else None
+            if digests is not None:  # later L1 -> L2 copies hash what they write (see PageDigests)
+                digests.enable()
             for start in range(self.skipped_pages, len(self.hashes), batch_pages):
                 if self.cancel.is_set():  # the cache was reset: these pages are no longer wanted
                     return
                 end = min(len(self.hashes), start + batch_pages)
                 keys, prefix = self.hashes[start:end], self._prefix_keys(start)
                 if rows is not None:
-                    ok = store.batch_set_rows(keys, rows, self.host_pages[start:end], **prefix)
+                    pages = self.host_pages[start:end]
+                    extra: dict[str, Any] = dict(prefix)
+                    if digests is not None:  # read before the store reads the pages (see PageDigests)
+                        extra["digests"] = digests.lookup(pages)
+                    ok = store.batch_set_rows(keys, rows, pages, **extra)
                 else:
                     values = [host_pool.read_page(p) for p in self.host_pages[start:end]]
                     ok = store.batch_set(keys, values, **prefix)

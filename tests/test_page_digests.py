@@ -2,7 +2,6 @@
 each page it writes, a backup hands the digests to a store that takes them (Mooncake), and a digest never
 outlives the bytes it describes. The Mooncake tests start a real mooncake_master (tests/conftest.py)."""
 
-import numpy as np
 import pytest
 import torch
 import xxhash
@@ -11,7 +10,6 @@ from tests.pool_helpers import random_pools
 from tests.storage_util import SPECS, compute_and_insert, drop_l1_l2, fetch_and_load, make_cache, storage_config
 from tests.test_storage_backends import PAGE_NBYTES, empty_pages, make_keys, make_pages
 from tests.test_storage_native import native_built  # noqa: F401 (autouse: skips without the module)
-from tierkv.cache.l3.backup import Backup
 from tierkv.copy import cpu_copy
 from tierkv.copy.transfer import TransferController
 from tierkv.hashing import HashNamespace
@@ -19,7 +17,7 @@ from tierkv.pools.page_digests import PageDigests
 from tierkv.radix import RadixKey
 from tierkv.storage.factory import open_store
 from tierkv.storage.memory import MemoryStore
-from tierkv.storage.page_format import CHECKSUM_OFFSET, HEADER_SIZE
+from tierkv.storage.page_format import CHECKSUM_OFFSET
 
 pytestmark = pytest.mark.skipif(not cpu_copy.native_hashing(), reason="needs the native copy and page I/O")
 

@@ -229,3 +229,22 @@ def test_disabled_model_backs_up_everything():
     model = CostModel(prefill_tokens_per_s=1e9, enabled=False)
     model.observe_l3_write(cpu_s=1.0, num_pages=1)
     assert [model.backup_pages(0, 2, PAGE) for _ in range(3)] == [2, 2, 2] and model.skipped_backups == 0
+
+
+def test_writes_count_against_the_read_back_fraction_only_after_the_faster_tiers_let_them_go():
+    """Before: every write counted at once, so on a fresh cache whose L1 + L2 hold 500 pages the fraction
+    fell below 0.2 after a few hundred writes that nothing could yet read from L3, and every backup was refused."""
+    model = CostModel(prefill_tokens_per_s=PAGE / 0.016, l3_page_s=1e-3)
+    model.read_back_lag_pages = 500
+    for _ in range(100):  # 500 pages in batches of 5: all still in L1/L2, none readable from L3
+        model.observe_l3_write(cpu_s=15e-3, num_pages=5)
+    assert model.read_back_fraction == 1.0 and model.backup_pages(0, 1, PAGE) == 1
+    model.observe_l3_write(cpu_s=15e-3, num_pages=5)  # the oldest 5 pages left the faster tiers, unread
+    assert model.read_back_fraction < 1.0
+    for _ in range(200):  # from here on every page written a lag ago is read back: the fraction stays high
+        model.observe_l3_write(cpu_s=3e-3, num_pages=1)
+        model.observe_l3_get(call_s=2e-3, num_pages=1)
+    assert model.read_back_fraction > 0.7 and model.backup_pages(0, 1, PAGE) == 1
+    for _ in range(2000):  # pages that are never read back: the fraction falls once they leave L1/L2
+        model.observe_l3_write(cpu_s=3e-3, num_pages=1)
+    assert model.read_back_fraction < 0.2

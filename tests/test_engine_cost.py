@@ -115,16 +115,20 @@ def test_request_behind_a_hanging_prefetch_is_admitted(tmp_path):
 
 def cpu_costly_writes(engine, page_cpu_s: float) -> None:
     """Every page the engine's L3 writes first burns ``page_cpu_s`` of its thread's CPU (a store whose
-    writes cost CPU, as file creation and checksums do)."""
+    writes cost CPU, as file creation and checksums do). Both write paths: a page_first host pool's
+    backups write rows in place (``batch_set_rows``); patching ``batch_set`` alone burnt nothing, and the
+    refusals this file tests came only from a read-back fraction that fell before any read could come."""
     store = engine.cache.storage.store
-    batch_set = store.batch_set
 
-    def costly(keys, values, **kwargs):
-        until_s = time.thread_time() + page_cpu_s * len(keys)
-        while time.thread_time() < until_s:
-            pass
-        return batch_set(keys, values, **kwargs)
-    store.batch_set = costly
+    def burning(write):
+        def costly(keys, *args, **kwargs):
+            until_s = time.thread_time() + page_cpu_s * len(keys)
+            while time.thread_time() < until_s:
+                pass
+            return write(keys, *args, **kwargs)
+        return costly
+    store.batch_set = burning(store.batch_set)
+    store.batch_set_rows = burning(store.batch_set_rows)
 
 
 def serve_one_by_one(engine, prompts):

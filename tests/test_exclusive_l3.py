@@ -156,3 +156,15 @@ def test_reset_with_copies_for_l3_in_flight_leaks_no_slot(hang):
     assert cache.device_pool.num_free_slots == cache.device_pool.num_slots
     cache.check_integrity()
     cache.close()
+
+
+@pytest.mark.parametrize("tier_mode", ["exclusive", "inclusive"])
+def test_the_cost_model_counts_a_write_unread_only_once_l1_and_l2_could_have_let_it_go(tier_mode):
+    """Its read-back lag is what the faster tiers hold: L1 and L2 under exclusive tiers, L2 (which also holds
+    L1's pages) under inclusive ones. Before, none: the fraction fell on a fresh cache and L3 was never read."""
+    cache = make_cache(page_size=PS, device_tokens=1024, tier_mode=tier_mode)
+    attach_fake(cache)
+    host_pages, device_pages = cache.host_pool.num_slots // PS, cache.device_pool.num_slots // PS
+    want = host_pages + device_pages if tier_mode == "exclusive" else host_pages
+    assert cache.cost_model.read_back_lag_pages == want > 0
+    cache.close()

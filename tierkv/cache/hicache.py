@@ -414,6 +414,15 @@ class HiRadixCache:
         self.storage = StorageController(parts, store, config, namespace)
         if self.config.tier_mode == "exclusive":  # inserts back up to L3 per write_policy (_back_up_inserted)
             self._l3_threshold = WRITE_POLICIES[self.config.write_policy]
+        self.cost_model.read_back_lag_pages = self._faster_tiers_pages()
+
+    def _faster_tiers_pages(self) -> int:
+        """Pages L1 and L2 hold before a page written to L3 can be needed from it: both under exclusive
+        tiers, L2 alone (which also holds what L1 does) under inclusive ones."""
+        host_pages = self.host_pool.num_slots // self.config.page_size if self.host_pool is not None else 0
+        if self.config.tier_mode == "exclusive":
+            return host_pages + self.device_pool.num_slots // self.config.page_size
+        return host_pages
 
     def prefetch_from_storage(self, request_id: str, last_host_node: TreeNode, key: RadixKey) -> bool:
         """Start fetching the part of ``key`` beyond ``last_host_node`` from L3 into L2; True if started.

@@ -19,6 +19,10 @@ running estimates, measured from completed work:
   fraction: pages read from L3 per page written, as decayed counts that start at one read per write
   with the weight of ``READ_BACK_PRIOR_PAGES`` pages (reads come a conversation turn after the writes
   they find: the first writes are trusted, and probes keep the fraction measured once backups stop).
+  A page written is only counted once ``read_back_lag_pages`` more have been written after it: until
+  the faster tiers have let it go (the cache sets the lag to what L1 and L2 hold), nothing can read
+  it from L3, and counting it at once made the fraction fall to ~0.1 on a fresh cache, after which
+  every backup was refused and L3 was never read.
 
 Backups (:func:`backup_worth_writing`): a page written to L3 is worth its writing only when, weighted by the
 read-back fraction, the fetch it enables saves more than the write costs. The write's cost is CPU: on a
@@ -38,6 +42,7 @@ timings); a lock guards the estimates. Decisions read one snapshot.
 from __future__ import annotations
 
 import threading
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -165,6 +170,9 @@ class CostModel:
         self._write_samples = 0
         # decayed pages read from L3 and written to it; their ratio is the read-back fraction
         self._read_back_pages = self._written_pages = float(READ_BACK_PRIOR_PAGES)
+        self.read_back_lag_pages = 0  # pages the faster tiers hold (the cache sets it): writes not yet readable
+        self._lagging_writes: deque[int] = deque()  # page counts of writes not yet counted, oldest first
+        self._lagging_pages = 0
         self.skipped_backups = 0
         self._backup_probe = _Probe(BACKUP_PROBE_EVERY)
 
@@ -215,9 +223,23 @@ class CostModel:
             self.l3_write_s_per_page = _ewma(self.l3_write_s_per_page, max(0.0, cpu_s) / num_pages,
                                              self._write_samples == 0)
             self._write_samples += 1
-            decay = READ_BACK_DECAY ** num_pages  # each page written is one step of the decay
-            self._written_pages = decay * self._written_pages + (1 - decay) / (1 - READ_BACK_DECAY)
-            self._read_back_pages *= decay
+            self._lagging_writes.append(num_pages)
+            self._lagging_pages += num_pages
+            while self._lagging_pages > self.read_back_lag_pages:
+                oldest = self._lagging_writes[0]
+                counted = min(oldest, self._lagging_pages - self.read_back_lag_pages)
+                if counted == oldest:
+                    self._lagging_writes.popleft()
+                else:
+                    self._lagging_writes[0] = oldest - counted
+                self._lagging_pages -= counted
+                self._count_written(counted)
+
+    def _count_written(self, num_pages: int) -> None:
+        """Count ``num_pages`` written pages that could since have been read back; the caller holds the lock."""
+        decay = READ_BACK_DECAY ** num_pages  # each page written is one step of the decay
+        self._written_pages = decay * self._written_pages + (1 - decay) / (1 - READ_BACK_DECAY)
+        self._read_back_pages *= decay
 
     @property
     def read_back_fraction(self) -> float:

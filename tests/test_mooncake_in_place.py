@@ -20,7 +20,8 @@ from tierkv.storage.factory import open_store
 from tierkv.storage.page_format import CHECKSUM_OFFSET, HEADER_SIZE, PageFormat
 
 
-@pytest.mark.parametrize("payload_nbytes", [0, 15, 3000, (16 << 10) + 17, 3 * (16 << 10)])
+@pytest.mark.parametrize("payload_nbytes", [0, 15, 3000, (16 << 10) + 17, 3 * (16 << 10), (64 << 10) + 17,
+                                            3 * (64 << 10)])
 def test_copy_blobs_xxh3_copies_hashes_and_checks_each_header(payload_nbytes):
     """Blobs at raw addresses (payload then header) land in their pages with the xxhash package's digest;
     a header that differs anywhere from its template is a mismatch, the others ok."""
@@ -44,9 +45,8 @@ def test_copy_blobs_xxh3_copies_hashes_and_checks_each_header(payload_nbytes):
 
 @pytest.mark.parametrize("shift", [1, 8, 15])
 def test_copy_blobs_xxh3_lands_exact_bytes_at_any_alignment(shift):
-    """Streaming stores need 16-byte aligned destinations: the unaligned head and tail of a page (and of
-    each chunk) go by plain copies, so every byte lands, none around the page is touched."""
-    fmt, keys, payload_nbytes = PageFormat("ns", (16 << 10) + 100), make_keys(2), (16 << 10) + 100
+    """Pages at any alignment, over one 64 KiB copy chunk: every byte lands, none around the page is touched."""
+    fmt, keys, payload_nbytes = PageFormat("ns", (64 << 10) + 100), make_keys(2), (64 << 10) + 100
     rng = np.random.default_rng(shift)
     payloads = [rng.integers(0, 256, payload_nbytes, dtype=np.uint8) for _ in keys]
     digests = [xxhash.xxh3_64_intdigest(p.tobytes()) for p in payloads]

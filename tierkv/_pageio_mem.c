@@ -1,6 +1,6 @@
 /* Blobs read straight out of memory the process already maps (a Mooncake replica in this client's own
  * mounted segment, a Redis reply): each payload copied into its page and hashed in the same pass, chunk by chunk, each
- * chunk hashed right after it lands while it is in the core's L1 cache. The transfer engine's own copy
+ * chunk hashed right after it lands while it is in the core's cache. The transfer engine's own copy
  * cannot carry the hash, so a get through it costs its copy plus a second pass over memory for the
  * checksum; this costs one copy.
  *
@@ -12,50 +12,22 @@
 
 #include <string.h>
 
-/* Small enough that a chunk stays in L1 between its copy, its hash and its store; large enough that the
- * per-call cost of xxh3's streaming update stays noise. */
-#define COPY_CHUNK_NBYTES (16 << 10)
+/* Each chunk is copied into its page, then hashed there while it is still in the core's L2 cache: the
+ * checksum is of exactly the bytes stored (a source that changed meanwhile, a replica removed and its
+ * memory reused, is a mismatch, never a page that passes with other bytes), and the page is memory only
+ * this caller writes. 64 KiB: small enough to stay in L2 between the copy and the hash, large enough that
+ * memcpy runs at full speed and xxh3's per-update cost is noise. Measured on 128 MiB of 8 MiB and 128 KiB
+ * pages (2-core EPYC): 13.7-15.4 GB/s against a plain memcpy's 12.4-18.1; the earlier 16 KiB bounce
+ * buffer in L1 with streaming stores out of it ran at 8.6-10.1. */
+#define COPY_CHUNK_NBYTES (64 << 10)
 
-#if defined(__SSE2__)
-#include <emmintrin.h>
-/* dst <- src (in cache) with non-temporal stores where dst is 16-byte aligned: the page is not read
- * back soon, and a plain store first reads each destination line from memory (a third stream). */
-static void store_streaming(char *dst, const char *src, size_t nbytes) {
-    size_t head = (size_t)(-(uintptr_t)dst & 15);
-    if (head > nbytes) head = nbytes;
-    memcpy(dst, src, head);
-    size_t off = head;
-    for (; off + 64 <= nbytes; off += 64) {
-        __m128i a = _mm_loadu_si128((const __m128i *)(src + off));
-        __m128i b = _mm_loadu_si128((const __m128i *)(src + off + 16));
-        __m128i c = _mm_loadu_si128((const __m128i *)(src + off + 32));
-        __m128i d = _mm_loadu_si128((const __m128i *)(src + off + 48));
-        _mm_stream_si128((__m128i *)(dst + off), a);
-        _mm_stream_si128((__m128i *)(dst + off + 16), b);
-        _mm_stream_si128((__m128i *)(dst + off + 32), c);
-        _mm_stream_si128((__m128i *)(dst + off + 48), d);
-    }
-    memcpy(dst + off, src + off, nbytes - off);
-}
-#define STORE_FENCE() _mm_sfence()
-#else
-#define store_streaming memcpy
-#define STORE_FENCE() ((void)0)
-#endif
-
-/* Each chunk goes through a buffer in L1: copied in, hashed there, then stored, so the checksum is of
- * exactly the bytes stored even if the source changed meanwhile (a replica removed and its memory reused
- * is then a mismatch, never a page that passes with other bytes). */
 static uint64_t copy_hashed(char *dst, const char *src, Py_ssize_t nbytes, void *state) {
-    _Alignas(64) char bounce[COPY_CHUNK_NBYTES];
     xxh3.reset(state);
     for (Py_ssize_t off = 0; off < nbytes; off += COPY_CHUNK_NBYTES) {
         size_t len = (size_t)(nbytes - off < COPY_CHUNK_NBYTES ? nbytes - off : COPY_CHUNK_NBYTES);
-        memcpy(bounce, src + off, len);
-        xxh3.update(state, bounce, len);
-        store_streaming(dst + off, bounce, len);
+        memcpy(dst + off, src + off, len);
+        xxh3.update(state, dst + off, len);
     }
-    STORE_FENCE();
     return xxh3.digest(state);
 }
 

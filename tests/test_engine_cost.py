@@ -167,3 +167,29 @@ def test_same_costly_l3_backs_up_everything_when_recompute_is_slower(tmp_path):
     assert engine.cache.storage.stats.backup_not_worth_tokens == 0
     assert engine.cache.cost_model.skipped_backups == 0
     engine.close()
+
+
+def test_backups_go_on_while_l1_and_l2_still_hold_what_they_wrote_and_l3_serves_it_later(tmp_path):
+    """Recompute costs 40 ms a page (a fixed 100 tokens/s), a write 5 ms of CPU: a backup pays while about one
+    page in eight is read back. Before, every write counted as unread at once: after two prompts, all still in
+    L1 and L2 and so not yet readable from L3, the fraction fell to 0.09, every later backup was refused, and
+    the prompts that left L2 were recomputed (0 L3 hits below). Now a write counts once L1 and L2 could have
+    let it go, and the prompts are read back from L3, exactly."""
+    model = tiny_model("tiny-llama")
+    prompts = [prompts_with_shared_prefix(1, PREFIX, SUFFIX, seed=60 + i)[0] for i in range(16)]
+    want = reference(model, prompts[3:5], MAX_NEW)
+    engine = l3_engine(model, tmp_path, prefill_tokens_per_s=100.0)
+    cpu_costly_writes(engine, page_cpu_s=0.005)
+    stats, costs = engine.cache.storage.stats, engine.cache.cost_model
+    page_size = engine.cache.config.page_size
+    assert sum(len(p) // page_size for p in prompts[:10]) < costs.read_back_lag_pages
+    serve_one_by_one(engine, prompts[:10])  # within what L1 and L2 hold: nothing could be read back yet
+    assert stats.backup_not_worth_tokens == 0 and costs.skipped_backups == 0
+    assert stats.backed_up_tokens == sum(len(p) - len(p) % page_size for p in prompts[:10])
+    serve_one_by_one(engine, prompts[10:])  # pushes prompts 3 and 4 out of L1 and L2
+    got = serve_one_by_one(engine, prompts[3:5])
+    for g, w in zip(got, want):
+        assert_same(g, w)
+        assert g.storage_hit_tokens > 0 and g.device_hit_tokens == g.host_hit_tokens == 0
+    engine.check_integrity()
+    engine.close()

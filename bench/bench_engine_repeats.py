@@ -8,11 +8,16 @@ once spent (at least ``--min-repeats``), so a GPU check fits its time.
 
     python bench/bench_engine_repeats.py --device cuda --models tiny-llama,medium-llama,large-llama
     python bench/bench_engine_repeats.py --tiny          # CPU: seconds, checks the script runs
+
+``--conversations 32 --l2-fraction 0.1`` makes L2 too small for the working set (L1 + L2 hold about 60 % of
+it), where what the L1+L2+L3 row gains over L1+L2 is what L3 supplies: ``bench/gpu_check.sh`` runs it on the
+largest preset to show L3 read when it pays (its "L3 hits" column).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -23,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from tierkv.engine.bench import ChatWorkload, ModeResult, run_mode, warm_up  # noqa: E402
+from tierkv.engine.bench import L2_FRACTION, ChatWorkload, ModeResult, run_mode, warm_up  # noqa: E402
 from tierkv.engine.engine import CACHE_MODES, MODE_LABELS  # noqa: E402
 from tierkv.engine.loader import build_model  # noqa: E402
 
@@ -32,19 +37,19 @@ TINY = ChatWorkload(num_conversations=2, num_turns=2, system_tokens=32, user_tok
 
 
 def run_model(model_name: str, workload: ChatWorkload, device: str, repeats: int, min_repeats: int,
-              budget_s: float) -> list[dict[str, ModeResult]]:
+              budget_s: float, l2_fraction: float = L2_FRACTION) -> list[dict[str, ModeResult]]:
     """Per repeat, every mode once (rotated order); stops after ``repeats`` or past ``budget_s``."""
     model = build_model(model_name, device)
     warm_up(model, device)
     if device.startswith("cuda"):  # one discarded round: kernel compiles (Triton copies) and allocator growth
         for mode in CACHE_MODES:
-            run_mode(model, workload, mode, device, 512)
+            run_mode(model, workload, mode, device, 512, l2_fraction)
     started_s, runs = time.perf_counter(), []
     for r in range(repeats):
         if r >= min_repeats and time.perf_counter() - started_s > budget_s:
             break
         modes = CACHE_MODES[r % len(CACHE_MODES):] + CACHE_MODES[:r % len(CACHE_MODES)]
-        runs.append({mode: run_mode(model, workload, mode, device, 512) for mode in modes})
+        runs.append({mode: run_mode(model, workload, mode, device, 512, l2_fraction) for mode in modes})
     del model
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
@@ -101,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--min-repeats", type=int, default=5)
     parser.add_argument("--budget-s", type=float, default=60.0, help="per model: no new repeat after this")
+    parser.add_argument("--conversations", type=int, help="concurrent conversations (default: the workload's)")
+    parser.add_argument("--l2-fraction", type=float, default=L2_FRACTION,
+                        help="L2 of the rows that have one, as a fraction of the working set (at least 1.5x L1)")
     parser.add_argument("--tiny", action="store_true", help="CPU, tiny-llama, a tiny workload, 2 repeats")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
@@ -109,13 +117,17 @@ def main(argv: list[str] | None = None) -> int:
         args.device, args.models, workload = "cpu", "tiny-llama", TINY
         args.repeats = args.min_repeats = 2
         torch.set_num_threads(1)
+    if args.conversations:
+        workload = dataclasses.replace(workload, num_conversations=args.conversations)
     print(f"engine: {workload.num_conversations} conversations x {workload.num_turns} turns, system prompt "
           f"{workload.system_tokens}, {workload.user_tokens} user + {workload.output_tokens} output tokens a turn, "
-          f"on {args.device}; ratios to no cache in the same repeat (above 1: faster), min/median")
+          f"on {args.device}; L2 {args.l2_fraction} of the working set; ratios to no cache in the same repeat "
+          "(above 1: faster), min/median")
     print(f"{HEADER}\n{'-' * len(HEADER)}", flush=True)
     rows = []
     for model_name in args.models.split(","):
-        runs = run_model(model_name, workload, args.device, args.repeats, args.min_repeats, args.budget_s)
+        runs = run_model(model_name, workload, args.device, args.repeats, args.min_repeats, args.budget_s,
+                         args.l2_fraction)
         rows += summarise(model_name, runs)
         print(format_rows(rows[-len(CACHE_MODES):]), flush=True)
     if args.json:

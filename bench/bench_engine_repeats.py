@@ -9,9 +9,9 @@ once spent (at least ``--min-repeats``), so a GPU check fits its time.
     python bench/bench_engine_repeats.py --device cuda --models tiny-llama,medium-llama,large-llama
     python bench/bench_engine_repeats.py --tiny          # CPU: seconds, checks the script runs
 
-``--conversations 32 --l2-fraction 0.1`` makes L2 too small for the working set (L1 + L2 hold about 60 % of
-it), where what the L1+L2+L3 row gains over L1+L2 is what L3 supplies: ``bench/gpu_check.sh`` runs it on the
-largest preset to show L3 read when it pays (its "L3 hits" column).
+``--workload quick --conversations 16 --l2-fraction 0.1`` makes L2 too small for the working set (L1 + L2
+hold about 60 % of it), where what the L1+L2+L3 row gains over L1+L2 is what L3 supplies:
+``bench/gpu_check.sh`` runs it on the largest preset to show L3 read when it pays (its "L3 hits" column).
 """
 
 from __future__ import annotations

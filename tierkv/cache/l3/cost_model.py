@@ -42,7 +42,6 @@ timings); a lock guards the estimates. Decisions read one snapshot.
 from __future__ import annotations
 
 import threading
-from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -171,8 +170,7 @@ class CostModel:
         # decayed pages read from L3 and written to it; their ratio is the read-back fraction
         self._read_back_pages = self._written_pages = float(READ_BACK_PRIOR_PAGES)
         self.read_back_lag_pages = 0  # pages the faster tiers hold (the cache sets it): writes not yet readable
-        self._lagging_writes: deque[int] = deque()  # page counts of writes not yet counted, oldest first
-        self._lagging_pages = 0
+        self._lagging_pages = 0  # the newest pages written, not yet counted (at most the lag)
         self.skipped_backups = 0
         self._backup_probe = _Probe(BACKUP_PROBE_EVERY)
 
@@ -223,23 +221,14 @@ class CostModel:
             self.l3_write_s_per_page = _ewma(self.l3_write_s_per_page, max(0.0, cpu_s) / num_pages,
                                              self._write_samples == 0)
             self._write_samples += 1
-            self._lagging_writes.append(num_pages)
+            # the decay is per page, so which write a counted page came from does not matter: only how many
             self._lagging_pages += num_pages
-            while self._lagging_pages > self.read_back_lag_pages:
-                oldest = self._lagging_writes[0]
-                counted = min(oldest, self._lagging_pages - self.read_back_lag_pages)
-                if counted == oldest:
-                    self._lagging_writes.popleft()
-                else:
-                    self._lagging_writes[0] = oldest - counted
+            counted = self._lagging_pages - self.read_back_lag_pages
+            if counted > 0:
                 self._lagging_pages -= counted
-                self._count_written(counted)
-
-    def _count_written(self, num_pages: int) -> None:
-        """Count ``num_pages`` written pages that could since have been read back; the caller holds the lock."""
-        decay = READ_BACK_DECAY ** num_pages  # each page written is one step of the decay
-        self._written_pages = decay * self._written_pages + (1 - decay) / (1 - READ_BACK_DECAY)
-        self._read_back_pages *= decay
+                decay = READ_BACK_DECAY ** counted  # each page counted is one step of the decay
+                self._written_pages = decay * self._written_pages + (1 - decay) / (1 - READ_BACK_DECAY)
+                self._read_back_pages *= decay
 
     @property
     def read_back_fraction(self) -> float:

@@ -165,6 +165,50 @@ def test_a_new_part_given_as_one_run_of_slots_is_checked_page_by_page(slots_impl
     cache.check_integrity(caller_device_slots=held[16:])
 
 
+@pytest.mark.parametrize("page_size", [3, 4, 16])
+@pytest.mark.parametrize("flaw", ["none", "a page's last slot from another page", "misaligned page",
+                                  "a page given twice", "a free page", "past the pool"])
+def test_a_new_part_of_scattered_pages_is_checked_page_by_page(slots_impl, page_size, flaw):
+    """After eviction the allocator hands a prompt scattered pages, which the compiled check reads in one
+    vectorised pass (four vectors a page at page 16) and then flags page by page. A flaw in the fifth of
+    six pages is refused, the cache unchanged: the four pages flagged before it are flagged back, a free
+    page stays free. Sound scattered pages are taken. Page 3 checks the division used where a page is not
+    a power of two."""
+    num_pages = 16
+    cache = make_cache(page_size=page_size, num_slots=num_pages * page_size)
+    held = cache.alloc_device(num_pages * page_size)
+    pages = [held[p * page_size:(p + 1) * page_size] for p in range(num_pages)]
+    cache.device_pool.free(pages[15])  # page 15 free, the rest the caller's
+    order = [9, 2, 12, 5, 7, 0]  # not one ascending run
+    chosen = [pages[p].clone() for p in order]
+    if flaw == "a page's last slot from another page":
+        chosen[4][-1] = pages[14][-1]
+    elif flaw == "misaligned page":
+        chosen[4] = torch.cat([pages[7][1:], pages[8][:1]])
+    elif flaw == "a page given twice":
+        chosen[4] = pages[2].clone()
+    elif flaw == "a free page":
+        chosen[4] = pages[15].clone()
+    elif flaw == "past the pool":
+        chosen[4] = torch.arange(num_pages * page_size, (num_pages + 1) * page_size, dtype=torch.int64)
+    slots = torch.cat(chosen)
+    key = RadixKey(list(range(6 * page_size)))
+    before = state(cache)
+    caller = torch.cat(pages[:15])
+    if flaw == "none":
+        assert cache.insert(key, slots) == 6 * page_size
+        assert cache.match_prefix(key).device_indices.tolist() == slots.tolist()
+        cache.check_integrity(caller_device_slots=torch.cat([pages[p] for p in range(15) if p not in order]))
+        return
+    with pytest.raises(ValueError):
+        cache.insert(key, slots)
+    assert state(cache) == before
+    cache.check_integrity(caller_device_slots=caller)
+    good = torch.cat([pages[p] for p in order])  # the flags flipped while checking were all put back
+    assert cache.insert(key, good) == 6 * page_size
+    cache.check_integrity(caller_device_slots=torch.cat([pages[p] for p in range(15) if p not in order]))
+
+
 @pytest.mark.parametrize("repeat", [None, 0, 10])
 def test_a_path_of_more_nodes_than_the_check_keeps_inline_is_checked_whole(slots_impl, repeat):
     """The compiled check keeps the path's runs inline up to 8 nodes, then moves them to the heap: a path of

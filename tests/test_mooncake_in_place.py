@@ -143,3 +143,44 @@ def test_pages_elsewhere_go_through_the_engine_beside_those_in_place(mooncake_ma
     finally:
         store.clear()
         store.close()
+
+
+def test_pool_rows_are_read_in_place_and_elsewhere_with_no_tensor_a_page(mooncake_master, monkeypatch):
+    """batch_get_rows (an L3 prefetch into a page-first host pool) lands pages in their rows, shuffled:
+    those in the own segment copied in place, a corrupt one a counted miss, those the master places
+    elsewhere through the engine at their rows' addresses, an absent one a miss; and no page goes through
+    the tensor path (its check of a tensor a page was a tenth of a 1,024-page get)."""
+    from tierkv.storage.mooncake_store import MooncakeStore
+    store = open_store(mooncake_master.url, "ns-rows", PAGE_NBYTES, mooncake_master.client_config())
+    try:
+        keys, pages = make_keys(12), make_pages(12)
+        assert store.batch_set(keys[:11], pages[:11]) == [True] * 11
+        corrupt_mooncake_page(store, keys[6], 5)
+        client = store.client
+        elsewhere = {store.object_key(keys[i]) for i in (2, 8)}
+
+        class RemoteSome:
+            def __getattr__(self, name):
+                return getattr(client, name)
+
+            def batch_get_replica_desc(self, names):
+                return {n: r for n, r in client.batch_get_replica_desc(names).items() if n not in elsewhere}
+
+        def no_tensor_path(*args):
+            raise AssertionError("a tensor a page")
+        monkeypatch.setattr(MooncakeStore, "_check_batch", no_tensor_path)
+        store.client = RemoteSome()
+        rows = np.zeros((20, PAGE_NBYTES), dtype=np.uint8)
+        order = [13, 0, 7, 19, 2, 11, 5, 16, 9, 1, 4, 17]
+        found = store.batch_get_rows(keys, rows, order)
+        store.client = client
+        assert found == [i not in (6, 11) for i in range(12)]
+        for i, row in enumerate(order):
+            expected = pages[i].numpy() if found[i] else None
+            assert expected is None or np.array_equal(rows[row], expected)
+        untouched = sorted(set(range(20)) - set(order))
+        assert not rows[untouched].any() and not rows[order[11]].any()
+        assert store.stats.corrupt_pages == 1 and store.stats.get_pages == 10
+    finally:
+        store.clear()
+        store.close()

@@ -165,6 +165,38 @@ def test_a_new_part_given_as_one_run_of_slots_is_checked_page_by_page(slots_impl
     cache.check_integrity(caller_device_slots=held[16:])
 
 
+@pytest.mark.parametrize("where", [0, 7, 13, 21, 34, 36])
+def test_a_long_nodes_lowest_and_highest_slot_and_a_recomputed_one_are_seen_wherever_they_lie(slots_impl, where):
+    """The compiled compare of the caller's slots with a node's reads 16 at a time in four lanes of
+    accumulators, then a tail: a node of 37 slots (page 1) whose lowest slot lies at ``where`` and highest
+    18 further on (in each lane of the body, and in the tail): giving either again as a new slot is
+    refused, the cache unchanged; a recomputed slot at ``where`` is freed as the caller's copy."""
+    cache = make_cache(page_size=1, num_slots=128)
+    block = cache.alloc_device(64)
+    low, high = int(block[2]), int(block[60])
+    between = iter(block[10:45].tolist())  # 35 slots strictly between the lowest and the highest
+    placed = {where: low, (where + 18) % 37: high}
+    kept = torch.tensor([placed[i] if i in placed else next(between) for i in range(37)], dtype=torch.int64)
+    assert len(kept) == 37 and int(kept[where]) == low and int(kept.argmax()) == (where + 18) % 37
+    key = RadixKey(list(range(37)))
+    assert cache.insert(key, kept) == 37
+    caller = torch.tensor(sorted(set(block.tolist()) - set(kept.tolist())), dtype=torch.int64)
+    longer = RadixKey(list(range(38)))
+    for repeat in (low, high):
+        before = state(cache)
+        with pytest.raises(ValueError, match="tree's own"):
+            cache.insert(longer, torch.cat([kept, torch.tensor([repeat])]))
+        assert state(cache) == before
+    fresh = int(caller[0])
+    recomputed = kept.clone()
+    recomputed[where] = fresh
+    free_before = cache.device_pool.num_free_slots
+    assert cache.insert(key, recomputed) == 37
+    assert cache.device_pool.num_free_slots == free_before + 1  # the caller's copy went back
+    assert cache.match_prefix(key).device_indices.tolist() == kept.tolist()
+    cache.check_integrity(caller_device_slots=caller[1:])
+
+
 @pytest.mark.parametrize("page_size", [3, 4, 16])
 @pytest.mark.parametrize("flaw", ["none", "a page's last slot from another page", "misaligned page",
                                   "a page given twice", "a free page", "past the pool"])

@@ -139,19 +139,48 @@ static int held_grow(HeldRuns *r) {
 
 /* Whether held[0..n) == mine[0..n), and the lowest and highest of held, in one pass over both (the compare
  * and the range each read the path's slots: a 3,000-token prompt's 24 KB, on every insert under it).
- * Branch-free, so it vectorises (AVX2 where the CPU has it: SSE2 has no 64-bit compare). */
+ * Branch-free, so it vectorises (AVX2 where the CPU has it: SSE2 has no 64-bit compare). Four quads of
+ * accumulators: with one, as the compiler vectorised the plain loop, each step waited on the previous
+ * step's min and max (a compare and a blend): a fan-out insert's slot check (3,600 slots matched) took 1.83 us,
+ * 1.39 with four. */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 __attribute__((target_clones("avx2", "default")))
 #endif
 static int equal_and_range(const int64_t *held, const int64_t *mine, Py_ssize_t n, int64_t *lo, int64_t *hi) {
-    int64_t a = INT64_MAX, b = INT64_MIN, diff = 0;
-    for (Py_ssize_t j = 0; j < n; j++) {
+    int64_t low = INT64_MAX, high = INT64_MIN, diff = 0;
+    Py_ssize_t j = 0;
+#if defined(__GNUC__)
+    typedef int64_t quad __attribute__((vector_size(32)));
+    quad a[4], b[4], d = {0, 0, 0, 0};  /* an OR waits on nothing: one accumulator does */
+    for (int k = 0; k < 4; k++) {
+        a[k] = (quad){INT64_MAX, INT64_MAX, INT64_MAX, INT64_MAX}, b[k] = -a[k] - 1;
+    }
+    for (; j + 16 <= n; j += 16) {  /* four independent quads: no step waits on the last one's min and max */
+        for (int k = 0; k < 4; k++) {
+            quad v, w;
+            memcpy(&v, held + j + 4 * k, sizeof v);
+            memcpy(&w, mine + j + 4 * k, sizeof w);
+            d |= v ^ w;
+            quad below = v < a[k], above = v > b[k];  /* lanes of all ones where true */
+            a[k] = (v & below) | (a[k] & ~below);
+            b[k] = (v & above) | (b[k] & ~above);
+        }
+    }
+    for (int i = 0; i < 4; i++) {
+        diff |= d[i];
+        for (int k = 0; k < 4; k++) {
+            low = a[k][i] < low ? a[k][i] : low;
+            high = b[k][i] > high ? b[k][i] : high;
+        }
+    }
+#endif
+    for (; j < n; j++) {
         int64_t v = held[j];
         diff |= v ^ mine[j];
-        a = v < a ? v : a;
-        b = v > b ? v : b;
+        low = v < low ? v : low;
+        high = v > high ? v : high;
     }
-    *lo = a, *hi = b;
+    *lo = low, *hi = high;
     return diff == 0;
 }
 

@@ -1,7 +1,11 @@
 """Host page digests (tierkv/pools/page_digests.py, tierkv/copy/_rowcopy_hash.c): the L1 -> L2 write hashes
-each page it writes, a backup hands the digests to a store that takes them (Mooncake), and a digest never
-outlives the bytes it describes. The Mooncake tests start a real mooncake_master (tests/conftest.py)."""
+each page it writes, a backup hands the digests to a store that takes them (Mooncake, Redis), and a digest
+never outlives the bytes it describes. The store tests start a real mooncake_master and redis-server
+(tests/conftest.py)."""
 
+import os
+
+import numpy as np
 import pytest
 import torch
 import xxhash
@@ -156,45 +160,84 @@ def test_backup_turns_digests_on_and_hands_them_over():
     cache.close()
 
 
-def mooncake(master, namespace: str, page_nbytes: int = PAGE_NBYTES, **options):
-    return open_store(master.url, namespace, page_nbytes, {**master.client_config(), **options})
+class DigestStore:
+    """A store that takes digests (Mooncake, Redis) on its real server: opens stores, reads a stored
+    header's checksum, and counts the pages the store hashes itself."""
+
+    def __init__(self, name: str, server) -> None:
+        self.name, self.server = name, server
+
+    def open(self, namespace: str, page_nbytes: int = PAGE_NBYTES, **options):
+        if self.name == "mooncake":
+            return open_store(self.server.url, namespace, page_nbytes, {**self.server.client_config(), **options})
+        return open_store(self.server.url, namespace, page_nbytes, {"key_prefix": f"digests{os.getpid()}:", **options})
+
+    def stored_checksum(self, store, key: str) -> int:
+        """The checksum field of ``key``'s stored header."""
+        if self.name == "mooncake":
+            blob = torch.zeros(store.format.blob_nbytes, dtype=torch.uint8)
+            assert store.client.get_into(store.object_key(key), blob.data_ptr(), blob.numel()) == blob.numel()
+            header = blob[store.page_nbytes:].numpy()
+        else:
+            header = np.frombuffer(store.client.get(store.redis_key(key))[store.page_nbytes:], np.uint8)
+        return int(header[CHECKSUM_OFFSET:CHECKSUM_OFFSET + 8].view("<u8")[0])
+
+    def counting_hashes(self, store) -> list:
+        """Patch ``store`` so that each batch it hashes itself appends its number of pages (Mooncake: a
+        native xxh3_many call) or each page it hashes appends 1 (Redis: a header or a streamed hasher)."""
+        counts: list = []
+        if self.name == "mooncake":
+            real = store._native
+
+            class CountingNative:
+                def __getattr__(self, name):
+                    return getattr(real, name)
+
+                def xxh3_many(self, views):
+                    counts.append(len(views))
+                    return real.xxh3_many(views)
+            store._native = CountingNative()
+            return counts
+        fmt = store.format
+
+        class CountingFormat:
+            def __getattr__(self, name):
+                return getattr(fmt, name)
+
+            def header(self, key, payload, state=None):
+                counts.append(1) if state is None else None
+                return fmt.header(key, payload, state)
+
+            def payload_hasher(self, key):
+                counts.append(1)
+                return fmt.payload_hasher(key)
+        store.format = CountingFormat()
+        return counts
 
 
-def counting_hashes(store) -> list:
-    """Patch the store's native module so each xxh3_many call's number of views is appended to the list."""
-    counts: list = []
-    real = store._native
-
-    class Counting:
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-        def xxh3_many(self, views):
-            counts.append(len(views))
-            return real.xxh3_many(views)
-    store._native = Counting()
-    return counts
+@pytest.fixture(params=["mooncake", "redis"])
+def digest_store(request) -> DigestStore:
+    server = request.getfixturevalue("mooncake_master" if request.param == "mooncake" else "redis_server")
+    return DigestStore(request.param, server)
 
 
-def stored_checksum(store, key: str) -> int:
-    """The checksum field of ``key``'s stored header."""
-    blob = torch.zeros(store.format.blob_nbytes, dtype=torch.uint8)
-    assert store.client.get_into(store.object_key(key), blob.data_ptr(), blob.numel()) == blob.numel()
-    header = blob[store.page_nbytes:].numpy()
-    return int(header[CHECKSUM_OFFSET:CHECKSUM_OFFSET + 8].view("<u8")[0])
-
-
-def test_mooncake_hashes_only_the_pages_given_no_digest(mooncake_master):
-    store = mooncake(mooncake_master, "ns-digests-some")
+@pytest.mark.parametrize("page_nbytes", [PAGE_NBYTES, 1 << 20])
+def test_a_store_hashes_only_the_pages_given_no_digest(digest_store, page_nbytes):
+    """Redis pages of 1 MiB are otherwise streamed in chunks hashed as they are sent."""
+    store = digest_store.open("ns-digests-some", page_nbytes)
     try:
-        keys, pages = make_keys(6), make_pages(6)
+        assert store.accepts_digests
+        keys = make_keys(6)
+        g = torch.Generator().manual_seed(1)
+        pages = [torch.randint(0, 256, (page_nbytes,), dtype=torch.uint8, generator=g) for _ in keys]
         digests = [xxhash.xxh3_64_intdigest(p.numpy().tobytes()) for p in pages]
-        counts = counting_hashes(store)
+        counts = digest_store.counting_hashes(store)
         assert store.batch_set(keys, pages, digests=digests[:2] + [None] + digests[3:]) == [True] * 6
-        assert counts == [1]
-        targets = empty_pages(6)
+        assert sum(counts) == 1
+        targets = [torch.zeros(page_nbytes, dtype=torch.uint8) for _ in keys]
         assert store.batch_get(keys, targets) == [True] * 6
         assert all(torch.equal(t, p) for t, p in zip(targets, pages))
+        assert [digest_store.stored_checksum(store, k) for k in keys] == digests
         with pytest.raises(ValueError, match="6 keys but 5 digests"):
             store.batch_set(keys, pages, digests=digests[:5])
     finally:
@@ -202,16 +245,17 @@ def test_mooncake_hashes_only_the_pages_given_no_digest(mooncake_master):
         store.close()
 
 
-def test_mooncake_page_under_a_wrong_digest_is_a_miss(mooncake_master):
+def test_a_page_under_a_wrong_digest_is_a_miss(digest_store):
     """A digest that does not describe its page (planted, or stale) makes a stored page that fails
-    verification: a counted miss, dropped, never KV read back as a hit."""
-    store = mooncake(mooncake_master, "ns-digests-wrong")
+    verification: a counted miss, dropped, never KV read back as a hit (Mooncake: through the transfer
+    engine and through the in-place copy)."""
+    store = digest_store.open("ns-digests-wrong")
     try:
         keys, pages = make_keys(4), make_pages(4)
         digests = [xxhash.xxh3_64_intdigest(p.numpy().tobytes()) for p in pages]
         digests[2] ^= 1
         assert store.batch_set(keys, pages, digests=digests) == [True] * 4
-        store.read_in_place = False  # through the transfer engine, then the in-place copy
+        store.read_in_place = False  # Mooncake: through the transfer engine first
         assert store.batch_get(keys, empty_pages(4)) == [True, True, False, True]
         assert store.stats.corrupt_pages == 1 and store.batch_exists(keys[2:3]) == 0
         assert store.batch_set(keys[2:3], pages[2:3], digests=digests[2:3]) == [True]
@@ -223,9 +267,9 @@ def test_mooncake_page_under_a_wrong_digest_is_a_miss(mooncake_master):
         store.close()
 
 
-def test_mooncake_with_a_page_key_ignores_digests(mooncake_master):
+def test_a_store_with_a_page_key_ignores_digests(digest_store):
     """A keyed store writes MACs, which no copy computes: it takes no digests and ignores any given."""
-    store = mooncake(mooncake_master, "ns-digests-keyed", page_key="k" * 32)
+    store = digest_store.open("ns-digests-keyed", page_key="k" * 32)
     try:
         assert not store.accepts_digests
         keys, pages = make_keys(3), make_pages(3)
@@ -238,23 +282,23 @@ def test_mooncake_with_a_page_key_ignores_digests(mooncake_master):
         store.close()
 
 
-def test_mooncake_never_stores_a_rewritten_host_page_under_its_old_digest(mooncake_master):
+def test_a_store_never_stores_a_rewritten_host_page_under_its_old_digest(digest_store):
     """Host pages written by the hashed copy, then one rewritten by write_page and one freed and filled
     again through the pool's rows (as a prefetch does): a backup of all of them hashes those two itself,
     and every stored checksum is that of the bytes stored."""
     transfer, _, host, pages = written_pages(num_pages=4)
-    store = mooncake(mooncake_master, "ns-digests-rewritten", host.page_nbytes)
+    store = digest_store.open("ns-digests-rewritten", host.page_nbytes)
     try:
         host.write_page(pages[0], torch.randint(0, 256, (host.page_nbytes,), dtype=torch.uint8))
         host.free(host.allocator.pages_to_slots(torch.tensor(pages[1:2])))
         assert pages[1] in host.allocator.slots_to_pages(host.alloc(host.num_free_slots)).tolist()
         host.page_bytes_array()[pages[1]] = 7
         keys = make_keys(4, seed=5)
-        counts = counting_hashes(store)
+        counts = digest_store.counting_hashes(store)
         assert store.batch_set_rows(keys, host.page_bytes_array(), pages,
                                     digests=host.digests.lookup(pages)) == [True] * 4
-        assert counts == [2]
-        assert [stored_checksum(store, k) for k in keys] == page_checksums(host, pages)
+        assert sum(counts) == 2
+        assert [digest_store.stored_checksum(store, k) for k in keys] == page_checksums(host, pages)
     finally:
         store.clear()
         store.close()
@@ -262,16 +306,16 @@ def test_mooncake_never_stores_a_rewritten_host_page_under_its_old_digest(moonca
 
 
 @pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])
-def test_cache_backs_up_to_mooncake_with_copy_digests_and_reads_back(mooncake_master, layout):
-    """The product path: L1 -> L2 writes hash, backups hand the digests to Mooncake, which hashes nothing;
-    with L1 and L2 dropped the pages come back from L3 bit-identical."""
+def test_cache_backs_up_with_copy_digests_and_reads_back(digest_store, layout):
+    """The product path: L1 -> L2 writes hash, backups hand the digests to the store, which hashes
+    nothing; with L1 and L2 dropped the pages come back from L3 bit-identical."""
     cache = make_cache("mha", 16, device_tokens=256, host_layout=layout)
     ns = HashNamespace.for_spec("digest-model", cache.device_pool.spec, layout)
-    store = mooncake(mooncake_master, ns.name(), cache.host_pool.page_nbytes)
+    store = digest_store.open(ns.name(), cache.host_pool.page_nbytes)
     cache.attach_storage(store, storage_config(prefetch_stop_policy="wait_complete"), ns)
     try:
         cache.host_pool.digests.enable()  # as the first backup would: every write below hashes
-        counts = counting_hashes(store)
+        counts = digest_store.counting_hashes(store)
         key = RadixKey(list(range(7 * 16)))
         kv = compute_and_insert(cache, key, seed=9)
         cache.flush()

@@ -34,6 +34,25 @@ def test_cluster_round_trip_spreads_pages_over_every_master(redis_cluster):
     store.close()
 
 
+def test_cluster_takes_copy_digests_and_a_wrong_one_is_a_miss(redis_cluster):
+    """Backups hand the L1 -> L2 copy's digests to the cluster store as to a single Redis: headers filled
+    from them (a digest of None hashed here), each page read back exact, a wrong digest a counted miss."""
+    import xxhash
+    store = open_store(redis_cluster.url, "ns", PAGE_NBYTES, {"key_prefix": "dg:", "ttl_s": 600})
+    assert store.accepts_digests
+    keys, pages = make_keys(12, seed=4), make_pages(12, seed=4)
+    digests = [xxhash.xxh3_64_intdigest(p.numpy().tobytes()) for p in pages]
+    given = digests[:5] + [None] + digests[6:]
+    given[9] ^= 1
+    assert store.batch_set(keys, pages, digests=given) == [True] * 12
+    targets = empty_pages(12)
+    assert store.batch_get(keys, targets) == [i != 9 for i in range(12)]
+    assert all(torch.equal(t, p) for i, (t, p) in enumerate(zip(targets, pages)) if i != 9)
+    assert store.stats.corrupt_pages == 1
+    store.clear()
+    store.close()
+
+
 def test_a_dead_master_costs_only_its_own_pages_in_every_batch(redis_cluster):
     """Whole batches (as prefetch and backup send them) with one master killed by PID: every page on
     the two live masters still hits, in the batch that meets the dead master and in the next ones, and

@@ -274,8 +274,9 @@ class PageStore(ABC):
     accepts_prefix_keys: bool = False
     # A store that sets this takes ``digests=`` in batch_set (and so through batch_set_rows): per page its
     # payload's xxh3-64, or None, made by the L1 -> L2 copy that wrote the page (see
-    # tierkv.pools.page_digests); it writes those headers without hashing the pages again. A digest that
-    # does not match its page only makes a page that fails verification (a miss), never wrong KV.
+    # tierkv.pools.page_digests); it writes those headers without hashing the pages again (Mooncake, Redis,
+    # unkeyed). A digest that does not match its page only makes a page that fails verification (a miss),
+    # never wrong KV.
     accepts_digests: bool = False
 
     def backup_batch_pages(self) -> int:

@@ -25,7 +25,7 @@ Each store owns its helper threads (``pool``: made on first use, shut down when 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from types import ModuleType
@@ -112,6 +112,29 @@ class Headers(_Jobs):
             return self._fmt.header(self._keys[index], self._views[index])
         group, offset = divmod(index, self._per_group)
         return self._futures[group].result()[offset]
+
+
+class DigestHeaders:
+    """The unkeyed headers of a batch whose payload digests were made where the pages were written (the
+    L1 -> L2 copy; see ``PageStore.accepts_digests``): filled from them at once, nothing hashed; a page
+    given None for a digest is hashed when its header is asked for. :class:`Headers`' interface."""
+
+    def __init__(self, fmt: PageFormat, keys: list[str], views: list[memoryview],
+                 digests: Sequence[int | None]) -> None:
+        self._fmt, self._keys, self._views, self._digests = fmt, keys, views, digests
+        self._rows = fmt.filled_headers(keys, [0 if d is None else d for d in digests])
+
+    def __enter__(self) -> "DigestHeaders":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def get(self, index: int) -> bytes:
+        """Page ``index``'s header."""
+        if self._digests[index] is None:
+            return self._fmt.header(self._keys[index], self._views[index])
+        return self._rows[index].tobytes()
 
 
 @dataclass

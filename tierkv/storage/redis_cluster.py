@@ -22,7 +22,7 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.retry import Retry
 
 from tierkv.storage.base import Backoff
-from tierkv.storage.overlap import Headers
+from tierkv.storage.overlap import DigestHeaders, Headers
 from tierkv.storage.redis_store import RedisStore
 
 _CLUSTER_ERRORS = (redis.RedisError, redis.exceptions.RedisClusterException, OSError)
@@ -156,7 +156,8 @@ class RedisClusterStore(RedisStore):
             on_replies(0, replies)
         return replies
 
-    def _send_sets(self, keys: list[str], names: list[bytes], views: list[memoryview], headers: Headers
+    def _send_sets(self, keys: list[str], names: list[bytes], views: list[memoryview],
+                   headers: Headers | DigestHeaders
                    ) -> tuple[list[bool], redis.ResponseError | None]:
         """Per master; a master that fails or refuses (OOM) backs off alone and its pages are False."""
         ttl_s = self._ttl_s

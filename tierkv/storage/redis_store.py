@@ -2,10 +2,10 @@
 
 Writes send the page's own memory and then its header straight to the socket: pages of 1 MiB or more
 (unkeyed) in cache-sized chunks, each hashed just before it is sent; smaller and keyed pages with headers
-computed in helper threads. Reads copy the reply into the target page while checksumming it in
-cache-sized chunks (with the native module, one GIL-free call per round trip's replies); large pages'
-replies are copied and verified in helper threads while this thread waits on the next round trip (see
-:mod:`tierkv.storage.overlap`).
+computed in helper threads; pages whose digest the L1 -> L2 copy made (a backup) with headers filled
+from it. Reads copy the reply into the target page while checksumming it in cache-sized chunks (with the
+native module, one GIL-free call per round trip's replies); large pages' replies are copied and verified
+in helper threads while this thread waits on the next round trip (see :mod:`tierkv.storage.overlap`).
 
 Keys are ``<key_prefix><namespace tag>:<page hash>``, so ``clear`` can SCAN one namespace away. A
 connection failure makes the batch a miss (exists/get) or False (set), counts one error and backs off:
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import redis
 import torch
@@ -34,6 +34,7 @@ from tierkv.storage import native
 from tierkv.storage.base import Backoff, PageStore, check_key
 from tierkv.storage.overlap import (
     MIN_OVERLAP_PAGE_NBYTES,
+    DigestHeaders,
     Headers,
     Verifier,
     copied_group,
@@ -95,6 +96,8 @@ class RedisStore(PageStore):
         self.client = self._make_client(host, port, db, username, password, timeout_s)
         # unkeyed pages read with the native module: copied and checksummed in one pass
         self._native = native.pageio if self.format.page_key is None else None
+        # xxh3 headers can take the digests the L1 -> L2 copy made (a MAC is computed here whatever is given)
+        self.accepts_digests = self.format.page_key is None
         self._blob_nbytes = self.format.blob_nbytes
 
     def _make_client(self, host: str, port: int, db: int, username: str | None, password: str | None,
@@ -220,8 +223,14 @@ class RedisStore(PageStore):
             return err
         return PageFormatError(f"page {key}: {len(blob)} bytes, expected {self._blob_nbytes}")
 
-    def batch_set(self, keys: list[str], values: list[torch.Tensor]) -> list[bool]:
+    def batch_set(self, keys: list[str], values: list[torch.Tensor],
+                  digests: Sequence[int | None] | None = None) -> list[bool]:
+        """Store each page. ``digests``: per page the xxh3-64 of its payload or None (see
+        :attr:`PageStore.accepts_digests`): unkeyed headers are filled from them, those pages not hashed
+        (nor streamed in hashed chunks: the payload goes to the socket whole); a keyed store ignores them."""
         views = self._check_batch(keys, values)
+        if digests is not None and len(digests) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(digests)} digests")
         names = [(self.key_prefix + k).encode() for k in keys]  # keys checked by _check_batch
         if not names:
             return []
@@ -229,7 +238,10 @@ class RedisStore(PageStore):
             if not self._available(self.write_backoff):
                 return [False] * len(keys)
             try:
-                if self._streams():
+                if digests is not None and self.accepts_digests:
+                    done, refusal = self._send_sets(keys, names, views,
+                                                    DigestHeaders(self.format, keys, views, digests))
+                elif self._streams():
                     done, refusal = self._send_sets(keys, names, views, None)
                 else:
                     with Headers(self.format, keys, views, self._helper_pool) as headers:
@@ -249,7 +261,8 @@ class RedisStore(PageStore):
         minimum = self.stream_min_nbytes
         return minimum is not None and self.format.payload_nbytes >= minimum and not self.format.keyed
 
-    def _send_sets(self, keys: list[str], names: list[bytes], views: list[memoryview], headers: Headers | None
+    def _send_sets(self, keys: list[str], names: list[bytes], views: list[memoryview],
+                   headers: Headers | DigestHeaders | None
                    ) -> tuple[list[bool], redis.ResponseError | None]:
         """Pipelined SETs packed by hand so the payload goes from the page's memory to the socket
         (redis-py would need header + payload joined into one fresh 8 MiB buffer per page).

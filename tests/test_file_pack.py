@@ -221,6 +221,40 @@ def test_a_read_of_a_few_pages_of_a_large_pack_reads_their_headers_alone_and_che
     store.close()
 
 
+def test_a_page_over_a_group_is_read_a_group_at_a_time_and_a_flipped_byte_in_its_tail_is_a_miss(tmp_path,
+                                                                                                 monkeypatch):
+    """A page larger than a read group (1 MiB; 8 MiB pages in practice) is read in group-sized calls, each
+    checksummed as it lands: 2.5 MiB plus 3 bytes is three reads, exact; a byte flipped in the last partial
+    read makes that page, and only it, a counted miss."""
+    import tierkv.storage.file as file_module
+
+    page_nbytes = (5 << 19) + 3
+    store = open_store(f"file:{tmp_path}", "ns", page_nbytes)
+    keys = make_keys(2)
+    g = torch.Generator().manual_seed(2)
+    pages = [torch.randint(0, 256, (page_nbytes,), dtype=torch.uint8, generator=g) for _ in keys]
+    assert store.batch_set(keys, pages) == [True, True]
+    reads, real_read_run = [], file_module.read_run
+
+    def read_run(fd, views, offset):
+        reads.append(sum(map(len, views)))
+        return real_read_run(fd, views, offset)
+    monkeypatch.setattr(file_module, "read_run", read_run)
+    targets = [torch.zeros(page_nbytes, dtype=torch.uint8) for _ in keys]
+    assert store.batch_get(keys, targets) == [True, True]
+    assert all(torch.equal(t, p) for t, p in zip(targets, pages))
+    assert reads[1:] == [1 << 20, 1 << 20, page_nbytes - (2 << 20)] * 2  # after the headers' read
+    path, payload_at, _ = store.page_extent(keys[1])
+    with open(path, "r+b") as f:
+        f.seek(payload_at + page_nbytes - 2)
+        byte = f.read(1)
+        f.seek(payload_at + page_nbytes - 2)
+        f.write(bytes([byte[0] ^ 0x01]))
+    assert store.batch_get(keys, [torch.zeros(page_nbytes, dtype=torch.uint8) for _ in keys]) == [True, False]
+    assert store.stats.corrupt_pages == 1
+    store.close()
+
+
 @pytest.mark.parametrize("use_native", [True, False], ids=["native", "python"])
 @pytest.mark.parametrize("page_nbytes", [256, 40_000], ids=["one-group", "groups"])
 def test_a_backup_from_row_runs_writes_the_same_pack_as_a_view_a_page(tmp_path, use_native, page_nbytes):

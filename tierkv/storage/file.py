@@ -71,7 +71,6 @@ from tierkv.storage.file_pack import (
 )
 from tierkv.storage.file_write import RowRuns, write_row_runs, write_views
 from tierkv.storage.page_format import (
-    CHUNK_NBYTES,
     HEADER_SIZE,
     PageFormatError,
     checksum,
@@ -401,10 +400,13 @@ class FileStore(PageStore):
         return digests
 
     def _read_large(self, fd: int, view: memoryview, offset: int) -> int | None:
-        """Read one large page chunk by chunk, feeding each chunk to its checksum as it lands."""
+        """Read one large page a group at a time, feeding each group to its checksum as it lands. Why a
+        group (1 MiB), not the 256 KiB chunks the writes hash: a read is a system call and a copy by the
+        kernel, and it lands in the core's 1 MiB L2 either way; 8 MiB gets with one core busy went from
+        0.70-0.72 to 0.76-0.77 of a plain read."""
         state = None if self.format.keyed else xxhash.xxh3_64()
-        for start in range(0, len(view), CHUNK_NBYTES):
-            chunk = view[start:start + CHUNK_NBYTES]
+        for start in range(0, len(view), GROUP_NBYTES):
+            chunk = view[start:start + GROUP_NBYTES]
             if read_run(fd, [chunk], offset + start) != len(chunk):
                 return None
             if state is not None:

@@ -61,6 +61,48 @@ def test_copy_blobs_xxh3_lands_exact_bytes_at_any_alignment(shift):
     assert (arena[shift + 2 * payload_nbytes + 3:] == 7).all()
 
 
+FUSED_LENGTHS = [241, 255, 256, 257, 1023, 1024, 1025, 1087, 1088, 1089, 4096, (16 << 10) + 63, 128 << 10,
+                 (1 << 20) + 5]
+
+
+def check_fused_copies(lengths: list[int]) -> None:
+    """Each length copied by copy_blobs_xxh3 into a page 32-byte aligned (streamed stores) and one 8 bytes
+    off (plain stores): exact bytes, nothing around the page touched, the xxhash package's digest."""
+    for length in lengths:
+        fmt, keys = PageFormat("ns", length), make_keys(1)
+        payload = np.random.default_rng(length).integers(0, 256, length, dtype=np.uint8)
+        digest = xxhash.xxh3_64_intdigest(payload.tobytes())
+        source = np.concatenate([payload, fmt.filled_headers(keys, [digest])[0]]).tobytes()
+        arena = np.full(length + 128, 5, dtype=np.uint8)
+        base = (-arena.ctypes.data) % 32
+        for offset in (base, base + 8):
+            arena[:] = 5
+            page = arena[offset:offset + length]
+            results = native.pageio.copy_blobs_xxh3([source], [page], np.zeros((1, HEADER_SIZE), dtype=np.uint8),
+                                                    fmt.header_templates(keys), length, CHECKSUM_OFFSET)
+            assert results == [(0, digest - (1 << 64) if digest >= 1 << 63 else digest)], (length, offset)
+            assert np.array_equal(page, payload), (length, offset)
+            assert (arena[:offset] == 5).all() and (arena[offset + length:] == 5).all(), (length, offset)
+
+
+def test_the_one_pass_copy_and_hash_gives_the_xxhash_packages_digest_at_every_length_shape():
+    """Payloads over 240 bytes are copied and hashed from the same registers (tierkv/_xxh3_copy.c, XXH3's
+    long path written here): around 1 KiB blocks and 64-byte stripes, at page sizes, over 1 MiB."""
+    check_fused_copies(FUSED_LENGTHS)
+
+
+def test_the_portable_one_pass_copy_gives_the_same_digests():
+    """The path for CPUs without AVX2, forced by TIERKV_XXH3_COPY_SCALAR=1 in a fresh process."""
+    import os
+    import subprocess
+    import sys
+    code = ("from tests.test_mooncake_in_place import check_fused_copies, FUSED_LENGTHS; "
+            "check_fused_copies(FUSED_LENGTHS); print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "TIERKV_XXH3_COPY_SCALAR": "1"})
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
 def test_copy_blobs_xxh3_refuses_wrong_sizes():
     fmt, keys = PageFormat("ns", 100), make_keys(2)
     blob = np.zeros(148, dtype=np.uint8)

@@ -44,6 +44,11 @@ typedef struct {
 PAGEIO_INTERNAL extern Xxh3Functions xxh3;
 PAGEIO_INTERNAL int require_xxh3(void);
 
+/* Copy ``n`` bytes (n > XXH3_COPY_MIN_NBYTES) and return the XXH3-64 of the bytes stored, in one pass
+ * (tierkv/_xxh3_copy.c); shorter copies are the caller's (memcpy, then xxh3.oneshot). */
+#define XXH3_COPY_MIN_NBYTES 240
+PAGEIO_INTERNAL uint64_t copy_xxh3_long(void *dst, const void *src, size_t n);
+
 /* Buffers of a sequence, all acquired or none (then an exception is set). */
 typedef struct {
     Py_buffer *views;

@@ -1,8 +1,7 @@
 /* Blobs read straight out of memory the process already maps (a Mooncake replica in this client's own
- * mounted segment, a Redis reply): each payload copied into its page and hashed in the same pass, chunk by chunk, each
- * chunk hashed right after it lands while it is in the core's cache. The transfer engine's own copy
- * cannot carry the hash, so a get through it costs its copy plus a second pass over memory for the
- * checksum; this costs one copy.
+ * mounted segment, a Redis reply): each payload copied into its page and hashed in the same pass. The
+ * transfer engine's own copy cannot carry the hash, so a get through it costs its copy plus a second pass
+ * over memory for the checksum; this costs one copy.
  *
  * Source addresses, when given as such, are trusted (the store's replica descriptors give them); buffers
  * and destinations are checked. A header is compared whole with its template holding the checksum (magic,
@@ -12,16 +11,17 @@
 
 #include <string.h>
 
-/* Each chunk is copied into its page, then hashed there while it is still in the core's L2 cache: the
- * checksum is of exactly the bytes stored (a source that changed meanwhile, a replica removed and its
- * memory reused, is a mismatch, never a page that passes with other bytes), and the page is memory only
- * this caller writes. 64 KiB: small enough to stay in L2 between the copy and the hash, large enough that
- * memcpy runs at full speed and xxh3's per-update cost is noise. Measured on 128 MiB of 8 MiB and 128 KiB
- * pages (2-core EPYC): 13.7-15.4 GB/s against a plain memcpy's 12.4-18.1; the earlier 16 KiB bounce
- * buffer in L1 with streaming stores out of it ran at 8.6-10.1. */
+/* A payload over 240 bytes is copied and hashed from the same registers (copy_xxh3_long, _xxh3_copy.c):
+ * 17.6-19.5 GB/s on 128 MiB of 128 KiB pages, a plain memcpy 18.5-19.9 (2-core EPYC). Shorter ones, and
+ * where that is not built, chunk by chunk: each chunk copied into its page, then hashed there while it
+ * is still in the core's L2 cache (13.7-15.4 GB/s). Either way the checksum is of exactly the bytes
+ * stored (a source that changed meanwhile, a replica removed and its memory reused, is a mismatch, never a
+ * page that passes with other bytes), and the page is memory only this caller writes. 64 KiB: small
+ * enough to stay in L2 between the copy and the hash, large enough that memcpy runs at full speed. */
 #define COPY_CHUNK_NBYTES (64 << 10)
 
 static uint64_t copy_hashed(char *dst, const char *src, Py_ssize_t nbytes, void *state) {
+    if (nbytes > XXH3_COPY_MIN_NBYTES) return copy_xxh3_long(dst, src, (size_t)nbytes);
     xxh3.reset(state);
     for (Py_ssize_t off = 0; off < nbytes; off += COPY_CHUNK_NBYTES) {
         size_t len = (size_t)(nbytes - off < COPY_CHUNK_NBYTES ? nbytes - off : COPY_CHUNK_NBYTES);

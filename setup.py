@@ -11,7 +11,7 @@ page stores to their Python I/O loops (see tierkv/storage/native.py).
 from setuptools import Extension, setup
 
 SOURCES = {"copy._rowcopy": ["tierkv/copy/_rowcopy.c", "tierkv/copy/_rowcopy_hash.c",
-                                     "tierkv/copy/_rowcopy_alloc.c"],
+                                     "tierkv/copy/_rowcopy_alloc.c", "tierkv/_xxh3_copy.c"],
            "_radix": ["tierkv/_radix.c", "tierkv/_radix_evict.c", "tierkv/_radix_node.c", "tierkv/_radix_heap.c",
                       "tierkv/_radix_walk.c", "tierkv/_radix_slots.c", "tierkv/_radix_pages.c"],
            "_pageio": ["tierkv/_pageio.c", "tierkv/_pageio_mem.c", "tierkv/_xxh3_copy.c"]}

@@ -18,6 +18,7 @@ from tierkv.copy import cpu_copy
 from tierkv.copy.transfer import TransferController
 from tierkv.hashing import HashNamespace
 from tierkv.pools.page_digests import PageDigests
+from tierkv.pools.spec import KVSpec
 from tierkv.radix import RadixKey
 from tierkv.storage.factory import open_store
 from tierkv.storage.memory import MemoryStore
@@ -55,6 +56,49 @@ def test_write_records_each_host_page_digest(attention, layout, page_size):
     cpu_copy.ChunkCopy(device, plain_host).copy_slots(torch.arange(6 * page_size), torch.arange(6 * page_size))
     assert all(torch.equal(host.read_page(p), plain_host.read_page(i)) for i, p in enumerate(pages))
     transfer.shutdown()
+
+
+# (spec, page size): chunks of 64, 192, 1,152 (MLA's 576 bf16) and 32,768 bytes, all whole 64-byte stripes,
+# in pages of 512, 384, 2,304 and 65,536 bytes (64 blocks): the one-pass copy's cases; and 32-byte chunks,
+# which go chunk by chunk through the bound xxh3
+ONE_PASS_CASES = [(KVSpec(num_layers=4, kv_heads=1, head_dim=32, dtype=torch.float16), 1),
+                  (KVSpec(num_layers=1, kv_heads=3, head_dim=32, dtype=torch.float16), 1),
+                  (KVSpec(num_layers=2, attention="mla", kv_lora_rank=512, rope_dim=64, dtype=torch.bfloat16), 1),
+                  (KVSpec(num_layers=1, kv_heads=8, head_dim=128, dtype=torch.float16), 16),
+                  (KVSpec(num_layers=3, kv_heads=1, head_dim=16, dtype=torch.float16), 1)]
+
+
+def check_one_pass_digests() -> None:
+    """For each case: host pages written (shuffled) by the hashed copy carry the xxhash package's digest of
+    their bytes, and those bytes are a plain copy's."""
+    for spec, page_size in ONE_PASS_CASES:
+        device, host = random_pools(spec, "page_first", page_size, device_pages=8, host_pages=8)
+        host.digests.enable()
+        transfer = TransferController(device, host)
+        order = torch.tensor([5, 2, 7, 0, 3, 6, 1, 4])
+        host_slots = (order[:, None] * page_size + torch.arange(page_size)).reshape(-1)
+        assert host.alloc(8 * page_size) is not None
+        assert transfer.write_now(torch.arange(8 * page_size), host_slots) is None
+        pages = order.tolist()
+        assert host.digests.lookup(pages) == page_checksums(host, pages), (spec, page_size)
+        _, plain = random_pools(spec, "page_first", page_size, device_pages=8, host_pages=8, seed=1)
+        cpu_copy.ChunkCopy(device, plain).copy_slots(torch.arange(8 * page_size), host_slots)
+        assert torch.equal(host.buffer.view(torch.uint8), plain.buffer.view(torch.uint8)), (spec, page_size)
+        transfer.shutdown()
+
+
+def test_the_one_pass_hashed_copy_digests_every_chunk_shape():
+    check_one_pass_digests()
+
+
+def test_the_portable_one_pass_hashed_copy_digests_every_chunk_shape():
+    """The path for CPUs without AVX2, forced by TIERKV_XXH3_COPY_SCALAR=1 in a fresh process."""
+    import subprocess
+    import sys
+    code = "from tests.test_page_digests import check_one_pass_digests; check_one_pass_digests(); print('ok')"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "TIERKV_XXH3_COPY_SCALAR": "1"})
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
 def test_writes_run_by_the_worker_record_digests_too():

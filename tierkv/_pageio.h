@@ -49,6 +49,17 @@ PAGEIO_INTERNAL int require_xxh3(void);
 #define XXH3_COPY_MIN_NBYTES 240
 PAGEIO_INTERNAL uint64_t copy_xxh3_long(void *dst, const void *src, size_t n);
 
+/* The same for a page copied in parts, each a multiple of 64 bytes, back to back from the page's start:
+ * start(n), part... (the whole page, its tail copied by part too when n is a multiple of 64, else by
+ * the caller), finish (reads the page's last 64 bytes). */
+typedef struct {
+    uint64_t acc[8];
+    size_t regular, done; /* the page's stripes accumulated in order, and how many so far */
+} Xxh3Copy;
+PAGEIO_INTERNAL void xxh3_copy_start(Xxh3Copy *state, size_t n);
+PAGEIO_INTERNAL void xxh3_copy_part(Xxh3Copy *state, void *dst, const void *src, size_t nbytes);
+PAGEIO_INTERNAL uint64_t xxh3_copy_finish(Xxh3Copy *state, const void *page, size_t n);
+
 /* Buffers of a sequence, all acquired or none (then an exception is set). */
 typedef struct {
     Py_buffer *views;

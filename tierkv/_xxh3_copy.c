@@ -78,20 +78,14 @@ static inline void scramble_scalar(uint64_t acc[8], const uint8_t *secret) {
     }
 }
 
-/* The stripes of [0, n - 1) in blocks, copied and accumulated; returns the bytes copied (a multiple of 64). */
-static size_t body_scalar(uint64_t acc[8], uint8_t *dst, const uint8_t *src, size_t n) {
-    size_t num_blocks = (n - 1) / BLOCK_NBYTES, pos = 0;
-    for (size_t b = 0; b < num_blocks; b++) {
-        for (int s = 0; s < STRIPES_PER_BLOCK; s++, pos += STRIPE_NBYTES) {
-            stripe_scalar(acc, dst + pos, src + pos, SECRET + 8 * s);
-        }
-        scramble_scalar(acc, SECRET + SECRET_NBYTES - STRIPE_NBYTES);
+/* ``num`` stripes copied and accumulated, the first being regular stripe ``done`` of the page (its secret
+ * offset), the accumulators scrambled after each 16th (a block's end). */
+static void stripes_scalar(uint64_t acc[8], uint8_t *dst, const uint8_t *src, size_t done, size_t num) {
+    for (size_t j = 0; j < num; j++) {
+        size_t k = (done + j) % STRIPES_PER_BLOCK;
+        stripe_scalar(acc, dst + j * STRIPE_NBYTES, src + j * STRIPE_NBYTES, SECRET + 8 * k);
+        if (k == STRIPES_PER_BLOCK - 1) scramble_scalar(acc, SECRET + SECRET_NBYTES - STRIPE_NBYTES);
     }
-    size_t num_stripes = ((n - 1) - pos) / STRIPE_NBYTES;
-    for (size_t s = 0; s < num_stripes; s++, pos += STRIPE_NBYTES) {
-        stripe_scalar(acc, dst + pos, src + pos, SECRET + 8 * s);
-    }
-    return pos;
 }
 
 #ifdef XXH3_COPY_AVX2
@@ -123,25 +117,18 @@ __attribute__((target("avx2"))) static inline void scramble_avx2(__m256i acc[2],
     }
 }
 
-__attribute__((target("avx2"))) static size_t body_avx2(uint64_t acc64[8], uint8_t *dst, const uint8_t *src,
-                                                        size_t n) {
+/* stripes_scalar's work in AVX2; the stores streamed past the cache when ``stream`` (then fenced). */
+__attribute__((target("avx2"))) static void stripes_avx2(uint64_t acc64[8], uint8_t *dst, const uint8_t *src,
+                                                         size_t done, size_t num, int stream) {
     __m256i acc[2] = {_mm256_loadu_si256((const __m256i *)acc64), _mm256_loadu_si256((const __m256i *)(acc64 + 4))};
-    int stream = ((uintptr_t)dst & 31) == 0;
-    size_t num_blocks = (n - 1) / BLOCK_NBYTES, pos = 0;
-    for (size_t b = 0; b < num_blocks; b++) {
-        for (int s = 0; s < STRIPES_PER_BLOCK; s++, pos += STRIPE_NBYTES) {
-            stripe_avx2(acc, dst + pos, src + pos, SECRET + 8 * s, stream);
-        }
-        scramble_avx2(acc, SECRET + SECRET_NBYTES - STRIPE_NBYTES);
-    }
-    size_t num_stripes = ((n - 1) - pos) / STRIPE_NBYTES;
-    for (size_t s = 0; s < num_stripes; s++, pos += STRIPE_NBYTES) {
-        stripe_avx2(acc, dst + pos, src + pos, SECRET + 8 * s, stream);
+    for (size_t j = 0; j < num; j++) {
+        size_t k = (done + j) % STRIPES_PER_BLOCK;
+        stripe_avx2(acc, dst + j * STRIPE_NBYTES, src + j * STRIPE_NBYTES, SECRET + 8 * k, stream);
+        if (k == STRIPES_PER_BLOCK - 1) scramble_avx2(acc, SECRET + SECRET_NBYTES - STRIPE_NBYTES);
     }
     if (stream) _mm_sfence(); /* the streamed stores before anything reads the page */
     _mm256_storeu_si256((__m256i *)acc64, acc[0]);
     _mm256_storeu_si256((__m256i *)(acc64 + 4), acc[1]);
-    return pos;
 }
 
 /* TIERKV_XXH3_COPY_SCALAR=1 takes the portable path on any CPU: the tests check its digests too. */
@@ -160,19 +147,38 @@ static inline uint64_t fold128(uint64_t a, uint64_t b) {
     return (uint64_t)product ^ (uint64_t)(product >> 64);
 }
 
-uint64_t copy_xxh3_long(void *dst, const void *src, size_t n) {
-    uint64_t acc[8] = {PRIME32_3, PRIME64_1, PRIME64_2, PRIME64_3, PRIME64_4, PRIME32_2, PRIME64_5, PRIME32_1};
-    uint8_t *out = dst;
-    const uint8_t *in = src;
-    size_t copied;
+void xxh3_copy_start(Xxh3Copy *state, size_t n) {
+    const uint64_t init[8] = {PRIME32_3, PRIME64_1, PRIME64_2, PRIME64_3, PRIME64_4, PRIME32_2, PRIME64_5, PRIME32_1};
+    memcpy(state->acc, init, sizeof init);
+    state->regular = (n - 1) / STRIPE_NBYTES; /* the last 64 bytes are the last stripe's, whatever else */
+    state->done = 0;
+}
+
+/* Streamed stores only for parts this large: their fence costs more than a small part's cache misses. */
+#define STREAM_MIN_NBYTES 4096
+
+void xxh3_copy_part(Xxh3Copy *state, void *dst, const void *src, size_t nbytes) {
+    size_t num = nbytes / STRIPE_NBYTES, left = state->regular - state->done;
+    size_t hashed = num < left ? num : left;
 #ifdef XXH3_COPY_AVX2
-    copied = have_avx2() ? body_avx2(acc, out, in, n) : body_scalar(acc, out, in, n);
+    if (have_avx2()) {
+        int stream = nbytes >= STREAM_MIN_NBYTES && ((uintptr_t)dst & 31) == 0;
+        stripes_avx2(state->acc, dst, src, state->done, hashed, stream);
+    } else {
+        stripes_scalar(state->acc, dst, src, state->done, hashed);
+    }
 #else
-    copied = body_scalar(acc, out, in, n);
+    stripes_scalar(state->acc, dst, src, state->done, hashed);
 #endif
-    memcpy(out + copied, in + copied, n - copied);
+    state->done += hashed;
+    memcpy((uint8_t *)dst + hashed * STRIPE_NBYTES, (const uint8_t *)src + hashed * STRIPE_NBYTES,
+           nbytes - hashed * STRIPE_NBYTES);
+}
+
+uint64_t xxh3_copy_finish(Xxh3Copy *state, const void *page, size_t n) {
+    uint64_t *acc = state->acc;
     /* the last stripe, read back from the page: the digest stays that of the bytes stored */
-    stripe_scalar(acc, NULL, out + n - STRIPE_NBYTES, SECRET + LAST_STRIPE_SECRET);
+    stripe_scalar(acc, NULL, (const uint8_t *)page + n - STRIPE_NBYTES, SECRET + LAST_STRIPE_SECRET);
     uint64_t h = (uint64_t)n * PRIME64_1;
     for (int i = 0; i < 4; i++) {
         h += fold128(acc[2 * i] ^ read64(SECRET + MERGE_SECRET + 16 * i),
@@ -181,4 +187,13 @@ uint64_t copy_xxh3_long(void *dst, const void *src, size_t n) {
     h ^= h >> 37;
     h *= PRIME_MX1;
     return h ^ (h >> 32);
+}
+
+uint64_t copy_xxh3_long(void *dst, const void *src, size_t n) {
+    Xxh3Copy state;
+    size_t whole = n & ~(size_t)(STRIPE_NBYTES - 1);
+    xxh3_copy_start(&state, n);
+    xxh3_copy_part(&state, dst, src, whole);
+    memcpy((uint8_t *)dst + whole, (const uint8_t *)src + whole, n - whole);
+    return xxh3_copy_finish(&state, dst, n);
 }

@@ -34,6 +34,30 @@ def test_native_xxh3_is_the_xxhash_packages(num_bytes):
     assert native.pageio.xxh3_many([data, memoryview(data)]) == [xxhash.xxh3_64_intdigest(data)] * 2
 
 
+@pytest.mark.parametrize("num_bytes", [241, 4096, (256 << 10) + 64, (1 << 20) + 5, 8 << 20])
+def test_read_xxh3_reads_a_page_and_hashes_what_it_stored(tmp_path, num_bytes):
+    """read_xxh3 (a file page read through a bounce buffer and copied in one pass, _xxh3_copy.c): exact bytes
+    at an offset, the xxhash package's digest; a file that ends before the page does is None (the bytes
+    before its end are read); refused: a page of 240 bytes or less, a negative offset; a bad fd an OSError."""
+    data = np.random.default_rng(num_bytes).integers(0, 256, num_bytes + 100, dtype=np.uint8)
+    path = tmp_path / "pack"
+    path.write_bytes(data.tobytes())
+    page = np.zeros(num_bytes, dtype=np.uint8)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert native.pageio.read_xxh3(fd, page, 100) == xxhash.xxh3_64_intdigest(data[100:].tobytes())
+        assert np.array_equal(page, data[100:])
+        assert native.pageio.read_xxh3(fd, page, 101) is None  # one byte short
+        with pytest.raises(ValueError, match="over 240 bytes"):
+            native.pageio.read_xxh3(fd, np.zeros(240, dtype=np.uint8), 0)
+        with pytest.raises(ValueError, match="offset >= 0"):
+            native.pageio.read_xxh3(fd, page, -1)
+    finally:
+        os.close(fd)
+    with pytest.raises(OSError):
+        native.pageio.read_xxh3(fd, page, 0)
+
+
 def test_header_templates_filled_are_the_headers_and_check_names_each_bad_page():
     fmt = PageFormat("ns", 1000)
     payloads = [memoryview(bytes([i]) * 1000) for i in range(3)]

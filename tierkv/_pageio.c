@@ -291,6 +291,9 @@ static PyMethodDef methods[] = {
      "int64 array of addresses) "
      "into payloads[i] and headers[i*48:], hashing each payload chunk as it lands, and compare the header with "
      "template expected[i*48:] holding that checksum; status 0 ok, 3 mismatch"},
+    {"read_xxh3", read_xxh3, METH_VARARGS,
+     "read_xxh3(fd, page, offset) -> xxh3-64 of the page's bytes read from fd at offset (a page over 240 bytes), "
+     "or None if the file ends first; copied and hashed in one pass, without the GIL"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -298,8 +301,8 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_pageio", NULL, -1, 
 
 /* Bumped whenever a function's arguments change (tierkv/storage/native.py checks it). 3: copy_blobs_xxh3.
  * 4: read_pages and write_pages removed (the file store reads and writes pack files from Python).
- * 5: chain_xxh3_128 (and bind_xxh3 needs XXH3_128bits), xxh3_pages, first_bad_key. */
-#define API_VERSION 5
+ * 5: chain_xxh3_128 (and bind_xxh3 needs XXH3_128bits), xxh3_pages, first_bad_key. 6: read_xxh3. */
+#define API_VERSION 6
 
 PyMODINIT_FUNC PyInit__pageio(void) {
     PyObject *m = PyModule_Create(&module);

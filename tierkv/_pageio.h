@@ -78,5 +78,6 @@ PAGEIO_INTERNAL PyObject *results_list(const PageResult *results, Py_ssize_t n);
 PAGEIO_INTERNAL void put_le64(unsigned char *p, uint64_t v);
 
 PAGEIO_INTERNAL PyObject *copy_blobs_xxh3(PyObject *self, PyObject *args);
+PAGEIO_INTERNAL PyObject *read_xxh3(PyObject *self, PyObject *args);
 
 #endif

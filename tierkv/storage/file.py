@@ -89,6 +89,9 @@ PACK_SHARE_DIVISOR = 16
 # finds each group still in the core's cache (a whole 64 MiB batch read first and hashed after is a
 # second, cold pass over memory). A batch within one group is written in one call.
 GROUP_NBYTES = 1 << 20
+# pages over this many bytes are read in one pass by the native read_xxh3 (XXH3's long path; shorter
+# pages come in groups and are hashed after)
+_ONE_PASS_MIN_NBYTES = 240
 # exists maps keys in chunks of 16, 32, 64, ... up to the first miss: most lookups miss early, and
 # mapping a whole 4,000-page prompt cost more than the rest of the call (dict probes into a big index)
 LEADING_CHUNK_KEYS = 16
@@ -400,10 +403,14 @@ class FileStore(PageStore):
         return digests
 
     def _read_large(self, fd: int, view: memoryview, offset: int) -> int | None:
-        """Read one large page a group at a time, feeding each group to its checksum as it lands. Why a
-        group (1 MiB), not the 256 KiB chunks the writes hash: a read is a system call and a copy by the
-        kernel, and it lands in the core's 1 MiB L2 either way; 8 MiB gets with one core busy went from
-        0.70-0.72 to 0.76-0.77 of a plain read."""
+        """Read one large page and checksum it; None if the pack ends first. Unkeyed with the native module:
+        ``read_xxh3`` reads it through a bounce buffer that stays in L2 and copies it into the page hashing
+        from the registers it stores from, streaming past the cache (the kernel's copy straight into the
+        page fetched each line of it first, and the hash read it again). Otherwise a group at a time, each
+        fed to its checksum as it lands (1 MiB: a read is a system call, and lands in the core's 1 MiB L2;
+        8 MiB gets with one core busy went from 0.70-0.72 to 0.76-0.77 of a plain read with 256 KiB ones)."""
+        if self._native is not None and len(view) > _ONE_PASS_MIN_NBYTES:  # unkeyed: read, copy and hash at once
+            return self._native.read_xxh3(fd, view, offset)
         state = None if self.format.keyed else xxhash.xxh3_64()
         for start in range(0, len(view), GROUP_NBYTES):
             chunk = view[start:start + GROUP_NBYTES]

@@ -16,7 +16,7 @@ import xxhash
 
 log = logging.getLogger(__name__)
 
-NATIVE_API_VERSION = 5  # the API_VERSION of tierkv/_pageio.c that the stores call
+NATIVE_API_VERSION = 6  # the API_VERSION of tierkv/_pageio.c that the stores call
 
 
 def bound(module: ModuleType | None) -> ModuleType | None:

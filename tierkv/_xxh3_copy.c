@@ -25,6 +25,10 @@
 #define BLOCK_NBYTES (STRIPE_NBYTES * STRIPES_PER_BLOCK)
 #define LAST_STRIPE_SECRET (SECRET_NBYTES - STRIPE_NBYTES - 7)
 #define MERGE_SECRET 11
+/* Each stripe's source asked for this far ahead (a hint: never faults past the end). Without it, chunks of
+ * 128 KiB (8 MiB pages) copied in 10.4-11.0 ms per 128 MiB where the plain copy took 8.4-8.5; with it
+ * 7.9-8.3, and 32 KiB chunks 6.8-7.2 against the plain copy's 8.5-8.7. */
+#define SOURCE_PREFETCH_NBYTES 2048
 
 /* XXH3's default secret: a parameter of the algorithm (the specification's kSecret). */
 static const uint8_t SECRET[SECRET_NBYTES] = {
@@ -83,6 +87,7 @@ static inline void scramble_scalar(uint64_t acc[8], const uint8_t *secret) {
 static void stripes_scalar(uint64_t acc[8], uint8_t *dst, const uint8_t *src, size_t done, size_t num) {
     for (size_t j = 0; j < num; j++) {
         size_t k = (done + j) % STRIPES_PER_BLOCK;
+        __builtin_prefetch(src + j * STRIPE_NBYTES + SOURCE_PREFETCH_NBYTES, 0);
         stripe_scalar(acc, dst + j * STRIPE_NBYTES, src + j * STRIPE_NBYTES, SECRET + 8 * k);
         if (k == STRIPES_PER_BLOCK - 1) scramble_scalar(acc, SECRET + SECRET_NBYTES - STRIPE_NBYTES);
     }
@@ -123,6 +128,7 @@ __attribute__((target("avx2"))) static void stripes_avx2(uint64_t acc64[8], uint
     __m256i acc[2] = {_mm256_loadu_si256((const __m256i *)acc64), _mm256_loadu_si256((const __m256i *)(acc64 + 4))};
     for (size_t j = 0; j < num; j++) {
         size_t k = (done + j) % STRIPES_PER_BLOCK;
+        __builtin_prefetch(src + j * STRIPE_NBYTES + SOURCE_PREFETCH_NBYTES, 0);
         stripe_avx2(acc, dst + j * STRIPE_NBYTES, src + j * STRIPE_NBYTES, SECRET + 8 * k, stream);
         if (k == STRIPES_PER_BLOCK - 1) scramble_avx2(acc, SECRET + SECRET_NBYTES - STRIPE_NBYTES);
     }

@@ -7,6 +7,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -246,6 +247,54 @@ def test_a_subclass_or_wrapper_that_intercepts_batch_set_and_get_sees_the_pool_r
             return getattr(self.inner, name)
     assert takes_rows(store) and not takes_rows(Delegating(store))
     store.close()
+
+
+def test_redis_takes_pool_rows_in_place_digests_included_and_a_subclass_still_sees_every_page(redis_server,
+                                                                                              monkeypatch):
+    """Redis backups and prefetches on a page-first pool: rows sent from and read into the pool in place (no
+    tensor, no checked view a page), the copy's digests used; a subclass overriding batch_set and batch_get
+    still gets every page through them."""
+    import xxhash
+
+    from tierkv.storage.redis_store import RedisStore
+
+    spec = KVSpec(num_layers=1, kv_heads=1, head_dim=8, dtype=torch.bfloat16)
+    pool = HostKVPool(spec, 64, 16, layout="page_first", pin_memory=False)
+    pool.buffer.copy_(torch.randn(pool.buffer.shape).to(torch.bfloat16))
+    rows, keys, order = pool.page_bytes_array(), make_keys(3, seed=7), [2, 0, 3]
+    digests = [xxhash.xxh3_64_intdigest(rows[p].tobytes()) for p in order]
+    config = {"key_prefix": f"rows{os.getpid()}:"}
+    store = open_store(redis_server.url, "ns-rows", pool.page_nbytes, config)
+
+    def no_tensor_path(*args):
+        raise AssertionError("a tensor a page")
+    monkeypatch.setattr(RedisStore, "_check_batch", no_tensor_path)
+    digests[1] ^= 1  # stored under a wrong checksum: read back as a miss
+    assert store.batch_set_rows(keys, rows, order, digests=digests) == [True] * 3
+    sink = np.zeros_like(rows)
+    assert store.batch_get_rows(keys, sink, order) == [True, False, True]
+    assert np.array_equal(sink[[2, 3]], rows[[2, 3]]) and not sink[1].any()  # row 0: the miss's, unused
+    with pytest.raises(ValueError, match="3 keys but 2 digests"):
+        store.batch_set_rows(keys, rows, order, digests=digests[:2])
+    store.clear()
+    monkeypatch.undo()
+
+    class Counting(RedisStore):
+        pages_set = pages_got = 0
+
+        def batch_set(self, keys, values, digests=None):
+            self.pages_set += len(keys)
+            return super().batch_set(keys, values, digests)
+
+        def batch_get(self, keys, targets):
+            self.pages_got += len(keys)
+            return super().batch_get(keys, targets)
+    counting = Counting("ns-rows", pool.page_nbytes, port=redis_server.port, **config)
+    assert counting.batch_set_rows(keys, rows, order) == [True] * 3 and counting.pages_set == 3
+    assert counting.batch_get_rows(keys, sink, order) == [True] * 3 and counting.pages_got == 3
+    counting.clear()
+    store.close()
+    counting.close()
 
 
 def test_exists_is_the_leading_run(backend):

@@ -22,7 +22,6 @@
 #define SECRET_NBYTES 192
 #define STRIPE_NBYTES 64
 #define STRIPES_PER_BLOCK ((SECRET_NBYTES - STRIPE_NBYTES) / 8)
-#define BLOCK_NBYTES (STRIPE_NBYTES * STRIPES_PER_BLOCK)
 #define LAST_STRIPE_SECRET (SECRET_NBYTES - STRIPE_NBYTES - 7)
 #define MERGE_SECRET 11
 /* Each stripe's source asked for this far ahead (a hint: never faults past the end). Without it, chunks of

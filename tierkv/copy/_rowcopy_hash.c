@@ -10,8 +10,9 @@
  * 128 MiB of 2 KiB chunks where the plain copy took 19.5, and as slow with the hash calls left out.
  *
  * The digest is of the destination's bytes as written (the registers stored, or the bytes read back from
- * cache), so it describes exactly what the host page holds. It is recorded (value, then its valid flag) only once the whole page is
- * written; the host pool clears the flag whenever the page is handed out again or written any other way.
+ * cache), so it describes exactly what the host page holds. It is recorded (value, then its valid flag)
+ * only once the whole page is written; the host pool clears the flag whenever the page is handed out again
+ * or written any other way.
  *
  * The xxh3 functions are tierkv._pageio's (bound there from the xxhash package's own shared object and
  * checked against it), passed here as a capsule: one binding, so the two can never disagree.
@@ -81,8 +82,8 @@ static uint64_t copy_page_hashed(const PageCopy *c, Py_ssize_t p, void *state) {
 
 /* Page ``p`` copied chunk by chunk and hashed from the registers each chunk is stored from (_xxh3_copy.c),
  * the next chunk's first bytes fetched ahead as the plain copy does. For chunks of whole 64-byte stripes
- * in pages over 240 bytes. 128 MiB of 128 KiB pages (32 KiB chunks), min / median of 15: 8.9-9.3 / 9.4-9.8
- * ms, the plain copy 8.8-9.0 / 9.3-9.6; hashing each piece after it landed took 11.9-12.0 / 12.8-13.0. */
+ * in pages over 240 bytes. 128 MiB of 128 KiB pages (32 KiB chunks), min of 15: 6.8-7.5 ms, the plain copy
+ * 8.5-8.8; hashing each piece after it landed took 11.9-12.0. */
 static uint64_t copy_page_fused(const PageCopy *c, Py_ssize_t p) {
     char *page_dst = c->dst + c->dst_pages[p] * c->dst_page_nbytes;
     const char *page_src = c->src + c->src_pages[p] * c->src_page_nbytes;

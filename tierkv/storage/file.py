@@ -89,9 +89,6 @@ PACK_SHARE_DIVISOR = 16
 # finds each group still in the core's cache (a whole 64 MiB batch read first and hashed after is a
 # second, cold pass over memory). A batch within one group is written in one call.
 GROUP_NBYTES = 1 << 20
-# pages over this many bytes are read in one pass by the native read_xxh3 (XXH3's long path; shorter
-# pages come in groups and are hashed after)
-_ONE_PASS_MIN_NBYTES = 240
 # exists maps keys in chunks of 16, 32, 64, ... up to the first miss: most lookups miss early, and
 # mapping a whole 4,000-page prompt cost more than the rest of the call (dict probes into a big index)
 LEADING_CHUNK_KEYS = 16
@@ -409,7 +406,7 @@ class FileStore(PageStore):
         page fetched each line of it first, and the hash read it again). Otherwise a group at a time, each
         fed to its checksum as it lands (1 MiB: a read is a system call, and lands in the core's 1 MiB L2;
         8 MiB gets with one core busy went from 0.70-0.72 to 0.76-0.77 of a plain read with 256 KiB ones)."""
-        if self._native is not None and len(view) > _ONE_PASS_MIN_NBYTES:  # unkeyed: read, copy and hash at once
+        if self._native is not None:  # unkeyed (a page over a group is over read_xxh3's 240 bytes)
             return self._native.read_xxh3(fd, view, offset)
         state = None if self.format.keyed else xxhash.xxh3_64()
         for start in range(0, len(view), GROUP_NBYTES):

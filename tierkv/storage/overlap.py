@@ -117,18 +117,12 @@ class Headers(_Jobs):
 class DigestHeaders:
     """The unkeyed headers of a batch whose payload digests were made where the pages were written (the
     L1 -> L2 copy; see ``PageStore.accepts_digests``): filled from them at once, nothing hashed; a page
-    given None for a digest is hashed when its header is asked for. :class:`Headers`' interface."""
+    given None for a digest is hashed when its header is asked for. :class:`Headers`' ``get``."""
 
     def __init__(self, fmt: PageFormat, keys: list[str], views: list[memoryview],
                  digests: Sequence[int | None]) -> None:
         self._fmt, self._keys, self._views, self._digests = fmt, keys, views, digests
         self._rows = fmt.filled_headers(keys, [0 if d is None else d for d in digests])
-
-    def __enter__(self) -> "DigestHeaders":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
     def get(self, index: int) -> bytes:
         """Page ``index``'s header."""

@@ -13,10 +13,10 @@ process, all threads: tierkv's extra work, which only a spare core can hide). Ra
   mooncake  the store client's batch_put_from / batch_get_into of the same bytes, one call per batch
 The raw sides verify nothing; tierkv writes a header (checksum, xxh3-64, or a MAC with ``--page-key``)
 with every page and verifies it on every read. The raw sides run on one thread (one call); tierkv moves a
-file read batch on up to one thread per core (4 at most) and a mooncake batch in ranges on two, each page
-hashed by the thread that moves it: with a spare core it can beat raw, the CPU ratio shows the extra work. Targets (issue 16): file and redis >= 0.9, mooncake
->= 0.8. A last table gives the memory backend's RSS over the bytes it stores, measured in a fresh
-subprocess per page size (target <= 1.2). ``--digests`` adds a table of the digests alone.
+mooncake batch in ranges on two, each page hashed by the thread that moves it: with a spare core it can
+beat raw, the CPU ratio shows the extra work. Targets (issue 27): every store >= 0.9. A last table gives the
+memory backend's RSS over the bytes it stores, measured in a fresh subprocess per page size (target <= 1.2).
+``--digests`` adds a table of the digests alone.
 
 ``--l2-copy`` times a set as the product makes it, an L1 -> L2 copy then the backup's store call, on both
 sides: tierkv copies the batch from a CPU L1 pool into a page-first host pool with the transfer controller's
@@ -398,7 +398,7 @@ def cold_hash_gbps(pages, repeats: int) -> float:
     return sum(len(v) for v in views) / seconds / 1e9
 
 
-TARGETS = {"file": 0.9, "redis": 0.9, "mooncake": 0.8}
+TARGETS = {"file": 0.9, "redis": 0.9, "mooncake": 0.9}  # issue 27 target 6 (issue 16 had asked 0.8 of Mooncake)
 
 
 def size_label(nbytes: int) -> str:

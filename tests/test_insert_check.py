@@ -315,6 +315,35 @@ def test_a_leaf_never_keeps_a_larger_caller_buffer_alive(slots_impl):
     cache.check_integrity()
 
 
+@pytest.mark.parametrize("caller", ["its own tensor", "a slice of a larger buffer", "strided"])
+def test_a_new_leaf_slices_the_callers_tensor_only_when_that_pins_nothing_more(slots_impl, caller):
+    """A new leaf alone taking slots (the usual insert) keeps a slice of the caller's tensor when the tensor
+    is a contiguous CPU one of its own storage, within the slack of the leaf's part (what torch.cat of the
+    prefix and new slots gives): no copy. A slice of a larger buffer, or a strided tensor, gets a contiguous
+    value of its own; either way the leaf's slots are exact and outlive the caller's tensor."""
+    cache = make_cache(page_size=4, num_slots=4096)
+    prefix = cache.alloc_device(16)
+    cache.insert(RadixKey(list(range(16))), prefix)
+    new = cache.alloc_device(240)
+    if caller == "its own tensor":
+        slots = torch.cat([prefix, new])
+    elif caller == "a slice of a larger buffer":
+        slots = torch.cat([prefix, new, torch.zeros(4096, dtype=torch.int64)])[:256]
+    else:
+        slots = torch.stack([torch.cat([prefix, new]), torch.zeros(256, dtype=torch.int64)], dim=1)[:, 0]
+        assert not slots.is_contiguous()
+    key = RadixKey(list(range(256)))
+    assert cache.insert(key, slots) == 256
+    leaf = cache.tree.match(key).nodes[-1]
+    value = leaf.device_value
+    assert value.is_contiguous() and value.tolist() == new.tolist()
+    assert (value.data_ptr() == slots.data_ptr() + 16 * 8) == (caller == "its own tensor")  # a slice, no copy
+    assert value.untyped_storage().nbytes() - value.nbytes <= slack_bytes(value.nbytes)
+    del slots
+    assert cache.match_prefix(key).device_indices.tolist() == prefix.tolist() + new.tolist()
+    cache.check_integrity()
+
+
 @pytest.mark.parametrize("new_tokens", [8, 56])
 def test_slots_not_readable_in_place_insert_as_a_contiguous_copy_does(slots_impl, new_tokens):
     """The compiled check reads the caller's tensor in place; a strided one (not contiguous) goes through its

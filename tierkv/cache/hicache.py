@@ -25,7 +25,7 @@ from tierkv.cache.l3.controller import CacheParts, StorageController
 from tierkv.cache.l3.cost_model import CostModel
 from tierkv.cache.layer_load import LayerLoads
 from tierkv.cache.loads import LoadBack
-from tierkv.cache.node_slots import device_prefix, plan_slots, slot_array, unpinned
+from tierkv.cache.node_slots import device_prefix, leaf_view, plan_slots, slot_array, unpinned
 from tierkv.cache.records import CacheStats, LoadResult, MatchResult, PendingLoad, PendingWrite  # noqa: F401
 from tierkv.cache.retire import Retirements
 from tierkv.copy.transfer import CopyHandle, TransferController, resolve_host_layout
@@ -155,6 +155,8 @@ class HiRadixCache:
         plan = self.tree.plan_insert(key, device_slots.shape[0])  # raises on too few slots, changing nothing
         # raises on a bad call, changing nothing
         freed, revived, leaf_value = plan_slots(plan, device_slots, self.device_pool.allocator)
+        if leaf_value is None and not revived and plan.walk.partial is None:
+            leaf_value = leaf_view(device_slots, plan)
         if leaf_value is None or revived:  # the tree slices the parts it takes from the caller's slots
             slots = unpinned(device_slots, slot_array(device_slots), plan, revived)
         else:  # only the new leaf takes slots, and they are a copy already

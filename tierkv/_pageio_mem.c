@@ -130,12 +130,6 @@ done:
     return out;
 }
 
-/* read_xxh3(fd, page, offset) -> the XXH3-64 of the page's bytes, or None where the file ends before the page
- * does: ``fd``'s bytes from ``offset`` read a bounce buffer at a time, each copied into the page by the
- * one-pass copy (_xxh3_copy.c). Where reading straight into the page then hashing it had the kernel's copy
- * fetch each destination line before writing it and the hash read the page again, this writes the page
- * with streamed stores and hashes from registers. Without the GIL. */
-
 /* ``n`` bytes of ``fd`` at ``offset`` into ``buf``: fewer only at the file's end; -1 with errno on error. */
 static ssize_t pread_full(int fd, char *buf, size_t n, off_t offset) {
     size_t got = 0;
@@ -152,6 +146,11 @@ static ssize_t pread_full(int fd, char *buf, size_t n, off_t offset) {
 /* A bounce buffer this large stays in the core's L2 between the kernel's copy into it and ours out of it. */
 #define READ_BOUNCE_NBYTES (256 << 10)
 
+/* read_xxh3(fd, page, offset) -> the XXH3-64 of the page's bytes, or None where the file ends before the page
+ * does: ``fd``'s bytes from ``offset`` read a bounce buffer at a time, each copied into the page by the
+ * one-pass copy (_xxh3_copy.c). Where reading straight into the page then hashing it had the kernel's copy
+ * fetch each destination line before writing it and the hash read the page again, this writes the page
+ * with streamed stores and hashes from registers. Without the GIL. */
 PyObject *read_xxh3(PyObject *self, PyObject *args) {
     (void)self;
     int fd;

@@ -25,7 +25,7 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -188,6 +188,12 @@ def check_key(key: str) -> str:
     if not isinstance(key, str) or not _KEY_RE.fullmatch(key):
         raise ValueError(f"page key {key!r} is not a lowercase hex page hash of 16-128 characters")
     return key
+
+
+def check_digests(keys: list[str], digests: Sequence[int | None] | None) -> None:
+    """ValueError unless ``digests`` (see :attr:`PageStore.accepts_digests`) is None or one per key."""
+    if digests is not None and len(digests) != len(keys):
+        raise ValueError(f"{len(keys)} keys but {len(digests)} digests")
 
 
 def check_keys(keys: list[str]) -> None:
@@ -395,19 +401,22 @@ class PageStore(ABC):
 
     def _rows_call(self, method: str, view_method: str, keys: list[str], rows: np.ndarray, pages: Any,
                    kwargs: dict[str, Any]) -> list[bool]:
-        views = self._row_views(keys, rows, pages)
+        _, views = self._row_views(keys, rows, pages)
         # in place only through the class that defines the view call, and only if ``method`` is still that
-        # class's own: a subclass that overrides batch_get/batch_set must see every page
+        # class's own: a subclass that overrides batch_get/batch_set must see every page. The only keyword
+        # the view call takes is a backup's ``digests``, and only from a store that accepts them.
         owner = next((c for c in type(self).__mro__ if view_method in vars(c)), None)
-        if owner is not None and not kwargs and getattr(type(self), method) is getattr(owner, method):
-            return getattr(self, view_method)(keys, views)
+        in_place = not kwargs or (set(kwargs) == {"digests"} and self.accepts_digests)
+        if owner is not None and in_place and getattr(type(self), method) is getattr(owner, method):
+            return getattr(self, view_method)(keys, views, **kwargs)
         return getattr(self, method)(keys, [torch.from_numpy(rows[p]) for p in np.asarray(pages).tolist()], **kwargs)
 
-    def _row_views(self, keys: list[str], rows: np.ndarray, pages: Any) -> list[memoryview]:
-        """Byte views of rows ``pages`` of ``rows`` (checked once for the whole batch, not page by page)."""
+    def _row_views(self, keys: list[str], rows: np.ndarray, pages: Any) -> tuple[np.ndarray, list[memoryview]]:
+        """Rows ``pages`` of ``rows`` as an index array and a byte view each (checked once for the whole
+        batch, not page by page)."""
         index = self._row_index(keys, rows, pages)
         flat, nbytes = memoryview(rows).cast("B"), self.page_nbytes
-        return [flat[p * nbytes:(p + 1) * nbytes] for p in index.tolist()]
+        return index, [flat[p * nbytes:(p + 1) * nbytes] for p in index.tolist()]
 
     def _row_index(self, keys: list[str], rows: np.ndarray, pages: Any) -> np.ndarray:
         """``pages`` as an integer array, once ``rows`` (page rows), ``pages`` (one in range per key) and

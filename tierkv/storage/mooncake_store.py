@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from tierkv.storage import native
-from tierkv.storage.base import Backoff, PageStore, check_key
+from tierkv.storage.base import Backoff, PageStore, check_digests, check_key
 from tierkv.storage.overlap import (
     PageCheck,
     checked_group,
@@ -345,18 +345,15 @@ class MooncakeStore(PageStore):
 
     def _row_addresses(self, keys: list[str], rows: np.ndarray, pages: Any) -> tuple[list[int], list[memoryview]]:
         """The address and a byte view of each row ``pages[i]`` of ``rows`` (checked once for the batch)."""
-        index = self._row_index(keys, rows, pages)
-        flat, nbytes = memoryview(rows).cast("B"), self.page_nbytes
-        views = [flat[p * nbytes:(p + 1) * nbytes] for p in index.tolist()]
-        return (rows.ctypes.data + index.astype(np.int64) * nbytes).tolist(), views
+        index, views = self._row_views(keys, rows, pages)
+        return (rows.ctypes.data + index.astype(np.int64) * self.page_nbytes).tolist(), views
 
     def _set(self, keys: list[str], addresses: list[int], views: list[memoryview],
              digests: Sequence[int | None] | None) -> list[bool]:
         """Put the pages at ``addresses`` (``views`` of them, checked). With every digest given nothing is
         hashed, so the batch goes in calls of up to ``_MAX_CALL_PAGES`` pages on this thread (ranges on two
         threads pay only where a hash overlaps a transfer)."""
-        if digests is not None and len(digests) != len(keys):
-            raise ValueError(f"{len(keys)} keys but {len(digests)} digests")
+        check_digests(keys, digests)
         if not keys:
             return []
         if self._native is None:

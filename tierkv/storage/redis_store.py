@@ -24,16 +24,14 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
 
-import numpy as np
 import redis
 import torch
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from tierkv.storage import native
-from tierkv.storage.base import Backoff, PageStore, check_key
+from tierkv.storage.base import Backoff, PageStore, check_digests, check_key
 from tierkv.storage.overlap import (
     MIN_OVERLAP_PAGE_NBYTES,
     DigestHeaders,
@@ -233,23 +231,13 @@ class RedisStore(PageStore):
         """Store each page. ``digests``: per page the xxh3-64 of its payload or None (see
         :attr:`PageStore.accepts_digests`): unkeyed headers are filled from them, those pages not hashed
         (nor streamed in hashed chunks: the payload goes to the socket whole); a keyed store ignores them."""
-        if digests is not None and len(digests) != len(keys):
-            raise ValueError(f"{len(keys)} keys but {len(digests)} digests")
         return self._set_views(keys, self._check_batch(keys, values), digests)
-
-    def batch_set_rows(self, keys: list[str], rows: np.ndarray, pages: Any, **kwargs: Any) -> list[bool]:
-        """:meth:`batch_set` of host pool rows (a backup), digests included, sent from the rows in place: no
-        tensor and no checked view a page. A subclass that overrides batch_set gets it as before."""
-        if set(kwargs) - {"digests"} or type(self).batch_set is not RedisStore.batch_set:
-            return super().batch_set_rows(keys, rows, pages, **kwargs)
-        digests = kwargs.get("digests")
-        if digests is not None and len(digests) != len(keys):
-            raise ValueError(f"{len(keys)} keys but {len(digests)} digests")
-        return self._set_views(keys, self._row_views(keys, rows, pages), digests)
 
     def _set_views(self, keys: list[str], views: list[memoryview],
                    digests: Sequence[int | None] | None = None) -> list[bool]:
-        """:meth:`batch_set` of checked byte views (a tensor's, or a host pool row's)."""
+        """:meth:`batch_set` of checked byte views (a tensor's, or a host pool row's: ``batch_set_rows``,
+        whose digests the base hands on here)."""
+        check_digests(keys, digests)
         names = [(self.key_prefix + k).encode() for k in keys]  # keys checked by the caller
         if not names:
             return []

@@ -123,6 +123,9 @@ static PyMethodDef methods[] = {
      "plan_slots(mine, nodes, partial, partial_len, num_elems, page_size, is_free, int64, leaf) -> (slots unequal "
      "to the nodes' or None, revived ranges or None), the slots taken checked allocated, the new leaf's copied "
      "into leaf (a writable buffer, or None)"},
+    {"new_leaf", (PyCFunction)(void (*)(void))tierkv_new_leaf, METH_FASTCALL,
+     "new_leaf(type, ids, parent, elems, start, end, extra_key, tick, priority, value, page_size, key_slack) -> the "
+     "new leaf for elems[start:end], linked under parent"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,4 +1,5 @@
-/* Public API of _radix_walk.c (the walk down a key) and _radix_slots.c (reading nodes' slot values). */
+/* Public API of _radix_walk.c (the walk down a key), _radix_slots.c (reading nodes' slot values) and
+ * _radix_leaf.c (an insert's new leaf). */
 #ifndef TIERKV_RADIX_WALK_H
 #define TIERKV_RADIX_WALK_H
 
@@ -8,5 +9,6 @@
 PyObject *tierkv_walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *tierkv_gather_device_slots(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *tierkv_plan_slots(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *tierkv_new_leaf(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
 #endif

@@ -24,7 +24,7 @@ from typing import Any, Callable, Hashable, Iterable, Iterator
 
 from tierkv import radix_walk
 from tierkv.radix_frontiers import Frontiers
-from tierkv.radix_key import RadixKey, key_slack, own_key
+from tierkv.radix_key import KEY_SLACK, RadixKey, key_slack, load_native, own_key
 from tierkv.radix_records import InsertPlan, InsertResult, MatchPath
 from tierkv.radix_walk import Walk, walk_python
 
@@ -117,6 +117,7 @@ class TreeNode:
 # the compiled walk and key comparison, read when a tree is built (tests set them to None)
 native_common_prefix_len = radix_walk.native_common_prefix_len
 native_walk = radix_walk.native_walk
+native_new_leaf = load_native("new_leaf")
 _common_prefix_len = radix_walk.common_prefix_len
 _new_walk = tuple.__new__  # a Walk from the walk's 4-tuple: what Walk._make does, without its Python frame
 
@@ -139,6 +140,7 @@ class RadixTree:
         native = native_common_prefix_len
         self._prefix_len = native if native is not None and not bigram else _common_prefix_len
         self._native_walk = native_walk if native is not None and not bigram else None
+        self._native_leaf = native_new_leaf if native is not None and not bigram else None
         self._tick = 0
         self.root = TreeNode([], None, None, 0)
         self.root.lock_ref = 1  # the root is never evicted
@@ -278,13 +280,18 @@ class RadixTree:
             return result
         extra_key = plan.key.extra_key
         node = path[-1] if path else self.root
-        leaf = TreeNode(self._leaf_key(plan.elems, pos, num_elems), extra_key, node, tick)
-        leaf.priority = priority
-        node.children[self.child_key(leaf.key, extra_key)] = leaf
         if leaf_value is None:
             whole = not pos and self._slice_value is _plain_slice and len(value) == num_elems  # no slice needed
             leaf_value = value if whole else self._slice_value(value, pos, num_elems)
-        leaf._device_value = leaf_value
+        elems = plan.elems
+        if self._native_leaf is not None and type(elems) is array:
+            leaf = self._native_leaf(TreeNode, _node_ids, node, elems, pos, num_elems, extra_key, tick, priority,
+                                     leaf_value, self.page_size, KEY_SLACK)
+        else:  # what the compiled new_leaf does
+            leaf = TreeNode(self._leaf_key(elems, pos, num_elems), extra_key, node, tick)
+            leaf.priority = priority
+            leaf._device_value = leaf_value
+            node.children[self.child_key(leaf.key, extra_key)] = leaf
         self.evictable_size += num_elems - pos  # a new leaf is unlocked
         result.new_node = leaf
         path.append(leaf)

@@ -56,7 +56,6 @@ from tierkv.copy.transfer import TransferController
 from tierkv.hashing import HashNamespace, page_hashes
 from tierkv.pools.kv import DeviceKVPool, HostKVPool
 from tierkv.pools.spec import KVSpec
-from tierkv.storage import file as file_backend
 from tierkv.storage import mooncake_store, native
 from tierkv.storage.factory import open_store
 from tierkv.storage.page_format import CHUNK_NBYTES
@@ -488,9 +487,9 @@ def main() -> None:
     start_spinners(args.busy_cores)
     print(f"busy cores {args.busy_cores}, fsync={args.fsync}, cold={args.cold}, page_key={bool(args.page_key)}, "
           f"l2_copy={args.l2_copy}, "
-          f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; tierkv moves a batch on up to "
-          f"{min(file_backend.MAX_READ_THREADS, file_backend.usable_cores())} threads (file reads) or "
-          f"{mooncake_store.IO_THREADS} (mooncake), each page hashed by the thread that moves it; raw sides use one")
+          f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; tierkv moves a Mooncake batch on "
+          f"up to {mooncake_store.IO_THREADS} threads and a file batch on the calling one, each page hashed by "
+          "the thread that moves it; raw sides use one")
     rows = []
     for size in page_sizes:
         new_rows = bench_page_size(size, args)

@@ -97,14 +97,6 @@ LEADING_CHUNK_KEYS = 16
 # and a replay's 256-byte pages at HiCache's 128 pages a call made 10,566 packs of 38 KiB for 2,000
 # requests, most of its system time. Larger pages keep 128 a pack (128 KiB pages: 16 MiB).
 MIN_BACKUP_PACK_NBYTES = 4 << 20
-MAX_READ_THREADS = 4  # kept for bench/bench_storage.py's report of the raw baseline's threads
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity where the platform has one)."""
-    if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
-    return os.cpu_count() or 1
 
 
 class FileStore(PageStore):

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from tierkv.pools.allocator import SlotAllocator
+from tierkv.pools.huge_pages import advise_huge_pages
 from tierkv.pools.page_digests import PageDigests
 from tierkv.pools.spec import KVSpec
 
@@ -45,6 +46,7 @@ class PagedKVBuffer:
         self.num_pages = self.allocator.num_pages
         self.device = torch.device(device)
         self.buffer = torch.empty(self._shape(), dtype=spec.dtype, device=self.device, pin_memory=pin_memory)
+        advise_huge_pages(self.buffer)  # before the first touch: scattered page-1 copies miss the TLB less
         self.buffer.zero_()  # touch every page now: first writes to fresh memory are far slower
         self.paged, self.page_dim, self.perm = self._paged_view()
         self.inverse_perm = _inverse(self.perm)

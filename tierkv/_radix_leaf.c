@@ -76,18 +76,6 @@ static PyObject *leaf_key(PyObject *elems, Py_ssize_t start, Py_ssize_t end, Py_
     return key;
 }
 
-/* RadixTree.child_key of a key whose first page is ``first`` (int64s) */
-static PyObject *leaf_child_key(const int64_t *first, Py_ssize_t page_size, PyObject *extra_key) {
-    PyObject *head = page_size == 1 ? PyLong_FromLongLong(first[0])
-                                    : PyBytes_FromStringAndSize((const char *)first, page_size * 8);
-    if (head == NULL || extra_key == Py_None) {
-        return head;
-    }
-    PyObject *pair = PyTuple_Pack(2, extra_key, head);
-    Py_DECREF(head);
-    return pair;
-}
-
 /* a node of ``type`` with every slot set, as TreeNode.__init__ sets them, the value and priority given */
 static PyObject *leaf_node(PyTypeObject *type, PyObject *ids, PyObject *key, PyObject *extra_key, PyObject *parent,
                            PyObject *tick, PyObject *priority, PyObject *value) {
@@ -150,7 +138,7 @@ PyObject *tierkv_new_leaf(PyObject *self, PyObject *const *args, Py_ssize_t narg
         || children == NULL || !PyDict_CheckExact(children)) {
         PyErr_Format(PyExc_ValueError, "new_leaf: elements [%zd, %zd) of %zd are not whole pages of %zd, or the "
                      "parent has no children dict", start, end, len, page_size);
-    } else if ((child_key = leaf_child_key((const int64_t *)view.buf + start, page_size, extra_key)) != NULL
+    } else if ((child_key = tierkv_child_key_at((const int64_t *)view.buf, start, page_size, extra_key)) != NULL
                && (key = leaf_key(elems, start, end, len, slack)) != NULL
                && (node = leaf_node(type, args[1], key, extra_key, parent, args[7], args[8], args[9])) != NULL
                && PyDict_SetItem(children, child_key, node) < 0) {

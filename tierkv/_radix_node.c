@@ -248,28 +248,33 @@ int tierkv_rank_cmp(NodeCtx *c, PyObject *node, PyObject *key) {
     return cmp;
 }
 
-/* RadixTree.child_key(node.key, node.extra_key) for int64 keys */
-PyObject *tierkv_child_key(NodeCtx *c, PyObject *node) {
-    Py_buffer view;
-    if (tierkv_int64_view(SLOT(node, key), &view, "node key") < 0) {
-        return NULL;
-    }
-    PyObject *first = NULL;
-    if (view.len < c->page_size * 8 || view.len == 0) {
-        PyErr_SetString(PyExc_ValueError, "node key shorter than a page");
-    } else if (c->page_size == 1) {
-        first = PyLong_FromLongLong(((const int64_t *)view.buf)[0]);
-    } else {
-        first = PyBytes_FromStringAndSize((const char *)view.buf, c->page_size * 8);
-    }
-    PyBuffer_Release(&view);
-    PyObject *extra = SLOT(node, extra_key);
+/* RadixTree.child_key(elems, extra_key, pos) for an int64 key (new reference): its first element, or its first
+ * page as bytes, paired with ``extra`` unless that is None */
+PyObject *tierkv_child_key_at(const int64_t *elems, Py_ssize_t pos, Py_ssize_t page_size, PyObject *extra) {
+    PyObject *first = page_size == 1 ? PyLong_FromLongLong(elems[pos])
+                                     : PyBytes_FromStringAndSize((const char *)(elems + pos), page_size * 8);
     if (first == NULL || extra == Py_None) {
         return first;
     }
     PyObject *pair = PyTuple_Pack(2, extra, first);
     Py_DECREF(first);
     return pair;
+}
+
+/* RadixTree.child_key(node.key, node.extra_key) for int64 keys */
+PyObject *tierkv_child_key(NodeCtx *c, PyObject *node) {
+    Py_buffer view;
+    if (tierkv_int64_view(SLOT(node, key), &view, "node key") < 0) {
+        return NULL;
+    }
+    PyObject *key = NULL;
+    if (view.len < c->page_size * 8 || view.len == 0) {
+        PyErr_SetString(PyExc_ValueError, "node key shorter than a page");
+    } else {
+        key = tierkv_child_key_at((const int64_t *)view.buf, 0, c->page_size, SLOT(node, extra_key));
+    }
+    PyBuffer_Release(&view);
+    return key;
 }
 
 /* Delete ``node`` from its parent's children. Why by identity: its child key reads the first page of

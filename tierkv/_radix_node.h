@@ -1,5 +1,6 @@
 /* Public API of _radix_node.c: TreeNode slots read at their offsets, the leaf test, the heap key of a
- * node, and unlinking it. Used by the eviction loop (_radix_evict.c). */
+ * node, child keys and unlinking. Used by the eviction loop (_radix_evict.c), the walk (_radix_walk.c) and
+ * an insert's new leaf (_radix_leaf.c). */
 #ifndef TIERKV_RADIX_NODE_H
 #define TIERKV_RADIX_NODE_H
 
@@ -68,6 +69,8 @@ int tierkv_bind_key_slots(NodeCtx *c);
 PyObject *tierkv_rank(NodeCtx *c, PyObject *node);  /* the heap key of node (new reference) */
 int tierkv_rank_cmp(NodeCtx *c, PyObject *node, PyObject *key);  /* -1, 0, 1; -2 on error */
 PyObject *tierkv_child_key(NodeCtx *c, PyObject *node);  /* RadixTree.child_key of an int64 key */
+/* RadixTree.child_key of the int64 key elems[pos:] (new reference) */
+PyObject *tierkv_child_key_at(const int64_t *elems, Py_ssize_t pos, Py_ssize_t page_size, PyObject *extra);
 int tierkv_unlink_child(NodeCtx *c, PyObject *parent, PyObject *node);  /* del parent.children[...node] */
 
 #endif

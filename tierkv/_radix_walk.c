@@ -10,23 +10,11 @@
 #include "_radix.h"
 #include "_radix_node.h"
 
-/* RadixTree.child_key(elems, extra_key, pos) for an int64 key (new reference) */
-static PyObject *child_key_at(const int64_t *elems, Py_ssize_t pos, Py_ssize_t page_size, PyObject *extra) {
-    PyObject *first = page_size == 1 ? PyLong_FromLongLong(elems[pos])
-                                     : PyBytes_FromStringAndSize((const char *)(elems + pos), page_size * 8);
-    if (first == NULL || extra == Py_None) {
-        return first;
-    }
-    PyObject *pair = PyTuple_Pack(2, extra, first);
-    Py_DECREF(first);
-    return pair;
-}
-
 /* the child of ``node`` whose key starts at elems[pos] (borrowed: nothing the walk does runs Python code that
  * could change the dict), or NULL: none, or an error set */
 static PyObject *child_at(PyObject *node, const int64_t *elems, Py_ssize_t pos, Py_ssize_t page_size,
                           PyObject *extra) {
-    PyObject *ck = child_key_at(elems, pos, page_size, extra);
+    PyObject *ck = tierkv_child_key_at(elems, pos, page_size, extra);
     if (ck == NULL) {
         return NULL;
     }

@@ -336,3 +336,80 @@ def test_a_bounded_store_cuts_a_backup_from_row_runs_into_small_packs(tmp_path):
     targets = np.zeros_like(rows)
     assert store.batch_get_rows(keys, targets, index) == [True] * 15 and (targets[index] == rows[index]).all()
     store.close()
+
+
+def test_pages_wanted_are_grouped_by_pack_with_sorted_slots_and_reads_cut_into_runs():
+    import numpy as np
+
+    from tierkv.storage.file_read import slot_runs, wanted_by_pack
+
+    places = [3 << SLOT_BITS | 5, None, 1 << SLOT_BITS | 2, 3 << SLOT_BITS | 4, 3 << SLOT_BITS | 5, None,
+              1 << SLOT_BITS | 0]
+    grouped = wanted_by_pack(places)
+    assert sorted(grouped) == [1, 3]
+    assert grouped[1][0].tolist() == [0, 2] and grouped[1][1].tolist() == [6, 2]
+    # a slot wanted twice is read twice, in batch order (a tuple sort's order)
+    assert grouped[3][0].tolist() == [4, 5, 5] and grouped[3][1].tolist() == [3, 0, 4]
+    assert wanted_by_pack([None, None]) == {} and wanted_by_pack([]) == {}
+    slots = np.array([0, 1, 2, 3, 4, 7, 9, 10])
+    assert slot_runs(slots, page_nbytes=10, group_nbytes=30) == [(0, 3), (3, 5), (5, 6), (6, 8)]
+    assert slot_runs(slots, page_nbytes=10, group_nbytes=5) == [(i, i + 1) for i in range(8)]  # a page a group at least
+
+
+def test_page_rows_merge_consecutive_rows_into_one_view():
+    import numpy as np
+
+    from tierkv.storage.file_read import PageRows, Picked
+
+    rows = np.arange(8 * 4, dtype=np.uint8).reshape(8, 4)
+    targets = PageRows(rows, np.array([5, 6, 7, 0, 2, 3]))
+    pieces = targets.pieces(np.array([0, 1, 2, 4, 5, 3]))
+    assert [bytes(p) for p in pieces] == [rows[5:8].tobytes(), rows[2:4].tobytes(), rows[0].tobytes()]
+    assert bytes(targets[4]) == rows[2].tobytes() and len(targets) == 6 and targets.pieces(np.array([], int)) == []
+    picked = Picked(targets, [3, 1])
+    assert len(picked) == 2 and bytes(picked[0]) == rows[0].tobytes() and bytes(picked[1]) == rows[6].tobytes()
+
+
+@pytest.mark.parametrize("use_native", [True, False], ids=["native", "python"])
+@pytest.mark.parametrize("page_nbytes", [256, 40_000], ids=["one-group", "groups"])
+def test_a_prefetch_into_row_runs_reads_what_a_view_a_page_reads(tmp_path, use_native, page_nbytes):
+    """batch_get_rows reads runs of consecutive rows into a view a run: over several packs, with runs that
+    break in the pack and in the rows, a key missing, a key twice and a corrupt page inside a run, it
+    finds, fills and rejects exactly what batch_get does."""
+    import numpy as np
+
+    from tierkv.storage import native
+
+    if use_native and native.pageio is None:
+        from tests.conftest import skip_without_native
+        skip_without_native("tierkv._pageio is not built")
+    rng = np.random.default_rng(7)
+    source = rng.integers(0, 256, (60, page_nbytes), dtype=np.uint8)
+    keys = make_keys(60)
+    stores = {name: open_store(f"file:{tmp_path / name}", "ns", page_nbytes) for name in ("views", "rows")}
+    for store in stores.values():
+        store._native = native.pageio if use_native else None
+        for start in (0, 25, 40):  # three packs
+            end = {0: 25, 25: 40, 40: 60}[start]
+            assert store.batch_set_rows(keys[start:end], source, list(range(start, end))) == [True] * (end - start)
+        path, payload_at, _ = store.page_extent(keys[12])  # corrupt one page in the middle of a run
+        with open(path, "r+b") as f:
+            f.seek(payload_at + 3)
+            byte = f.read(1)
+            f.seek(payload_at + 3)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    wanted = [*keys[10:20], "ab" * 8, keys[30], *keys[41:50], keys[5], keys[30]]
+    rows_of = [*range(0, 10), 10, 11, *range(20, 29), 40, 45]
+    views_store, rows_store = stores["views"], stores["rows"]
+    targets = [torch.zeros(page_nbytes, dtype=torch.uint8) for _ in wanted]
+    expected = views_store.batch_get(wanted, targets)
+    sink = np.zeros((50, page_nbytes), dtype=np.uint8)
+    assert rows_store.batch_get_rows(wanted, sink, rows_of) == expected
+    assert expected == [True, True, False, *[True] * 7, False, *[True] * 12]
+    for i, found in enumerate(expected):
+        if found:
+            assert (sink[rows_of[i]] == source[keys.index(wanted[i])]).all()
+            assert torch.equal(targets[i], torch.from_numpy(sink[rows_of[i]]))
+    assert rows_store.stats.corrupt_pages == views_store.stats.corrupt_pages == 1
+    for store in stores.values():
+        store.close()

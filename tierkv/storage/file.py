@@ -59,7 +59,6 @@ from tierkv.storage.file_pack import (
     PackCounter,
     PackIndex,
     SLOT_BITS,
-    SLOT_MASK,
     PackInfo,
     pack_name,
     pack_number,
@@ -67,8 +66,8 @@ from tierkv.storage.file_pack import (
     pack_trailer,
     read_pack_keys,
     read_run,
-    slot_groups,
 )
+from tierkv.storage.file_read import PageRows, Picked, Wanted, read_payloads, wanted_by_pack
 from tierkv.storage.file_write import RowRuns, write_row_runs, write_views
 from tierkv.storage.page_format import (
     HEADER_SIZE,
@@ -310,17 +309,20 @@ class FileStore(PageStore):
     def batch_get(self, keys: list[str], targets: list[torch.Tensor]) -> list[bool]:
         return self._get_views(keys, self._check_batch(keys, targets))
 
-    def _get_views(self, keys: list[str], views: list[memoryview]) -> list[bool]:
+    def batch_get_rows(self, keys: list[str], rows: np.ndarray, pages: Any, **kwargs: Any) -> list[bool]:
+        """Reads into runs of consecutive rows, a view a run (see file_read); a subclass's own batch_get,
+        or keywords, take the general way."""
+        if kwargs or type(self).batch_get is not FileStore.batch_get:
+            return super().batch_get_rows(keys, rows, pages, **kwargs)
+        return self._get_views(keys, PageRows(rows, self._row_index(keys, rows, pages)))
+
+    def _get_views(self, keys: list[str], views: list[memoryview] | PageRows) -> list[bool]:
         with self._timed("get"):
             found = [False] * len(keys)
             try:
                 with self._namespace() as dir_fd:
-                    by_pack: dict[int, list[tuple[int, int]]] = {}
                     wheres, packs = self._locate(dir_fd, keys)
-                    for i, where in enumerate(wheres):
-                        if where is not None:
-                            by_pack.setdefault(where >> SLOT_BITS, []).append((where & SLOT_MASK, i))
-                    for number, wanted in by_pack.items():
+                    for number, wanted in wanted_by_pack(wheres).items():
                         self._read_pack(dir_fd, number, *packs[number], wanted, keys, views, found)
             except FileNotFoundError:
                 return found
@@ -330,10 +332,10 @@ class FileStore(PageStore):
             self._count(get_pages=sum(found), get_bytes=sum(found) * self.page_nbytes)
             return found
 
-    def _read_pack(self, dir_fd: int, number: int, count: int, size_bytes: int, wanted: list[tuple[int, int]],
-                   keys: list[str], views: list[memoryview], found: list[bool]) -> None:
-        """Read the ``wanted`` (slot, batch index) pages of pack ``number`` and verify them, setting
-        ``found``; a pack of the wrong size is a miss for every page wanted of it."""
+    def _read_pack(self, dir_fd: int, number: int, count: int, size_bytes: int, wanted: Wanted,
+                   keys: list[str], views: list[memoryview] | PageRows, found: list[bool]) -> None:
+        """Read the ``wanted`` pages of pack ``number`` (slots, batch indexes: file_read) and verify them,
+        setting ``found``; a pack of the wrong size is a miss for every page wanted of it."""
         name = pack_name(number)
         try:
             fd = os.open(name, _READ_FLAGS, dir_fd=dir_fd)
@@ -344,19 +346,20 @@ class FileStore(PageStore):
         except OSError as err:  # a symlink planted in its place: refused
             self._error(f"read {os.path.join(self.directory, name)}", err)
             return
-        wanted.sort()
+        slots, batch = wanted
         # the headers of the wanted slots' span alone: a prefetch reads a pack of a whole backup (hundreds
         # of pages) a batch of 16 at a time, and reading every header each time read them all ~40 times
-        first_slot, num_headers = wanted[0][0], wanted[-1][0] - wanted[0][0] + 1
+        first_slot, num_headers = int(slots[0]), int(slots[-1] - slots[0]) + 1
         headers = np.zeros((num_headers, HEADER_SIZE), dtype=np.uint8)
         try:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode) or info.st_size != size_bytes:
-                self._reject_pack(dir_fd, number, [keys[i] for _, i in wanted],
+                self._reject_pack(dir_fd, number, [keys[i] for i in batch.tolist()],
                                   f"pack {name} of {info.st_size} bytes, expected {size_bytes}")
                 return
             got = read_run(fd, [memoryview(headers).cast("B")], count * self.page_nbytes + first_slot * HEADER_SIZE)
-            digests = self._read_payloads(fd, wanted, views) if got == headers.nbytes else None
+            digests = read_payloads(fd, wanted, views, self.page_nbytes, GROUP_NBYTES, not self.format.keyed,
+                                    self._native, self._read_large) if got == headers.nbytes else None
             complete = digests is not None
             if complete and self.max_bytes is not None:
                 os.utime(fd)  # the pack's mtime is its last use: the LRU order after a restart
@@ -366,30 +369,11 @@ class FileStore(PageStore):
         finally:
             os.close(fd)
         if not complete:  # shrunk while we read it
-            self._reject_pack(dir_fd, number, [keys[i] for _, i in wanted], f"pack {name} ended early")
+            self._reject_pack(dir_fd, number, [keys[i] for i in batch.tolist()], f"pack {name} ended early")
             return
         with self._index_lock:
             self._index.touch(number)
         self._verify(keys, views, headers, first_slot, wanted, found, digests)
-
-    def _read_payloads(self, fd: int, wanted: list[tuple[int, int]], views: list[memoryview]) -> list[int] | None:
-        """Read the wanted slots (sorted), each group of consecutive slots in one call, and checksum each
-        group right after it lands, while it is in cache (a page over GROUP_NBYTES: chunk by chunk);
-        the checksums in ``wanted`` order (none for a keyed store), or None if the pack was short."""
-        digests: list[int] = []
-        for start, end in slot_groups([slot for slot, _ in wanted], self.page_nbytes, GROUP_NBYTES):
-            offset = wanted[start][0] * self.page_nbytes
-            if end - start == 1 and self.page_nbytes > GROUP_NBYTES:
-                digest = self._read_large(fd, views[wanted[start][1]], offset)
-                if digest is None:
-                    return None
-                digests.append(digest)
-                continue
-            group = [views[i] for _, i in wanted[start:end]]
-            if read_run(fd, group, offset) != len(group) * self.page_nbytes:
-                return None
-            digests += [] if self.format.keyed else self._checksums(group)
-        return digests
 
     def _read_large(self, fd: int, view: memoryview, offset: int) -> int | None:
         """Read one large page and checksum it; None if the pack ends first. Unkeyed with the native module:
@@ -409,15 +393,17 @@ class FileStore(PageStore):
                 state.update(chunk)
         return 0 if state is None else state.intdigest()
 
-    def _verify(self, keys: list[str], views: list[memoryview], headers: np.ndarray, first_slot: int,
-                wanted: list[tuple[int, int]], found: list[bool], digests: list[int]) -> None:
+    def _verify(self, keys: list[str], views: list[memoryview] | PageRows, headers: np.ndarray, first_slot: int,
+                wanted: Wanted, found: list[bool], digests: list[int]) -> None:
         """Check the pages read against their headers: unkeyed, all checksums in one call and one
-        vectorised compare; keyed, each MAC. A page that fails is rejected (and dropped)."""
-        batch = [i for _, i in wanted]
-        sub_keys, sub_views = [keys[i] for i in batch], [views[i] for i in batch]
-        sub_headers = headers[[slot - first_slot for slot, _ in wanted]]
+        vectorised compare (a page's view made only if it fails); keyed, each MAC. A page that fails is
+        rejected (and dropped)."""
+        slots, batch_array = wanted
+        batch = batch_array.tolist()
+        sub_keys, sub_views = [keys[i] for i in batch], Picked(views, batch)
+        sub_headers = headers[slots - first_slot]
         if self.format.keyed:
-            ok = [self._verified(k, h.tobytes(), v) for k, h, v in zip(sub_keys, sub_headers, sub_views)]
+            ok = [self._verified(k, h.tobytes(), sub_views[j]) for j, (k, h) in enumerate(zip(sub_keys, sub_headers))]
         else:
             failures = self.format.check_headers(sub_keys, sub_headers, sub_views, digests)
             ok = [True] * len(batch)

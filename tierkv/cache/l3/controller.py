@@ -331,7 +331,9 @@ class StorageController:
         """
         end = prefetch.anchor_len + num_tokens
         key = prefetch.key
-        cut = RadixKey(list(key.token_ids[: end + (1 if self.tree.bigram else 0)]), key.extra_key)
+        # an array('q') slice is a copy the key adopts (a list of the prompt's ints, packed back into an
+        # array, cost ~0.15 ms a prefetch: 0.3 CPU-s of a 2,000-request replay with a file L3)
+        cut = RadixKey(key.token_ids[: end + (1 if self.tree.bigram else 0)], key.extra_key)
         path = self.tree.match(cut, touch=False)
         slots = prefetch.host_slots[:num_tokens]
         ps, start, parent = self.page_size, 0, self.tree.root

@@ -341,7 +341,8 @@ def test_a_bounded_store_cuts_a_backup_from_row_runs_into_small_packs(tmp_path):
 def test_pages_wanted_are_grouped_by_pack_with_sorted_slots_and_reads_cut_into_runs():
     import numpy as np
 
-    from tierkv.storage.file_read import slot_runs, wanted_by_pack
+    from tierkv.storage.file_pack import slot_groups
+    from tierkv.storage.file_read import wanted_by_pack
 
     places = [3 << SLOT_BITS | 5, None, 1 << SLOT_BITS | 2, 3 << SLOT_BITS | 4, 3 << SLOT_BITS | 5, None,
               1 << SLOT_BITS | 0]
@@ -352,8 +353,9 @@ def test_pages_wanted_are_grouped_by_pack_with_sorted_slots_and_reads_cut_into_r
     assert grouped[3][0].tolist() == [4, 5, 5] and grouped[3][1].tolist() == [3, 0, 4]
     assert wanted_by_pack([None, None]) == {} and wanted_by_pack([]) == {}
     slots = np.array([0, 1, 2, 3, 4, 7, 9, 10])
-    assert slot_runs(slots, page_nbytes=10, group_nbytes=30) == [(0, 3), (3, 5), (5, 6), (6, 8)]
-    assert slot_runs(slots, page_nbytes=10, group_nbytes=5) == [(i, i + 1) for i in range(8)]  # a page a group at least
+    assert slot_groups(slots, page_nbytes=10, group_nbytes=30) == [(0, 3), (3, 5), (5, 6), (6, 8)]
+    assert slot_groups(slots, page_nbytes=10, group_nbytes=5) == [(i, i + 1) for i in range(8)]  # a page at least
+    assert slot_groups([3, 4, 5, 9], page_nbytes=10) == [(0, 3), (3, 4)] and slot_groups([], page_nbytes=10) == []
 
 
 def test_page_rows_merge_consecutive_rows_into_one_view():

@@ -26,6 +26,9 @@ import struct
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
 
 from tierkv.storage.page_format import HEADER_SIZE
 
@@ -108,16 +111,15 @@ def pack_pages(path: str) -> list[tuple[str, int, int]]:
     return [] if keys is None else [(key, slot * payload_nbytes, payload_nbytes) for slot, key in enumerate(keys)]
 
 
-def slot_groups(slots: list[int], page_nbytes: int, group_nbytes: int = 1 << 20) -> list[tuple[int, int]]:
+def slot_groups(slots: Sequence[int] | np.ndarray, page_nbytes: int, group_nbytes: int = 1 << 20
+                ) -> list[tuple[int, int]]:
     """(start, end) index ranges of ``slots`` (sorted): runs of consecutive slots of at most
-    ``group_nbytes`` (at least one page each), each read or written in one call."""
+    ``group_nbytes`` (at least one page each), each read or written in one call. The runs' bounds are
+    found in one numpy pass (a read of 4,096 small pages looped over them one by one)."""
     per_group = max(1, group_nbytes // page_nbytes)
-    groups, start = [], 0
-    for end in range(1, len(slots) + 1):
-        if end == len(slots) or slots[end] != slots[end - 1] + 1 or end - start == per_group:
-            groups.append((start, end))
-            start = end
-    return groups
+    bounds = [0, *(np.flatnonzero(np.diff(slots) != 1) + 1).tolist(), len(slots)]
+    return [(at, min(at + per_group, end)) for start, end in zip(bounds, bounds[1:])
+            for at in range(start, end, per_group)]
 
 
 def read_run(fd: int, views: list[memoryview], offset: int) -> int:

@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from tierkv.storage.file_pack import SLOT_BITS, SLOT_MASK, read_run
+from tierkv.storage.file_pack import SLOT_BITS, SLOT_MASK, read_run, slot_groups
 from tierkv.storage.file_write import page_checksums
 
 Wanted = tuple[np.ndarray, np.ndarray]  # a pack's wanted slots (sorted) and the batch index of each
@@ -84,15 +84,6 @@ def wanted_by_pack(places: list[int | None]) -> dict[int, Wanted]:
     return {int(numbers[start]): (slots[start:end], batch[start:end]) for start, end in zip(cuts, cuts[1:])}
 
 
-def slot_runs(slots: np.ndarray, page_nbytes: int, group_nbytes: int) -> list[tuple[int, int]]:
-    """(start, end) index ranges of ``slots`` (sorted): runs of consecutive slots of at most
-    ``group_nbytes`` (at least one page each), each read in one call."""
-    per_group = max(1, group_nbytes // page_nbytes)
-    bounds = [0, *(np.flatnonzero(np.diff(slots) != 1) + 1).tolist(), len(slots)]
-    return [(at, min(at + per_group, end)) for start, end in zip(bounds, bounds[1:])
-            for at in range(start, end, per_group)]
-
-
 def read_payloads(fd: int, wanted: Wanted, views: list[memoryview] | PageRows, page_nbytes: int,
                   group_nbytes: int, hashed: bool, native: object | None,
                   read_large: Callable[[int, memoryview, int], int | None]) -> list[int] | None:
@@ -103,7 +94,7 @@ def read_payloads(fd: int, wanted: Wanted, views: list[memoryview] | PageRows, p
     slots, batch = wanted
     digests: list[int] = []
     rows = isinstance(views, PageRows)
-    for start, end in slot_runs(slots, page_nbytes, group_nbytes):
+    for start, end in slot_groups(slots, page_nbytes, group_nbytes):
         offset = int(slots[start]) * page_nbytes
         if end - start == 1 and page_nbytes > group_nbytes:
             digest = read_large(fd, views[int(batch[start])], offset)

@@ -116,7 +116,7 @@ def write_views(fd: int, fmt: PageFormat, keys: list[str], views: list[memoryvie
         write_all(fd, [*views, memoryview(headers).cast("B"), trailer], 0)
         return
     digests: list[int] = []
-    for start, end in slot_groups(list(range(len(views))), nbytes, group_nbytes):
+    for start, end in slot_groups(np.arange(len(views)), nbytes, group_nbytes):
         if end - start == 1 and nbytes > group_nbytes:  # a page over a group: chunk by chunk
             state = xxhash.xxh3_64()
             for at in range(0, nbytes, CHUNK_NBYTES):

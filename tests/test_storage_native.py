@@ -76,6 +76,25 @@ def test_header_templates_filled_are_the_headers_and_check_names_each_bad_page()
         PageFormat("ns", 1000, page_key="k" * 32).header_templates(keys)
 
 
+def test_key_digests_are_the_xxhash_packages_and_headers_use_them(monkeypatch):
+    """key_digests (a header's key digest field for a whole batch, one C loop): xxh64 of each key's UTF-8
+    bytes, canonical, as page_format's _key_digest; the headers made with it are those made without the
+    native module; a key that is not a str is a TypeError naming it."""
+    import tierkv.storage.page_format as page_format
+
+    keys = [KEY, OTHER, "0" * 16, "caf\u00e9", ""]
+    assert native.pageio.key_digests(keys) == b"".join(xxhash.xxh64_digest(k.encode()) for k in keys)
+    assert native.pageio.key_digests([]) == b""
+    with pytest.raises(TypeError, match="key 1 is not a str"):
+        native.pageio.key_digests([KEY, b"ab" * 8])
+    fmt, digests = PageFormat("ns", 1000), [1, 2 ** 64 - 1, 0]
+    with_native = fmt.filled_headers(keys[:3], digests)
+    monkeypatch.setattr(page_format.native, "pageio", None)
+    assert np.array_equal(fmt.filled_headers(keys[:3], digests), with_native)
+    assert with_native[1].tobytes() == fmt.header(OTHER, memoryview(bytes(1000)))[:32] + \
+        (2 ** 64 - 1).to_bytes(8, "little") + xxhash.xxh64_digest(OTHER.encode())
+
+
 @pytest.mark.parametrize("page_nbytes", [PAGE_NBYTES, 3 * CHUNK_NBYTES + 17], ids=["one-chunk", "several-chunks"])
 @pytest.mark.parametrize("writer_native", [True, False], ids=["native-writes", "python-writes"])
 def test_native_and_python_file_stores_read_each_others_pages(tmp_path, writer_native, page_nbytes):

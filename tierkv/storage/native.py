@@ -16,7 +16,7 @@ import xxhash
 
 log = logging.getLogger(__name__)
 
-NATIVE_API_VERSION = 6  # the API_VERSION of tierkv/_pageio.c that the stores call
+NATIVE_API_VERSION = 7  # the API_VERSION of tierkv/_pageio.c that the stores call
 
 
 def bound(module: ModuleType | None) -> ModuleType | None:
@@ -41,6 +41,10 @@ def bound(module: ModuleType | None) -> ModuleType | None:
     chained = xxhash.xxh3_128_digest(xxhash.xxh3_128_digest(prior + tag + probe[:100]) + tag + probe[100:200])
     if module.chain_xxh3_128(prior, tag, probe[:200], 100)[1] != chained.hex():
         log.warning("tierkv._pageio: xxh3-128 from %s disagrees with the xxhash package; not used", _xxhash.__file__)
+        return None
+    keys = ["00ff" * 8, "caf\u00e9"]
+    if module.key_digests(keys) != b"".join(xxhash.xxh64_digest(k.encode()) for k in keys):
+        log.warning("tierkv._pageio: xxh64 from %s disagrees with the xxhash package; not used", _xxhash.__file__)
         return None
     return module
 

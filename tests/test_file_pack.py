@@ -415,3 +415,26 @@ def test_a_prefetch_into_row_runs_reads_what_a_view_a_page_reads(tmp_path, use_n
     assert rows_store.stats.corrupt_pages == views_store.stats.corrupt_pages == 1
     for store in stores.values():
         store.close()
+
+
+@pytest.mark.parametrize("page_key", [None, "k" * 20], ids=["checksum", "mac"])
+def test_pages_over_a_group_read_into_rows_are_checked_and_a_bad_one_is_a_miss(tmp_path, page_key):
+    """Pages over GROUP_NBYTES read into pool rows one at a time (read_large: read_xxh3, or chunk by chunk for
+    a MAC) land in their rows, and a page corrupted in its pack is a counted miss, its neighbours not."""
+    import numpy as np
+
+    page_nbytes = GROUP_NBYTES + 4096
+    source = np.random.default_rng(9).integers(0, 256, (3, page_nbytes), dtype=np.uint8)
+    keys = make_keys(3)
+    store = open_store(f"file:{tmp_path}", "ns", page_nbytes, {"page_key": page_key} if page_key else None)
+    assert store.batch_set_rows(keys, source, [0, 1, 2]) == [True] * 3
+    path, payload_at, _ = store.page_extent(keys[1])
+    with open(path, "r+b") as f:
+        f.seek(payload_at + page_nbytes - 1)
+        byte = f.read(1)
+        f.seek(payload_at + page_nbytes - 1)
+        f.write(bytes([byte[0] ^ 0x10]))
+    sink = np.zeros((4, page_nbytes), dtype=np.uint8)
+    assert store.batch_get_rows(keys, sink, [3, 0, 1]) == [True, False, True]
+    assert (sink[3] == source[0]).all() and (sink[1] == source[2]).all() and store.stats.corrupt_pages == 1
+    store.close()

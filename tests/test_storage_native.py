@@ -95,6 +95,26 @@ def test_key_digests_are_the_xxhash_packages_and_headers_use_them(monkeypatch):
         (2 ** 64 - 1).to_bytes(8, "little") + xxhash.xxh64_digest(OTHER.encode())
 
 
+def test_a_build_without_xxh64_or_with_a_wrong_one_is_not_used(caplog):
+    """native.bound checks key_digests against the xxhash package like the checksums: a library without XXH64
+    (key_digests raises) or one that disagrees leaves the stores on their Python paths, with a warning, instead
+    of failing at import."""
+    class Stub:
+        API_VERSION = native.NATIVE_API_VERSION
+
+        def __init__(self, key_digests):
+            self.key_digests = key_digests
+
+        def __getattr__(self, name):
+            return getattr(native.pageio, name)
+
+    def missing(keys):
+        raise RuntimeError("xxh64 is not bound")
+    assert native.bound(Stub(missing)) is None and native.bound(Stub(lambda keys: b"\0" * 8 * len(keys))) is None
+    assert "xxh64" in caplog.text
+    assert native.bound(Stub(native.pageio.key_digests)) is not None
+
+
 @pytest.mark.parametrize("page_nbytes", [PAGE_NBYTES, 3 * CHUNK_NBYTES + 17], ids=["one-chunk", "several-chunks"])
 @pytest.mark.parametrize("writer_native", [True, False], ids=["native-writes", "python-writes"])
 def test_native_and_python_file_stores_read_each_others_pages(tmp_path, writer_native, page_nbytes):

@@ -136,6 +136,40 @@ def test_prefetch_round_trip_inserts_host_only_nodes():
     cache.close()
 
 
+@pytest.mark.parametrize("num_stored, exists_sizes, num_hashed", [(60, [16, 32, 64], 112), (0, [16], 16),
+                                                                  (300, [16, 32, 64, 128, 60], 300)])
+def test_a_lookup_hashes_and_asks_in_growing_batches_up_to_the_first_miss(num_stored, exists_sizes, num_hashed):
+    """The prefetch worker hashes the pages past the anchor batch by batch (16, 32, 64, ... pages) just before
+    it asks the store for them, as HiCache's prefetch thread does, and stops at the first batch not wholly
+    present: a lookup that misses early hashes no more of the prompt (the scheduler thread hashed all of
+    it before). The chain is the one made by hashing the whole tail at once, and the pages found are those
+    fetched and inserted, with those hashes."""
+    from tierkv.hashing import page_hashes
+
+    cache = make_cache(page_size=PS, device_tokens=512, hicache_ratio=10.0)  # L2 holds all 300 pages
+    store = attach_fake(cache)
+    key = RadixKey(random_tokens(300 * PS, seed=11))
+    expected = page_hashes(key.token_ids, PS, cache.storage._seed(None), cache.storage.namespace)
+    for page_hash in expected[:num_stored]:
+        store.blobs[page_hash] = torch.zeros(store.page_nbytes, dtype=torch.uint8)
+    asked = []
+    real_exists = store.batch_exists
+    store.batch_exists = lambda keys: asked.append(len(keys)) or real_exists(keys)
+    match = cache.match_prefix(key)
+    assert cache.prefetch_from_storage("r", match.last_host_node, key)
+    prefetch = cache.storage.prefetches["r"]
+    assert prefetch.exists_done.wait(10) and prefetch.num_pages == 300
+    assert asked == exists_sizes and prefetch.found_pages == num_stored
+    assert prefetch.hashes == expected[:num_hashed]
+    cache.flush()
+    assert cache.check_prefetch_progress("r")
+    fetched = [n for n in cache.tree.nodes() if n.host_value is not None]
+    assert sum(len(n) for n in fetched) == num_stored * PS
+    assert all(n.hash_values == expected[:len(n) // PS] for n in fetched)
+    cache.check_integrity()
+    cache.close()
+
+
 def test_prefetch_threshold():
     cache, store, key, kv = _stored_cache(num_pages=4, prefetch_threshold=4 * PS + 1)
     m = cache.match_prefix(key)

@@ -215,14 +215,15 @@ class StorageController:
         if not self.costs.l3_may_pay(anchor_len, num_tokens // self.page_size, self.page_size):
             self.stats.prefetch_not_worth += 1
             return False
-        # hashed before anything is taken: a key that cannot be hashed leaves no slot or ref behind
+        # the anchor's hashes (kept on its nodes) and the seed before anything is taken; the pages past the
+        # anchor are hashed by the worker as its lookup reaches them (HiCache's prefetch thread hashes too)
         anchor_hashes = self.path_hashes(anchor) if path else []
         prior = anchor_hashes[-1] if anchor_hashes else self._seed(key.extra_key)
-        hashes = page_hashes(elems[anchor_len:], self.page_size, prior, self.namespace)
         # host slots come later (_grant), for the pages L3 holds: L2 eviction must not take the anchor meanwhile
         self.tree.inc_host_ref(anchor)
         config, ps = self.config, self.page_size
-        prefetch = Prefetch(request_id, anchor, anchor_len, key, hashes,
+        hash_pages = partial(page_hashes, page_size=ps, namespace=self.namespace)
+        prefetch = Prefetch(request_id, anchor, anchor_len, key, elems[anchor_len:], prior, hash_pages,
                             config.prefetch_timeout_base, config.prefetch_timeout_per_ki_token * ps / 1024,
                             min_found_pages=-(-config.prefetch_threshold // ps),
                             prefix_hashes=anchor_hashes if self.pass_prefix_keys else None,

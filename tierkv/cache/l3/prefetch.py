@@ -1,6 +1,8 @@
 """A prefetch from L3 into L2 in flight: one object owning its host slots, hashes and completion state.
 
-Order of work: the worker first asks the store which leading pages it holds (``exists``), cut to the
+Order of work: the worker first asks the store which leading pages it holds (``exists``, in growing
+batches, each batch's page hashes made just before it is asked for, as HiCache's prefetch thread does: a
+lookup that misses early hashes no more of the prompt, and the scheduler thread hashes none of it), cut to the
 pages worth reading (the cost model, ``min_found_pages``); that count is agreed; only then does the
 scheduler thread take host slots, for the agreed pages alone (evicting L2 only for those; see
 :meth:`tierkv.cache.l3.controller.StorageController.apply_progress`), and hand them over (``granted``); the
@@ -28,6 +30,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
 import torch
 
@@ -45,11 +48,17 @@ NUM_MIN_COUNTS = 4
 NUM_MAX_COUNTS = 1
 _FOUND_UNKNOWN = -1
 _NO_SLOTS = torch.empty(0, dtype=torch.int64)
+# pages in a lookup's first exists batch; each next batch is twice the last (a hit of 10,000 pages: 10 calls)
+FIRST_LOOKUP_PAGES = 16
 
 
 @dataclass(eq=False)
 class Prefetch:
-    """Pages ``hashes`` (the key beyond ``anchor``, which starts ``anchor_len`` elements in) into ``host_slots``.
+    """The ``num_pages`` whole pages of ``tokens`` (the key's elements beyond ``anchor``, which starts
+    ``anchor_len`` elements in) into ``host_slots``. Their page hashes (``hashes``) are made by the worker as
+    its lookup reaches them, continuing the chain from ``prior_hash`` (the anchor's last page hash, or the
+    namespace's seed) with ``hash_pages(tokens, prior_hash=...)``; the scheduler thread reads only those of pages
+    found, once the lookup has published its count.
 
     While running it holds one host_ref on ``anchor``. ``state`` moves running -> done, or running ->
     revoked (nothing worth reading found), or running -> draining (ended while the worker may still
@@ -68,9 +77,13 @@ class Prefetch:
     anchor: TreeNode
     anchor_len: int
     key: RadixKey
-    hashes: list[str]
+    tokens: Sequence
+    prior_hash: str
+    hash_pages: Callable[..., list[str]]  # (tokens, prior_hash=...) -> their whole pages' hashes
     timeout_base_s: float
     timeout_per_page_s: float
+    page_size: int = 1
+    hashes: list[str] = field(default_factory=list)  # the leading pages' hashes made so far (worker thread)
     host_slots: torch.Tensor = _NO_SLOTS  # granted by the scheduler once the pages found are agreed
     host_pages: list[int] = field(default_factory=list)
     started_s: float = field(default_factory=time.monotonic)
@@ -79,7 +92,6 @@ class Prefetch:
     state: str = "running"
     min_found_pages: int = 0
     prefix_hashes: list[str] | None = None  # the anchor path's page hashes, for stores that want them
-    page_size: int = 1
     costs: CostModel | None = None  # times every call; cuts the read to what beats recomputing
     # written by the worker thread only; found_pages: the leading run present and worth reading
     found_pages: int = 0
@@ -96,9 +108,8 @@ class Prefetch:
     agreed_timed_out: bool = False
     granted: threading.Event = field(default_factory=threading.Event)
 
-    @property
-    def num_pages(self) -> int:
-        return len(self.hashes)
+    def __post_init__(self) -> None:
+        self.num_pages = len(self.tokens) // self.page_size
 
     @property
     def awaits_grant(self) -> bool:
@@ -167,12 +178,10 @@ class Prefetch:
         when none are (nothing agreed then: a MIN); otherwise the scheduler grants slots and submits
         :meth:`read`."""
         try:
+            present = self._present(store)
             if not self.cancel.is_set():
-                started_s = time.perf_counter()
-                present = store.batch_exists(self.hashes, **self._prefix_keys(0))
                 usable = present if present >= max(1, self.min_found_pages) else 0
                 if self.costs is not None:
-                    self.costs.observe_l3_exists(time.perf_counter() - started_s)
                     self.costs.observe_l3_lookup(self.num_pages, usable)
                 self.found_pages = self._worth_reading(usable)
         except Exception as exc:  # a failing backend finds nothing, never a crash
@@ -183,6 +192,29 @@ class Prefetch:
             self.exists_done.set()
             if not self.found_pages or self.cancel.is_set():  # no read will follow
                 self.finished.set()
+
+    def _present(self, store: PageStore) -> int:
+        """The leading run of pages the store holds, asked for in batches of 16, 32, 64, ... pages up to the
+        first batch not wholly present, each batch hashed just before it is asked for."""
+        present, size = 0, FIRST_LOOKUP_PAGES
+        while present < self.num_pages and not self.cancel.is_set():
+            end = min(self.num_pages, present + size)
+            self._hash_through(end)
+            started_s = time.perf_counter()
+            held = store.batch_exists(self.hashes[present:end], **self._prefix_keys(present))
+            if self.costs is not None:
+                self.costs.observe_l3_exists(time.perf_counter() - started_s)
+            if held < end - present:
+                return present + max(0, held)
+            present, size = end, size * 2
+        return present
+
+    def _hash_through(self, end: int) -> None:
+        """Make the hashes of pages up to ``end`` (exclusive), continuing the chain."""
+        start, ps = len(self.hashes), self.page_size
+        if end > start:
+            prior = self.hashes[-1] if self.hashes else self.prior_hash
+            self.hashes += self.hash_pages(self.tokens[start * ps:end * ps], prior_hash=prior)
 
     def read(self, store: PageStore, host_pool: HostKVPool, batch_pages: int) -> None:
         """The second job, once granted: read the granted pages into their host slots, batch by batch."""

@@ -150,6 +150,33 @@ def test_prefix_keys_reach_stores_that_want_them(pass_prefix_keys: bool):
     cache.close()
 
 
+def test_a_lookup_in_batches_passes_each_batch_the_keys_before_it():
+    """A lookup past 16 pages asks in batches (16, then up to 32 more); with prefix keys passed, each batch
+    gets every page hash before it: the anchor's, then the batches already asked."""
+    cache = make_cache(page_size=PS, device_tokens=1024, load_back_threshold=1)
+    store = _PrefixKeyStore("ns", cache.host_pool.page_nbytes)
+    cache.attach_storage(store, storage_config(prefetch_stop_policy="wait_complete",
+                                               hicache_storage_pass_prefix_keys=True), "test-model")
+    key = RadixKey(random_tokens(40 * PS, seed=83))
+    kv = compute_and_insert(cache, key, seed=84)
+    cache.flush()
+    hashes = list(store.blobs)
+    assert len(hashes) == 40
+    drop_l1_l2(cache)
+    compute_and_insert(cache, RadixKey(key.token_ids[: 2 * PS]), seed=0, kv=kv[:, :, : 2 * PS])
+    cache.flush()
+    store.seen.clear()
+    m = cache.match_prefix(key)
+    assert cache.prefetch_from_storage("r", m.last_host_node, key)
+    cache.flush()
+    assert cache.check_prefetch_progress("r")
+    exists = [(keys, prefix) for op, keys, prefix in store.seen if op == "exists"]
+    assert exists == [(hashes[2:18], hashes[:2]), (hashes[18:40], hashes[:18])]
+    assert cache.match_prefix(key).host_hit_length + len(cache.match_prefix(key).device_indices) == 40 * PS
+    cache.check_integrity()
+    cache.close()
+
+
 def _small_l2_with_stored(key: RadixKey, stored_pages: int):
     """L1 of 8 pages and L2 of 16 (rate limit: 0.8 x 8 pages = 102 tokens); L3 holds the first
     ``stored_pages`` of ``key``, written by a larger cache sharing the store."""

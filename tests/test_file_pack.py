@@ -25,6 +25,15 @@ from tierkv.storage.file_pack import (
 K = [f"{i:016x}" for i in range(8)]
 
 
+def flip_byte(path, offset: int, mask: int) -> None:
+    """Corrupt one byte of the file at ``path`` in place: XOR it with ``mask``."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ mask]))
+
+
 def test_a_later_pack_replaces_a_page_and_a_pack_without_live_pages_goes():
     index = PackIndex(None)
     assert index.add(0, K[:2], 100) == []
@@ -127,11 +136,7 @@ def test_batches_over_a_group_round_trip_and_a_flipped_byte_is_a_miss(tmp_path, 
     targets = [torch.zeros(page_nbytes, dtype=torch.uint8) for _ in keys]
     assert store.batch_get(keys, targets) == [True] * num_pages and all(map(torch.equal, targets, pages))
     path, payload_at, _ = store.page_extent(keys[1])
-    with open(path, "r+b") as f:
-        f.seek(payload_at + page_nbytes - 3)  # in the last chunk of the page
-        byte = f.read(1)
-        f.seek(payload_at + page_nbytes - 3)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    flip_byte(path, payload_at + page_nbytes - 3, 0xFF)  # in the last chunk of the page
     found = store.batch_get(keys, [torch.zeros(page_nbytes, dtype=torch.uint8) for _ in keys])
     assert found == [i != 1 for i in range(num_pages)] and store.stats.corrupt_pages == 1
     store.close()
@@ -203,11 +208,7 @@ def test_a_read_of_a_few_pages_of_a_large_pack_reads_their_headers_alone_and_che
     keys, pages = make_keys(300), make_pages(300)
     assert store.batch_set(keys, pages) == [True] * 300
     path, _, header_at = store.page_extent(keys[151])
-    with open(path, "r+b") as f:
-        f.seek(header_at + 20)  # the namespace digest
-        byte = f.read(1)
-        f.seek(header_at + 20)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    flip_byte(path, header_at + 20, 0xFF)  # the namespace digest
     reads, real_read_run = [], file_module.read_run
 
     def read_run(fd, views, offset):
@@ -251,11 +252,7 @@ def test_a_page_over_a_group_is_read_whole_and_a_flipped_byte_in_its_tail_is_a_m
     groups = [] if use_native else [1 << 20, 1 << 20, page_nbytes - (2 << 20)] * 2
     assert reads[1:] == groups  # after the headers' read
     path, payload_at, _ = store.page_extent(keys[1])
-    with open(path, "r+b") as f:
-        f.seek(payload_at + page_nbytes - 2)
-        byte = f.read(1)
-        f.seek(payload_at + page_nbytes - 2)
-        f.write(bytes([byte[0] ^ 0x01]))
+    flip_byte(path, payload_at + page_nbytes - 2, 0x01)
     assert store.batch_get(keys, [torch.zeros(page_nbytes, dtype=torch.uint8) for _ in keys]) == [True, False]
     assert store.stats.corrupt_pages == 1
     os.truncate(path, os.path.getsize(path) - 1)
@@ -395,11 +392,7 @@ def test_a_prefetch_into_row_runs_reads_what_a_view_a_page_reads(tmp_path, use_n
             end = {0: 25, 25: 40, 40: 60}[start]
             assert store.batch_set_rows(keys[start:end], source, list(range(start, end))) == [True] * (end - start)
         path, payload_at, _ = store.page_extent(keys[12])  # corrupt one page in the middle of a run
-        with open(path, "r+b") as f:
-            f.seek(payload_at + 3)
-            byte = f.read(1)
-            f.seek(payload_at + 3)
-            f.write(bytes([byte[0] ^ 0xFF]))
+        flip_byte(path, payload_at + 3, 0xFF)
     wanted = [*keys[10:20], "ab" * 8, keys[30], *keys[41:50], keys[5], keys[30]]
     rows_of = [*range(0, 10), 10, 11, *range(20, 29), 40, 45]
     views_store, rows_store = stores["views"], stores["rows"]
@@ -429,11 +422,7 @@ def test_pages_over_a_group_read_into_rows_are_checked_and_a_bad_one_is_a_miss(t
     store = open_store(f"file:{tmp_path}", "ns", page_nbytes, {"page_key": page_key} if page_key else None)
     assert store.batch_set_rows(keys, source, [0, 1, 2]) == [True] * 3
     path, payload_at, _ = store.page_extent(keys[1])
-    with open(path, "r+b") as f:
-        f.seek(payload_at + page_nbytes - 1)
-        byte = f.read(1)
-        f.seek(payload_at + page_nbytes - 1)
-        f.write(bytes([byte[0] ^ 0x10]))
+    flip_byte(path, payload_at + page_nbytes - 1, 0x10)
     sink = np.zeros((4, page_nbytes), dtype=np.uint8)
     assert store.batch_get_rows(keys, sink, [3, 0, 1]) == [True, False, True]
     assert (sink[3] == source[0]).all() and (sink[1] == source[2]).all() and store.stats.corrupt_pages == 1

@@ -111,13 +111,19 @@ def pack_pages(path: str) -> list[tuple[str, int, int]]:
     return [] if keys is None else [(key, slot * payload_nbytes, payload_nbytes) for slot, key in enumerate(keys)]
 
 
+def run_bounds(values: Sequence[int] | np.ndarray) -> list[int]:
+    """Where the runs of consecutive ``values`` start, then ``len(values)``: run i is
+    ``values[bounds[i]:bounds[i + 1]]`` (one numpy pass)."""
+    return [0, *(np.flatnonzero(np.diff(values) != 1) + 1).tolist(), len(values)]
+
+
 def slot_groups(slots: Sequence[int] | np.ndarray, page_nbytes: int, group_nbytes: int = 1 << 20
                 ) -> list[tuple[int, int]]:
     """(start, end) index ranges of ``slots`` (sorted): runs of consecutive slots of at most
     ``group_nbytes`` (at least one page each), each read or written in one call. The runs' bounds are
     found in one numpy pass (a read of 4,096 small pages looped over them one by one)."""
     per_group = max(1, group_nbytes // page_nbytes)
-    bounds = [0, *(np.flatnonzero(np.diff(slots) != 1) + 1).tolist(), len(slots)]
+    bounds = run_bounds(slots)
     return [(at, min(at + per_group, end)) for start, end in zip(bounds, bounds[1:])
             for at in range(start, end, per_group)]
 

@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from tierkv.storage.file_pack import SLOT_BITS, SLOT_MASK, read_run, slot_groups
-from tierkv.storage.file_write import page_checksums
+from tierkv.storage.file_write import RowRuns, page_checksums
 
 Wanted = tuple[np.ndarray, np.ndarray]  # a pack's wanted slots (sorted) and the batch index of each
 
@@ -28,7 +28,7 @@ class PageRows:
     rows merged."""
 
     def __init__(self, rows: np.ndarray, index: np.ndarray) -> None:
-        self.flat = memoryview(rows).cast("B")
+        self.rows, self.flat = rows, memoryview(rows).cast("B")
         self.index = np.asarray(index, dtype=np.int64)
         self.page_nbytes = rows.shape[1]
 
@@ -41,14 +41,9 @@ class PageRows:
 
     def pieces(self, batch: np.ndarray) -> list[memoryview]:
         """Views of pages ``batch`` (batch indices) back to back, one a run of consecutive rows."""
-        rows, nbytes = self.index[batch], self.page_nbytes
-        if not len(rows):
-            return []
-        starts = np.flatnonzero(np.diff(rows) != 1) + 1
-        bounds = [0, *starts.tolist(), len(rows)]
-        firsts = rows[bounds[:-1]].tolist()
-        return [self.flat[first * nbytes:(first + end - start) * nbytes]
-                for first, start, end in zip(firsts, bounds, bounds[1:])]
+        nbytes = self.page_nbytes
+        return [self.flat[first * nbytes:(first + count) * nbytes]
+                for first, count in RowRuns(self.rows, self.index[batch]).runs()]
 
 
 class Picked:

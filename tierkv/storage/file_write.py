@@ -18,7 +18,7 @@ from typing import Callable
 import numpy as np
 import xxhash
 
-from tierkv.storage.file_pack import IOV_MAX, consumed, slot_groups
+from tierkv.storage.file_pack import IOV_MAX, consumed, run_bounds, slot_groups
 from tierkv.storage.page_format import CHUNK_NBYTES, PageFormat
 
 Checksums = Callable[[list[memoryview]], list[int]]
@@ -51,8 +51,7 @@ class RowRuns:
         """(first row, pages) of each run of consecutive rows, in order."""
         if not len(self.index):
             return []
-        starts = np.flatnonzero(np.diff(self.index) != 1) + 1
-        bounds = [0, *starts.tolist(), len(self.index)]
+        bounds = run_bounds(self.index)
         firsts = self.index[bounds[:-1]].tolist()
         return [(first, end - start) for first, start, end in zip(firsts, bounds, bounds[1:])]
 

@@ -12,17 +12,6 @@
 #define ROWCOPY_INTERNAL __attribute__((visibility("hidden")))
 #else
 #define ROWCOPY_INTERNAL
-/* Shared helpers of _rowcopy.c (see there). */
-ROWCOPY_INTERNAL int get_int64s(PyObject *obj, Py_buffer *view, const char *name);
-ROWCOPY_INTERNAL int slots_to_pages(const int64_t *slots, Py_ssize_t num_slots, Py_ssize_t page_size,
-                                    Py_ssize_t num_pages, int64_t *pages);
-ROWCOPY_INTERNAL int get_slots(PyObject *obj, Py_buffer *view, PyObject **holder, const char *name);
-
-/* The slot allocator's bookkeeping (_rowcopy_alloc.c). */
-ROWCOPY_INTERNAL PyObject *free_slots(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
-ROWCOPY_INTERNAL PyObject *check_allocated(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
-ROWCOPY_INTERNAL PyObject *pages_to_slots(PyObject *self, PyObject *args);
-
 #endif
 
 /* A run's first bytes fetched ahead of its copy, at most this many (see _rowcopy.c's run_page_copy). */

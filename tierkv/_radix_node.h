@@ -8,6 +8,8 @@
 #include <Python.h>
 #include <stdint.h>
 
+#include "_tensor_memory.h"
+
 typedef struct {
     PyTypeObject *type;
     Py_ssize_t id, key, extra_key, parent, children, device_value, host_value, lock_ref, host_ref;
@@ -56,10 +58,6 @@ typedef struct {
 extern TreeAttrs tierkv_tree_attrs;
 int tierkv_intern_tree_attrs(void);  /* 0, or -1 with an error set */
 
-/* The memory of a CPU, contiguous tensor of ``dtype`` (an int64 one, as the slot readers pass): its data
- * pointer (NULL when empty) and element count. 1; 0 when ``t`` is not such a tensor (no error set, the
- * caller names what it wanted); -1 on error. */
-int tierkv_tensor_memory(PyObject *t, PyObject *dtype, const int64_t **data, Py_ssize_t *numel);
 
 int tierkv_bind_layout(PyTypeObject *type);
 int tierkv_check_node(PyObject *node);  /* 0, or -1 with a TypeError */

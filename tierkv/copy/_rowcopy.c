@@ -17,9 +17,10 @@
  *
  * SlotCopier goes one step further for the transfer controller, which copies between the same two pools
  * all its life: it holds the pools' buffers and chunk maps, so a copy's call parses two slot arrays and
- * nothing else, and it takes the allocator's int64 tensors as they are (through their numpy view).
+ * nothing else, and it reads the allocator's int64 tensors in place (see tensor_slots).
  */
 #include "_rowcopy.h"
+#include "../_tensor_memory.h"
 
 #include <string.h>
 
@@ -361,8 +362,35 @@ static int hash_ready(const SlotCopier *self) {
 }
 
 /* A slot array's buffer: the object's own, else its numpy view's (a CPU torch tensor: no copy). */
+/* The allocator hands out CPU int64 torch tensors: read in place (~0.2 us) instead of through a numpy view
+ * (~0.5 us each, two per copy: half of a one-page copy's call). 1: ``view`` describes the tensor's memory and
+ * holds no reference (the caller's argument keeps the tensor alive for the call); 0: not such a tensor
+ * (whatever went wrong, its numpy view then reports). */
+static PyObject *torch_int64;
+
+static int tensor_slots(PyObject *obj, Py_buffer *view) {
+    if (torch_int64 == NULL) {  /* a tensor came in: torch is imported */
+        PyObject *torch = PyImport_ImportModule("torch");
+        torch_int64 = torch == NULL ? NULL : PyObject_GetAttrString(torch, "int64");
+        Py_XDECREF(torch);
+    }
+    const int64_t *data = NULL;
+    Py_ssize_t num = 0;
+    if (torch_int64 == NULL || tierkv_tensor_memory(obj, torch_int64, &data, &num) != 1) {
+        PyErr_Clear();
+        return 0;
+    }
+    memset(view, 0, sizeof(*view));
+    view->buf = (void *)data;
+    view->len = num * 8;
+    view->itemsize = 8;
+    view->readonly = 1;
+    return 1;
+}
+
 int get_slots(PyObject *obj, Py_buffer *view, PyObject **holder, const char *name) {
     if (!PyObject_CheckBuffer(obj)) {
+        if (tensor_slots(obj, view)) return 0;
         *holder = PyObject_CallMethodObjArgs(obj, str_numpy, NULL);
         if (*holder == NULL) return -1;
         obj = *holder;

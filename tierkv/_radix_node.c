@@ -324,4 +324,3 @@ int tierkv_intern_tree_attrs(void) {
     }
     return 0;
 }
-

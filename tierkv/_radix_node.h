@@ -58,7 +58,6 @@ typedef struct {
 extern TreeAttrs tierkv_tree_attrs;
 int tierkv_intern_tree_attrs(void);  /* 0, or -1 with an error set */
 
-
 int tierkv_bind_layout(PyTypeObject *type);
 int tierkv_check_node(PyObject *node);  /* 0, or -1 with a TypeError */
 int tierkv_is_device_leaf(NodeCtx *c, PyObject *n);  /* RadixTree.is_device_leaf: 1, 0, or -1 on error */

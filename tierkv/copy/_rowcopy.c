@@ -361,7 +361,6 @@ static int hash_ready(const SlotCopier *self) {
     return xxh3_bound() ? 0 : -1;
 }
 
-/* A slot array's buffer: the object's own, else its numpy view's (a CPU torch tensor: no copy). */
 /* The allocator hands out CPU int64 torch tensors: read in place (~0.2 us) instead of through a numpy view
  * (~0.5 us each, two per copy: half of a one-page copy's call). 1: ``view`` describes the tensor's memory and
  * holds no reference (the caller's argument keeps the tensor alive for the call); 0: not such a tensor
@@ -388,6 +387,7 @@ static int tensor_slots(PyObject *obj, Py_buffer *view) {
     return 1;
 }
 
+/* A slot array's buffer: the object's own, else a CPU int64 tensor's memory, else its numpy view's. */
 int get_slots(PyObject *obj, Py_buffer *view, PyObject **holder, const char *name) {
     if (!PyObject_CheckBuffer(obj)) {
         if (tensor_slots(obj, view)) return 0;

@@ -72,7 +72,6 @@ from tierkv.storage.file_write import RowRuns, write_row_runs, write_views
 from tierkv.storage.page_format import (
     HEADER_SIZE,
     PageFormatError,
-    checksum,
 )
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -413,9 +412,6 @@ class FileStore(PageStore):
         for i, good in zip(batch, ok):
             found[i] = good
 
-    def _checksums(self, views: list[memoryview]) -> list[int]:
-        return self._native.xxh3_many(views) if self._native is not None else [checksum(v) for v in views]
-
     def _reject_pack(self, dir_fd: int, number: int, keys: list[str], why: str) -> None:
         """A pack that is not what its index entry says: each page wanted of it is a counted corrupt
         miss, and the pack is removed."""
@@ -483,7 +479,7 @@ class FileStore(PageStore):
         if isinstance(views, RowRuns):
             write_row_runs(fd, self.format, keys, views, trailer, GROUP_NBYTES, self._native)
         else:
-            write_views(fd, self.format, keys, views, trailer, GROUP_NBYTES, self._checksums)
+            write_views(fd, self.format, keys, views, trailer, GROUP_NBYTES, self._native)
 
     def _write_pack(self, dir_fd: int, number: int, keys: list[str], views: list[memoryview] | RowRuns,
                     trailer: memoryview) -> None:

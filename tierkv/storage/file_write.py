@@ -13,7 +13,6 @@ while it is in cache, then the headers and the key list.
 from __future__ import annotations
 
 import os
-from typing import Callable
 
 import numpy as np
 import xxhash
@@ -21,7 +20,6 @@ import xxhash
 from tierkv.storage.file_pack import IOV_MAX, consumed, run_bounds, slot_groups
 from tierkv.storage.page_format import CHUNK_NBYTES, PageFormat
 
-Checksums = Callable[[list[memoryview]], list[int]]
 
 
 def write_all(fd: int, buffers: list[memoryview], offset: int) -> None:
@@ -103,7 +101,7 @@ def write_row_runs(fd: int, fmt: PageFormat, keys: list[str], runs: RowRuns, tra
 
 
 def write_views(fd: int, fmt: PageFormat, keys: list[str], views: list[memoryview], trailer: memoryview,
-                group_nbytes: int, checksums: Checksums) -> None:
+                group_nbytes: int, native: object | None) -> None:
     """Write a pack from a view a page; a keyed store's MACs are made page by page first."""
     nbytes = fmt.payload_nbytes
     if fmt.keyed:
@@ -111,7 +109,7 @@ def write_views(fd: int, fmt: PageFormat, keys: list[str], views: list[memoryvie
         write_all(fd, [*views, memoryview(headers), trailer], 0)
         return
     if len(views) * nbytes <= group_nbytes:
-        headers = fmt.filled_headers(keys, checksums(views))
+        headers = fmt.filled_headers(keys, page_checksums(views, nbytes, native))
         write_all(fd, [*views, memoryview(headers).cast("B"), trailer], 0)
         return
     digests: list[int] = []
@@ -124,7 +122,7 @@ def write_views(fd: int, fmt: PageFormat, keys: list[str], views: list[memoryvie
                 write_all(fd, [chunk], start * nbytes + at)
             digests.append(state.intdigest())
             continue
-        digests += checksums(views[start:end])
+        digests += page_checksums(views[start:end], nbytes, native)
         write_all(fd, views[start:end], start * nbytes)
     headers = fmt.filled_headers(keys, digests)
     write_all(fd, [memoryview(headers).cast("B"), trailer], len(views) * nbytes)

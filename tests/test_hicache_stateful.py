@@ -71,7 +71,7 @@ class CacheMachine(RuleBasedStateMachine):
     def _complete_copies(self) -> None:
         """Let every queued copy run and wait for it (none is mid-copy between rules)."""
         transfer = self.cache.transfer
-        queued = [q for q in (*transfer.writes, *transfer.loads) if not q.handle.done()]
+        queued = [handle for handle, _ in (*transfer.writes, *transfer.loads) if not handle.done()]
         for _ in queued:
             self.gate.release()
         transfer.synchronize()

@@ -247,8 +247,8 @@ class _Workload:
             assert req.pending.wait()
         # The forward waits for every load issued before it (the load stream on a GPU): a device hit
         # may include nodes another request's load is still filling.
-        for queued in list(self.cache.transfer.loads):
-            queued.handle.wait()
+        for handle, _ in list(self.cache.transfer.loads):
+            handle.wait()
         n = len(req.key)
         got = self.cache.device_pool.read_tokens(req.slots)[:, :, :n]
         assert torch.equal(got, expected_kv(list(req.key.token_ids), 0, self.rank, self.spec.kv_heads))

@@ -3,6 +3,7 @@
 import logging
 import threading
 import time
+from collections import deque
 from functools import partial
 
 import pytest
@@ -271,6 +272,55 @@ def test_a_load_runs_on_the_calling_thread_when_nothing_is_queued():
         assert handle.done() and handle.error is None
     finally:
         tc.shutdown()
+
+
+def test_a_failed_inline_load_gets_a_handle_of_its_own_and_later_loads_succeed():
+    """Copies run here that succeed share one completed handle: a failure must never land on it."""
+    device, host = _pools("page_first")
+    tc = TransferController(device, host)
+    copier = tc._cpu_copies["load"]
+    try:
+        copier.run_now = lambda src, dst: (_ for _ in ()).throw(OSError("injected"))
+        failed = tc.load(torch.arange(2), torch.arange(2), payload="bad")
+        del copier.run_now  # the class's method again
+        ok = tc.load(torch.arange(2), torch.arange(2, 4), payload="good")
+        assert isinstance(failed.error, OSError) and failed.done() and failed.wait()
+        assert ok.error is None and ok.done() and ok is not failed
+        acks = tc.pop_done(tc.loads, tc.num_done(tc.loads))
+        assert [(handle.error is None, payload) for handle, payload in acks] == [(False, "bad"), (True, "good")]
+        assert tc.load(torch.arange(2), torch.arange(4, 6)).error is None
+    finally:
+        tc.shutdown()
+
+
+class _SlowTakeDeque(deque):
+    """A job queue whose pop leaves the GIL right after taking a job: the thread switch that idle()'s
+    lock-free read must survive, made certain."""
+
+    def popleft(self):
+        item = super().popleft()
+        time.sleep(0.001)
+        return item
+
+
+@pytest.mark.parametrize("taker", ["worker", "waiting thread"])
+def test_worker_idle_is_never_true_while_a_copy_is_queued_or_running(taker):
+    """idle() reads the queue and the busy flag without the lock; whoever takes a job marks the worker busy
+    before taking it, so an idle answer always means every submitted job has finished."""
+    worker = _CopyWorker()
+    worker._jobs = _SlowTakeDeque()
+    finished = []
+    try:
+        for burst in range(20):
+            handle = CopyHandle()
+            worker.submit(handle, partial(finished.append, burst))
+            if taker == "waiting thread":
+                threading.Thread(target=worker.run_until, args=(handle,)).start()
+            while not worker.idle():
+                time.sleep(0)
+            assert finished[-1:] == [burst], f"idle with job {burst} unfinished"
+    finally:
+        worker.stop(timeout_s=10)
 
 
 def test_queued_copies_run_one_at_a_time_in_order_when_waiters_take_them():

@@ -32,10 +32,11 @@ class FailedLoads:
         return bool(self.pending)
 
     def note(self, loads: Iterable) -> None:
-        """Mark the nodes of every load in ``loads`` (ack queue items) already seen to have failed."""
-        for item in loads:
-            if item.handle.error is not None and item.handle.done():
-                self.mark(item.payload)
+        """Mark the nodes of every load in ``loads`` (ack queue entries: handle, pending) already seen to
+        have failed."""
+        for handle, pending in loads:
+            if handle.error is not None and handle.done():
+                self.mark(pending)
 
     def mark(self, pending: "PendingLoad") -> None:
         """Mark the nodes ``pending`` filled invalid (once)."""

@@ -501,8 +501,8 @@ class HiRadixCache:
             if self.storage is not None:
                 host_owned += self.storage.owned_host_slots()
             if self.transfer is not None:  # copies for L3 alone own their slots (_back_up_inserted)
-                host_owned += [q.payload.host_slots for q in self.transfer.writes
-                               if isinstance(q.payload, PendingWrite) and q.payload.backup is not None]
+                host_owned += [pending.host_slots for _, pending in self.transfer.writes
+                               if isinstance(pending, PendingWrite) and pending.backup is not None]
             if caller_host_slots is not None:
                 host_owned.append(caller_host_slots)
             self.host_pool.allocator.check_ownership("host", host_owned)

@@ -51,15 +51,15 @@ class LoadBack:
         if not self.transfer.loads:
             return len(device_nodes)
         usable = len(device_nodes)
-        for item in list(self.transfer.loads):
-            if item.handle.done() and item.handle.error is None:
+        for handle, pending in list(self.transfer.loads):
+            if handle.done() and handle.error is None:
                 continue
-            slots = item.payload.device_slots
+            slots = pending.device_slots
             hit = [i for i, n in enumerate(device_nodes) if torch.isin(n.device_value, slots).any()]
             if hit:
-                item.handle.wait_on_current_stream()
-                if item.handle.error is not None:
-                    self.failed_loads.mark(item.payload)
+                handle.wait_on_current_stream()
+                if handle.error is not None:
+                    self.failed_loads.mark(pending)
                     usable = min(usable, hit[0])
         return usable
 

@@ -172,14 +172,16 @@ _COPIED = threading.Event()
 _COPIED.set()
 
 
-@dataclass
+@dataclass(slots=True)
 class CopyHandle:
     """Completion of one batch copy. ``error`` is set when the copy failed (its KV must not be used)."""
 
     cuda_event: Any = None
     cpu_event: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
-    layer_events: list = field(default_factory=list)  # per layer, for a layer-wise load (CUDA or CPU events)
+    # per layer, for a layer-wise load (CUDA or CPU events); a tuple by default, not a list made per handle:
+    # slots and no factory halve a handle's cost, a measurable part of a 64-token load
+    layer_events: Sequence = ()
     # a CPU copy still queued: runs it (and those queued ahead) on the waiting thread instead of waking
     # the worker; None for copies on CUDA, copies already run and layer-wise loads
     run_here: Callable[[], None] | None = field(default=None, repr=False)
@@ -193,7 +195,7 @@ class CopyHandle:
         if self.cuda_event is not None:
             self.cuda_event.synchronize()
             return True
-        if self.cpu_event.is_set():  # the common case of a copy run inline: skip the event's lock
+        if self.cpu_event is _COPIED or self.cpu_event.is_set():  # a copy run inline, or done: no lock
             return True
         if timeout_s is None and self.run_here is not None:
             self.run_here()
@@ -216,10 +218,24 @@ class CopyHandle:
             self.wait()
 
 
-@dataclass(slots=True)
-class _Queued:
-    handle: CopyHandle
-    payload: Any
+# The handle of every copy run on the submitting thread that succeeded: complete and never changed
+# (nothing writes to a handle once its copy has finished), so one serves them all
+_COPIED_HANDLE = CopyHandle(cpu_event=_COPIED)
+
+
+# An ack queue's entry: (handle, payload), a plain tuple (made without a Python call; an entry is made
+# and popped per copy, right after the copy has evicted the interpreter from the CPU caches)
+Ack = tuple[CopyHandle, Any]
+
+
+def _ack_here(acks: deque[Ack], payload: Any, error: BaseException | None) -> CopyHandle:
+    """Queue the ack of a copy that ran on this thread and ended with ``error`` (None: it succeeded); an
+    interrupt is re-raised once the failed ack is queued (see :meth:`TransferController._submit`)."""
+    handle = _COPIED_HANDLE if error is None else CopyHandle(cpu_event=_COPIED, error=error)
+    acks.append((handle, payload))
+    if error is not None:
+        raise_interrupt(error)
+    return handle
 
 
 class TransferController:
@@ -236,8 +252,8 @@ class TransferController:
         # CPU writes over _INLINE_COPY_MAX_BYTES go to the worker, overlapping the caller's next work;
         # False: they run here too (a caller that waits for each write at once gains nothing from a hand-off)
         self.overlap_writes = overlap_writes
-        self.writes: deque[_Queued] = deque()
-        self.loads: deque[_Queued] = deque()
+        self.writes: deque[Ack] = deque()
+        self.loads: deque[Ack] = deque()
         self.use_cuda = device_pool.device.type == "cuda"
         if self.use_cuda:
             self._write_stream = torch.cuda.Stream(device_pool.device)
@@ -255,7 +271,13 @@ class TransferController:
 
     def load(self, host_slots: torch.Tensor, device_slots: torch.Tensor, payload: Any = None) -> CopyHandle:
         """Queue an L2 -> L1 copy of whole pages; its ack carries ``payload``. Failures as for :meth:`write`."""
-        return self._submit("load", self.host_pool, host_slots, self.device_pool, device_slots, self.loads, payload)
+        if self.use_cuda or self.delay_hook is not None or not self._worker.idle():
+            return self._submit("load", self.host_pool, host_slots, self.device_pool, device_slots, self.loads,
+                                payload)
+        # run here at once (see _copy_inline), without _submit's steps: this is most loads, and each Python
+        # step after a copy runs with the interpreter evicted from the CPU caches by the copied bytes
+        return _ack_here(self.loads, payload, _copy_here("load", self._cpu_copies["load"].run_now, host_slots,
+                                                         device_slots))
 
     def load_layers(self, host_slots: torch.Tensor, device_slots: torch.Tensor, payloads: Sequence[Any]
                     ) -> CopyHandle:
@@ -270,15 +292,15 @@ class TransferController:
                 kernel = device_copy.select_device_copy(src, dst, self.io_backend)
                 copy_one_layer = (kernel.layer_copier(src, src_pages, dst, dst_pages) if kernel is not None
                                   else partial(copy_layer, src, src_pages, dst, dst_pages))
-                for layer in range(num_layers):
+                handle.layer_events = [torch.cuda.Event() for _ in range(num_layers)]
+                for layer, event in enumerate(handle.layer_events):
                     copy_one_layer(layer)
-                    handle.layer_events.append(torch.cuda.Event())
-                    handle.layer_events[-1].record(self._load_stream)
+                    event.record(self._load_stream)
             handle.cuda_event = handle.layer_events[-1]
         else:
             handle.layer_events = [threading.Event() for _ in range(num_layers)]
             self._worker.submit(handle, partial(self._copy_layers, handle, src_pages, dst_pages))
-        self.loads.extend(_Queued(handle, payload) for payload in payloads)
+        self.loads.extend((handle, payload) for payload in payloads)
         return handle
 
     def _copy_layers(self, handle: CopyHandle, src_pages: torch.Tensor, dst_pages: torch.Tensor) -> None:
@@ -339,38 +361,37 @@ class TransferController:
         stream.synchronize()
 
     @staticmethod
-    def num_done(acks: deque[_Queued]) -> int:
+    def num_done(acks: deque[Ack]) -> int:
         """How many operations at the head of ``acks`` are complete (FIFO: stops at the first pending)."""
         n = 0
-        for item in acks:
-            if not item.handle.done():
+        for handle, _ in acks:
+            if not handle.done():
                 break
             n += 1
         return n
 
     @staticmethod
-    def pop_done(acks: deque[_Queued], n: int) -> list[tuple[CopyHandle, Any]]:
+    def pop_done(acks: deque[Ack], n: int) -> list[Ack]:
         """Remove the first ``n`` acks (the caller agreed they are done; waits if one is not yet)."""
         out = []
         for _ in range(n):
-            item = acks.popleft()
-            item.handle.wait()
-            out.append((item.handle, item.payload))
+            ack = acks.popleft()
+            ack[0].wait()
+            out.append(ack)
         return out
 
     def _submit(self, kind: str, src: PagedKVBuffer, src_slots: torch.Tensor, dst: PagedKVBuffer,
-                dst_slots: torch.Tensor, acks: deque[_Queued], payload: Any) -> CopyHandle:
+                dst_slots: torch.Tensor, acks: deque[Ack], payload: Any) -> CopyHandle:
         """Start a copy and queue its ack. A copy run here reports its failure on the handle, like one
         run by the worker; an interrupt is re-raised only once the failed ack is queued, so that the ack
         releases the slots and locks of ``payload`` as for any failed copy."""
         if self.use_cuda:
             handle = self._submit_cuda(kind, src, src_slots, dst, dst_slots)
         elif self._copy_inline(kind, src_slots):
-            handle = CopyHandle(cpu_event=_COPIED,
-                                error=_copy_here(kind, self._cpu_copies[kind].run_now, src_slots, dst_slots))
+            return _ack_here(acks, payload, _copy_here(kind, self._cpu_copies[kind].run_now, src_slots, dst_slots))
         else:
             handle = self._submit_to_worker(kind, src_slots, dst_slots)
-        acks.append(_Queued(handle, payload))
+        acks.append((handle, payload))
         if handle.error is not None:
             raise_interrupt(handle.error)
         return handle
@@ -427,8 +448,8 @@ class TransferController:
     def synchronize(self) -> None:
         """Block until every queued copy has finished."""
         for acks in (self.writes, self.loads):
-            for item in acks:
-                item.handle.wait()
+            for handle, _ in acks:
+                handle.wait()
 
     def shutdown(self) -> None:
         """Finish queued copies and stop the worker thread."""
@@ -511,9 +532,10 @@ class _CopyWorker:
             self._cond.notify()
 
     def idle(self) -> bool:
-        """Nothing queued or running."""
-        with self._lock:
-            return not self._jobs and not self._busy
+        """Nothing queued or running. Read without the lock (a lock round trip is a measurable part of a
+        small load): only the submitting thread adds jobs, and whoever takes a job sets ``_busy`` before
+        popping it, so an empty queue read first and a clear ``_busy`` read after mean no copy is running."""
+        return not self._jobs and not self._busy
 
     def run_until(self, handle: CopyHandle) -> None:
         """Run the queued copies up to ``handle``'s on this thread, unless a copy is running already
@@ -522,8 +544,8 @@ class _CopyWorker:
             with self._cond:
                 if self._busy or not any(queued is handle for queued, _ in self._jobs):
                     return
+                self._busy = True  # before the pop: idle() reads the two without the lock
                 queued, job = self._jobs.popleft()
-                self._busy = True
             self._run_one(job)
             if queued is handle:
                 return
@@ -550,8 +572,8 @@ class _CopyWorker:
                     self._cond.wait()
                 if not self._jobs:
                     return
+                self._busy = True  # before the pop, as in run_until
                 _, job = self._jobs.popleft()
-                self._busy = True
             try:
                 self._run_one(job)
             except BaseException:  # an interrupt a job re-raises for a waiting thread: here, on to the next

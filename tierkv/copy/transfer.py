@@ -373,6 +373,10 @@ class TransferController:
     @staticmethod
     def pop_done(acks: deque[Ack], n: int) -> list[Ack]:
         """Remove the first ``n`` acks (the caller agreed they are done; waits if one is not yet)."""
+        if n == 1:  # most polls, spelt out: right after a copy each step of a loop costs ~0.1 us more
+            ack = acks.popleft()
+            ack[0].wait()
+            return [ack]
         out = []
         for _ in range(n):
             ack = acks.popleft()
@@ -472,6 +476,8 @@ class _SlotCopy:
                   and device_copy.select_device_copy(src, dst, io_backend) is None)
         self.digests = dst.digests if isinstance(dst, HostKVPool) else None
         self.chunks = cpu_copy.ChunkCopy(src, dst, name=kind, digests=self.digests) if native else None
+        if self.chunks is not None and self.digests is None:  # never hashes (loads): one call fewer per copy
+            self.run_now = self.chunks.copy_slots
 
     def _hash_pages(self, dst_slots: Any) -> bool:
         """Whether this copy records its destination pages' digests; where the table is on and the copy

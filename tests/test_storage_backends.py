@@ -754,6 +754,38 @@ def test_a_reset_in_the_middle_of_a_streamed_page_costs_hits_only(redis_server):
     store.clear()
 
 
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+def test_a_redis_batch_sends_each_page_with_its_header_tail_and_next_head_in_one_piece(redis_server, streamed):
+    """Under TCP_NODELAY each sendall is a segment and a server read: per page one send of its memory
+    (or one per streamed chunk) and one of its header, the tail and the next SET's head, joined."""
+    store = _redis_store(redis_server)
+    store.stream_min_nbytes, store.stream_chunk_nbytes = (0, PAGE_NBYTES // 2) if streamed else (None, 1)
+    keys, pages = make_keys(4, seed=5), make_pages(4, seed=5)
+    conn = store.client.connection_pool.get_connection()
+    sock = conn._sock if conn._sock is not None else (conn.connect() or conn._sock)
+    store.client.connection_pool.release(conn)
+    sent = []
+
+    class Counting:
+        def sendall(self, data):
+            sent.append(len(data))
+            return sock.sendall(data)
+
+        def __getattr__(self, name):
+            return getattr(sock, name)
+    conn._sock = Counting()
+    try:
+        assert store.batch_set(keys, pages) == [True] * 4
+    finally:
+        conn._sock = sock
+    chunks_per_page = 2 if streamed else 1
+    assert len(sent) == 4 * (chunks_per_page + 1) + 1
+    assert sent.count(PAGE_NBYTES // chunks_per_page) == 4 * chunks_per_page  # page memory, never copied
+    targets = empty_pages(4)
+    assert store.batch_get(keys, targets) == [True] * 4 and all(torch.equal(t, p) for t, p in zip(targets, pages))
+    store.clear()
+
+
 def test_redis_backoff_skips_the_network_until_the_window_ends(redis_server):
     store = _redis_store(redis_server, retry_backoff_s=30.0)
     keys, pages = make_keys(1), make_pages(1)

@@ -50,6 +50,24 @@ STREAM_MIN_PAGE_NBYTES = 1 << 20
 STREAM_CHUNK_NBYTES = 256 << 10
 
 
+def _coalesced(pieces: Iterable) -> Iterator:
+    """``pieces`` (lazily) with each run of ``bytes`` joined into one: the protocol's words and the pages'
+    headers, while page memory (memoryviews) goes as it is, without a copy. redis-py sends each piece it
+    is given with its own ``sendall``, and under its TCP_NODELAY each becomes a segment and a read on the
+    server: a page's header and tail and the next SET's head now go as one (three sends a page fewer)."""
+    small = bytearray()
+    for piece in pieces:
+        if isinstance(piece, bytes):
+            small += piece
+            continue
+        if small:
+            yield bytes(small)
+            small.clear()
+        yield piece
+    if small:
+        yield bytes(small)
+
+
 def _streamed(fmt, key: str, payload: memoryview, tail: bytes, chunk_nbytes: int) -> Iterator:
     """``payload`` in chunks, each fed to the page's hasher as it goes, then the header and ``tail``."""
     state = fmt.payload_hasher(key)
@@ -291,7 +309,7 @@ class RedisStore(PageStore):
                                    % (set_words, len(names[i]), names[i], self.format.blob_nbytes),))
                     packed.append(_streamed(self.format, keys[i], views[i], tail, self.stream_chunk_nbytes)
                                   if headers is None else (views[i], headers.get(i), tail))
-                conn.send_packed_command(itertools.chain.from_iterable(packed), check_health=False)
+                conn.send_packed_command(_coalesced(itertools.chain.from_iterable(packed)), check_health=False)
                 for _ in range(end - start):
                     try:
                         conn.read_response()  # an error reply is read whole: the connection stays in step

@@ -696,6 +696,29 @@ def _redis_store(server, **extra) -> PageStore:
     return open_store(server.url, "ns", PAGE_NBYTES, config)
 
 
+class _WatchedSocket:
+    """A redis connection's socket whose ``sendall`` calls ``on_send(data)`` first (which may raise)."""
+
+    def __init__(self, inner, on_send) -> None:
+        self.inner, self.on_send = inner, on_send
+
+    def sendall(self, data):
+        self.on_send(data)
+        return self.inner.sendall(data)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def _watch_sends(store: PageStore, on_send):
+    """Put ``on_send`` in front of the socket of the store's pooled connection; (connection, real socket)."""
+    conn = store.client.connection_pool.get_connection()
+    sock = conn._sock if conn._sock is not None else (conn.connect() or conn._sock)
+    store.client.connection_pool.release(conn)
+    conn._sock = _WatchedSocket(sock, on_send)
+    return conn, sock
+
+
 def test_redis_killed_gives_misses_then_recovers_after_restart(redis_server):
     store = _redis_store(redis_server)
     keys, pages = make_keys(3), make_pages(3)
@@ -723,24 +746,13 @@ def test_a_reset_in_the_middle_of_a_streamed_page_costs_hits_only(redis_server):
     store = _redis_store(redis_server, retry_backoff_s=0.01)
     store.stream_min_nbytes, store.stream_chunk_nbytes = 0, 512  # 6 chunks a page
     keys, pages = make_keys(4, seed=3), make_pages(4, seed=3)
-    conn = store.client.connection_pool.get_connection()
-    sock = conn._sock if conn._sock is not None else (conn.connect() or conn._sock)
-    store.client.connection_pool.release(conn)
     sent = []
 
-    class Resetting:
-        def __init__(self, inner):
-            self.inner = inner
-
-        def sendall(self, data):
-            sent.append(len(data))
-            if len(sent) == 9:  # the second page's third chunk
-                raise ConnectionResetError("reset by peer")
-            return self.inner.sendall(data)
-
-        def __getattr__(self, name):
-            return getattr(self.inner, name)
-    conn._sock = Resetting(sock)  # the store disconnects it on the error: the next use reconnects
+    def reset_at_the_ninth(data):
+        sent.append(len(data))
+        if len(sent) == 9:  # the second page's first chunk
+            raise ConnectionResetError("reset by peer")
+    conn, _ = _watch_sends(store, reset_at_the_ninth)  # the store disconnects it: the next use reconnects
     assert store.batch_set(keys, pages) == [False] * 4
     assert store.stats.errors >= 1 and len(sent) == 9 and conn._sock is None
     time.sleep(0.05)  # past the backoff window
@@ -761,19 +773,8 @@ def test_a_redis_batch_sends_each_page_with_its_header_tail_and_next_head_in_one
     store = _redis_store(redis_server)
     store.stream_min_nbytes, store.stream_chunk_nbytes = (0, PAGE_NBYTES // 2) if streamed else (None, 1)
     keys, pages = make_keys(4, seed=5), make_pages(4, seed=5)
-    conn = store.client.connection_pool.get_connection()
-    sock = conn._sock if conn._sock is not None else (conn.connect() or conn._sock)
-    store.client.connection_pool.release(conn)
     sent = []
-
-    class Counting:
-        def sendall(self, data):
-            sent.append(len(data))
-            return sock.sendall(data)
-
-        def __getattr__(self, name):
-            return getattr(sock, name)
-    conn._sock = Counting()
+    conn, sock = _watch_sends(store, lambda data: sent.append(len(data)))
     try:
         assert store.batch_set(keys, pages) == [True] * 4
     finally:

@@ -179,8 +179,8 @@ class CopyHandle:
     cuda_event: Any = None
     cpu_event: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
-    # per layer, for a layer-wise load (CUDA or CPU events); a tuple by default, not a list made per handle:
-    # slots and no factory halve a handle's cost, a measurable part of a 64-token load
+    # per layer, for a layer-wise load (CUDA or CPU events); an empty tuple by default, not a list made
+    # per handle (with the slots, a handle costs 0.20 us to make instead of 0.27)
     layer_events: Sequence = ()
     # a CPU copy still queued: runs it (and those queued ahead) on the waiting thread instead of waking
     # the worker; None for copies on CUDA, copies already run and layer-wise loads
@@ -519,14 +519,13 @@ class _CopyWorker:
 
     A thread waiting for a copy the worker has not started runs it (and the copies queued ahead of it)
     itself: a waited-for copy then costs no hand-off, and order holds because copies never overlap.
-    Lock contract: ``_lock`` (``_cond``'s lock) guards ``_jobs``, ``_busy`` and ``_stopping``; no copy
-    runs under it.
+    Lock contract: ``_cond``'s lock guards every change to ``_jobs``, ``_busy`` and ``_stopping``; no copy
+    runs under it; :meth:`idle` reads ``_jobs`` and ``_busy`` without it (see there).
     """
 
     def __init__(self) -> None:
         self._jobs: deque[tuple[CopyHandle, Callable[[], None]]] = deque()
-        self._lock = threading.Lock()  # taken bare where no wait or notify follows: half the cost per copy
-        self._cond = threading.Condition(self._lock)
+        self._cond = threading.Condition(threading.Lock())
         self._busy = False  # a copy is running, on the worker or on a waiting thread
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="tierkv-transfer", daemon=True)

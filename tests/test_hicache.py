@@ -162,11 +162,32 @@ def test_write_back_evicts_whole_chains_and_keeps_the_host_tree_rooted(caches):
 
 
 def test_write_back_with_full_host_deletes_instead(caches):
-    cache = caches(device_tokens=8, write_policy="write_back", hicache_ratio=1.5)  # host: 12 tokens
-    put(cache, list(range(8)))
+    cache = caches(device_tokens=8, write_policy="write_back", hicache_ratio=1.5, tier_mode="inclusive")
+    put(cache, list(range(8)))  # host: 12 tokens
     lock = cache.host_pool.alloc(8)  # someone else holds most of L2
     assert cache.evict(8) == 8
     assert cache.stats.write_skipped_tokens == 8 and list(cache.tree.nodes()) == []
+    cache.check_integrity(caller_host_slots=lock)
+
+
+def test_an_exclusive_demotion_into_a_short_l2_keeps_the_head_that_fits(caches):
+    """Exclusive tiers rank a demoted node with L2's own: here it is L2's only candidate, so L2 drops its
+    tail and keeps the 4 tokens it has room for, as one tier of the total would. Before, the whole node's
+    copy was refused (write skipped) and all 8 tokens left the cache."""
+    cache = caches(device_tokens=8, hicache_ratio=1.5, tier_mode="exclusive", load_chunk_tokens=0,
+                   load_back_threshold=0)
+    kv = put(cache, list(range(8)))  # host: 12 tokens
+    lock = cache.host_pool.alloc(8)  # someone else holds most of L2
+    assert cache.evict(8) == 8
+    assert cache.device_pool.num_free_slots == 8 and cache.host_pool.num_free_slots == 0
+    assert (cache.stats.written_tokens, cache.stats.write_skipped_tokens) == (4, 0)
+    cache.check_integrity(caller_host_slots=lock)
+    match = cache.match_prefix(RadixKey(list(range(8))))
+    assert len(match.device_indices) == 0 and match.host_hit_length == 4
+    load = cache.init_load_back(match.last_host_node)
+    assert load.pending.wait() and load.loaded_tokens == 4
+    assert same_bits(cache.device_pool.read_tokens(load.device_indices), kv[:, :, :4])
+    cache.step()
     cache.check_integrity(caller_host_slots=lock)
 
 

@@ -225,6 +225,32 @@ def test_exclusive_tiers_hit_as_one_tier_of_the_same_size_request_by_request(pol
     assert pair.result.l2_hit_tokens > 0  # the pair did load back from L2
 
 
+@pytest.mark.parametrize("policy", ["adaptive", "s3fifo", "gdsf"])
+def test_exclusive_tiers_hit_as_one_tier_where_a_new_node_ranks_below_l2(policy):
+    """A RAG-like trace at 250k tokens: new nodes (used once) rank below every node used twice under
+    adaptive's probation and S3-FIFO's small queue, so the node L1 demotes can rank below all of L2. One tier
+    drops it; the L1/L2 pair used to keep it (L2 evicted for each demotion in turn, the earlier ones
+    protected) and drop an L2 node the next demotion outranked (S3-FIFO served another hit at request
+    616, adaptive at 884). L2 now makes room for all of an eviction's demotions at once, ranking them with
+    its own, and adaptive's ghosts name a node the same however a tier split it: the same hits."""
+    import json
+
+    from tierkv.replay.gen_traces import rag_trace
+    from tierkv.replay.sim import PageSim, SimConfig
+    from tierkv.replay.trace import parse_lines
+
+    requests = parse_lines(json.dumps(row) for row in rag_trace(6000)).requests
+    total = 250_000  # L1 as the sweep sizes it: the whole trace's longest prompt (a ninth is less)
+    l1 = max(total // 9 // 16 * 16, min(-(-max(r.input_length for r in requests) // 16) * 16, total // 2))
+    requests = requests[:900]
+    one = PageSim(SimConfig(l1_tokens=total, eviction_policy=policy))
+    pair = PageSim(SimConfig(l1_tokens=l1, l2_tokens=total - l1, eviction_policy=policy,
+                             tier_mode="exclusive", write_threshold=None))
+    hits = [(one.serve(r), pair.serve(r)) for r in requests]
+    assert sum(h for h, _ in hits) > 0 and pair.result.l2_hit_tokens > 0
+    assert [i for i, (a, b) in enumerate(hits) if a != b] == []
+
+
 # ---- the simulator shares the tree and the policies, and matches the replay ---------------------------
 @pytest.mark.parametrize("kwargs", [
     dict(l1_tokens=48_000, eviction_policy="lru"),

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from tierkv.cache.config import CacheConfig
 from tierkv.cli import main
 from tierkv.eviction import POLICIES
 
@@ -30,7 +31,7 @@ def test_sweep_compares_policies_with_fraction_of_min(tmp_path):
     report = json.loads(out.read_text())
     assert report["config"]["tier_mode"] == "exclusive"
     for point in report["sweep"]:
-        assert set(point["policies"]) == {"gdsf", "lru", "hitdensity"}
+        assert set(point["policies"]) == {CacheConfig.eviction_policy, "lru", "hitdensity"}
         for result in point["policies"].values():
             assert 0 < result["fraction_of_min"] <= 1 and 0 < result["l1_only_fraction_of_min"] <= 1
     assert png.stat().st_size > 0

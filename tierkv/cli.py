@@ -37,7 +37,7 @@ def _replay_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--l2-tokens", type=token_count, default=DEFAULT_L2_TOKENS, help="L2 (host) capacity; 0 for no L2")
     p.add_argument("--l3", default="none", help="none | file:DIR | redis://HOST:PORT[/DB] | other store spec")
     p.add_argument("--page-size", type=int, default=16, help="tokens per cache page (the trace's blocks are 512)")
-    p.add_argument("--policy", default="gdsf", choices=sorted(POLICIES),
+    p.add_argument("--policy", default=CacheConfig.eviction_policy, choices=sorted(POLICIES),
                    help="eviction policy (README: 'Eviction policies and tiers' compares them)")
     p.add_argument("--write-policy", default="write_through", choices=sorted(WRITE_POLICIES),
                    help="when an insert is backed up (to L2 in inclusive tiers, to L3 in exclusive ones): "

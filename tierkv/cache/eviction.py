@@ -41,6 +41,8 @@ class Eviction:
         self._host_heap_made: EvictionHeap | None = None
         if host_pool is not None:
             self._host_heap_made = EvictionHeap(tree, "host", self._host_order)
+        # device slots of demoted nodes L2 evicted before their copy (_demote_exclusive), while it runs
+        self._dropped_stand_ins: list[torch.Tensor] | None = None
         # L2 slots kept free at rest: the staging of an exclusive chunked load (CacheConfig.staging_tokens);
         # a chunk being loaded lowers it by its size while L1 demotes for it (tierkv.cache.chunked_load)
         self.host_reserve_tokens = config.staging_tokens
@@ -100,6 +102,8 @@ class Eviction:
         write_back = self._writes_on_evict and self.transfer is not None
         if not write_back:
             return self._evict_dropping(num_tokens)
+        if self.config.tier_mode == "exclusive":
+            return self._demote_exclusive(num_tokens)
         freed, batch, kept = 0, _WriteBackBatch(), []
         for node in self._device_heap.victims() if num_tokens > 0 else ():
             self._split_victim(node, num_tokens - freed)
@@ -110,11 +114,7 @@ class Eviction:
                 continue
             freed += len(node)
             # freed only after the batch copy: a write-back may still read these slots
-            batch.evicted.append((node, self.tree.clear_device_value(node)))
-            removed = node.host_value is None
-            if removed:
-                self._remove_with_host_subtree(node)
-            self.priority.on_evict(node, removed=removed)
+            batch.evicted.append((node, self._leave_l1(node)))
             if freed >= num_tokens:
                 break
         freed -= self._finish_write_back(batch)
@@ -126,6 +126,140 @@ class Eviction:
         if batch.raised is not None:  # let it through now that no slot is left loose
             raise batch.raised
         return freed
+
+    def _leave_l1(self, node: TreeNode) -> torch.Tensor:
+        """Clear ``node``'s device value and return it; the node leaves the cache (with its L2-only
+        descendants) when L2 holds no copy either."""
+        slots = self.tree.clear_device_value(node)
+        removed = node.host_value is None
+        if removed:
+            self._remove_with_host_subtree(node)
+        self.priority.on_evict(node, removed=removed)
+        return slots
+
+    def _demote_exclusive(self, num_tokens: int) -> int:
+        """:meth:`evict` under exclusive tiers: L2 makes room for all of this eviction's demotions at once,
+        after them, ranking them with its own nodes, so what leaves the cache is what one tier of the total
+        would drop. Evicting L2 for each demotion in turn, the earlier ones protected, kept a demoted node
+        ranking below an L2 node that the next demotion then evicted (adaptive's tiers fell 0.24 points
+        below one tier of their total). A demoted node first holds a stand-in host value, its device slots
+        as ``-1 - slot``: splits cut it as they cut slots, and an L2 eviction of it drops the node from the
+        cache. Those still holding one get L2 slots and one batch copy; a node that must stay (its L2-only
+        descendants in use) and found no L2 room goes back to L1, and the next pass evicts past it.
+        Lock contract: as :meth:`evict`."""
+        freed, skip = 0, set()
+        while True:
+            num_freed, put_back = self._demote_pass(num_tokens - freed, skip)
+            freed += num_freed
+            if freed >= num_tokens or not put_back:
+                return freed
+            skip.update(put_back)
+
+    def _demote_pass(self, num_tokens: int, skip: set[int]) -> tuple[int, list[int]]:
+        """One pass of :meth:`_demote_exclusive`, passing over the nodes in ``skip`` (ids); returns the
+        tokens freed and the ids of the nodes put back into L1."""
+        freed, demoted, kept, to_free = 0, [], [], []
+        self._dropped_stand_ins = []
+        for node in self._device_heap.victims() if num_tokens > 0 else ():
+            if id(node) in skip:
+                kept.append(node)
+                continue
+            self._split_victim(node, num_tokens - freed)
+            stand_in = node.host_value is None and self.admit(node)
+            if stand_in:
+                node.host_value = -1 - node.device_value
+                demoted.append(node)
+            elif node.host_value is None and node.host_ref:
+                kept.append(node)  # deleting it would delete L2 pages in use
+                continue
+            freed += len(node)
+            slots = self._leave_l1(node)
+            if not stand_in:  # removed, or its L2 copy stays
+                to_free.append(slots)
+            if freed >= num_tokens:
+                break
+        put_back, raised = [], None
+        try:
+            if demoted:
+                put_back, raised = self._settle_demotions(demoted, to_free)
+                freed -= sum(len(n) for n in put_back)
+        finally:
+            to_free += self._dropped_stand_ins
+            self._dropped_stand_ins = None
+        if to_free:  # only now: the batch copy read the demoted nodes' slots
+            self.device_pool.free(torch.cat(to_free))
+        self.tree.mark_changed("device", kept)  # candidates again at the next call
+        self.stats.evicted_device_tokens += freed
+        if raised is not None:  # let it through now that no slot is left loose
+            raise raised
+        return freed, [id(n) for n in put_back]
+
+    def _settle_demotions(self, demoted: list[TreeNode], to_free: list[torch.Tensor]
+                          ) -> tuple[list[TreeNode], BaseException | None]:
+        """Evict L2 for ``demoted`` (stand-ins in L2 now), copy those L2 kept, and add the device slots to
+        free to ``to_free``. Returns the nodes put back into L1 (no L2 copy, after a failed copy or with no
+        L2 room left, and L2-only descendants in use) and what the copy raised (an interrupt)."""
+        split_hook = self.tree.split_hook
+
+        def on_split(top: TreeNode, bottom: TreeNode) -> None:  # a stand-in cut in two: both halves demoted
+            if split_hook is not None:
+                split_hook(top, bottom)
+            if bottom.host_value is not None and int(bottom.host_value[0]) < 0:
+                demoted.append(top)
+
+        self.tree.split_hook = on_split
+        try:
+            shortfall = sum(len(n) for n in demoted) - self.host_room
+            if shortfall > 0:
+                self.evict_host(shortfall)
+        finally:
+            self.tree.split_hook = split_hook
+        stayed = [n for n in demoted if n.host_value is not None]  # children before parents
+        device_slots = [-1 - n.host_value for n in stayed]
+        host_slots = [self.host_pool.alloc(len(n)) if len(n) <= self.host_room else None for n in stayed]
+        copied = [i for i, slots in enumerate(host_slots) if slots is not None]
+        error = raised = None
+        if copied:
+            for i in copied:
+                stayed[i].host_value = host_slots[i]
+                self.tree.inc_host_ref(stayed[i])
+            try:
+                error = self.transfer.write_now(torch.cat([device_slots[i] for i in copied]),
+                                                torch.cat([host_slots[i] for i in copied]))
+            except BaseException as exc:  # Ctrl-C mid-copy (or bad slots): settled as a failed copy
+                error = raised = exc
+            for i in copied:
+                self.tree.dec_host_ref(stayed[i])
+            self.stats.failed_copies += error is not None
+        put_back, written = [], []
+        for node, device, host in zip(stayed, device_slots, host_slots):
+            if host is not None and error is None:
+                self.stats.written_tokens += len(node)
+                to_free.append(device)
+                written.append(node)
+                continue
+            if host is None:
+                self.stats.write_skipped_tokens += len(node)
+            else:
+                self.host_pool.free(host)
+            node.host_value = None
+            if self._put_back_or_remove(node, device, to_free):
+                put_back.append(node)
+        for node in written:  # once no stand-in is left on their paths; gone if an ancestor could not stay
+            if node.host_value is not None:
+                self.backed_up(node)
+        return put_back, raised
+
+    def _put_back_or_remove(self, node: TreeNode, device_slots: torch.Tensor, to_free: list[torch.Tensor]) -> bool:
+        """A demoted node L2 did not take: back into L1 (True) if its L2-only descendants are in use
+        (host_ref) or a demoted child went back, else out of the cache."""
+        if node.host_ref or any(c.device_value is not None for c in node.children.values()):
+            self.tree.set_device_value(node, device_slots)
+            return True
+        to_free.append(device_slots)
+        self._remove_with_host_subtree(node)
+        self.priority.on_evict(node, removed=True)
+        return False
 
     def _evict_dropping(self, num_tokens: int) -> int:
         """:meth:`evict` when nothing is copied on eviction: the heap's compiled loop evicts every victim
@@ -167,6 +301,9 @@ class Eviction:
     def _remove_with_host_subtree(self, node: TreeNode) -> None:
         """Delete ``node`` (in neither tier now) and its L2-only descendants, freeing their host slots."""
         freed = drop_host_subtree(self.tree, node, self.priority)
+        if freed and self._dropped_stand_ins is not None:  # stand-ins of demoted descendants (admission)
+            self._dropped_stand_ins += [-1 - v for v in freed if int(v[0]) < 0]
+            freed = [v for v in freed if int(v[0]) >= 0]
         if freed:
             self.host_pool.free(torch.cat(freed))
             self.stats.evicted_host_tokens += sum(len(v) for v in freed)
@@ -253,6 +390,11 @@ class Eviction:
             if node.device_value is None:
                 self.tree.remove_leaf(node)
             on_evict(node, removed=node.device_value is None)
+        if self._dropped_stand_ins is not None:  # a demotion's stand-in is no L2 slot: its device slots
+            stand_ins = [v for v in evicted_slots if int(v[0]) < 0]
+            evicted_slots = [v for v in evicted_slots if int(v[0]) >= 0]
+            self._dropped_stand_ins += [-1 - v for v in stand_ins]
+            freed -= sum(len(v) for v in stand_ins)
         self.host_pool.allocator.free_each(evicted_slots, whole_pages=True)  # no concatenation: see free_each
         self.stats.evicted_host_tokens += freed
         return freed

@@ -20,11 +20,18 @@ The weight is captured with the clock at each use, so a node's key changes only 
 uses rise): keys stay valid in the cache's persistent heaps (``static``), and a change of weight ranks
 nodes as they are next used, not all at once. All learning happens on removals from the cache and on
 inserts, never on moves between tiers, so exclusive tiers learn what one tier of their total learns.
+
+Ghosts name what was removed independently of how a tier cut it: a node's identity is its parent's and its
+first tokens, fixed at its insert, and a split gives both halves that identity with their offsets in it.
+A removed piece leaves the ghost (identity, offset, first tokens): the key a node inserted at that point
+looks up. Before, a ghost held the parent's node id, and one tier and the L1/L2 pair of its total, which
+remove the same tokens in other pieces (each splits where it needs pages), left different ghosts, so later
+inserts matched different ones (adaptive's exclusive tiers were 0.23 points below one tier at worst).
 """
 
 from __future__ import annotations
 
-from tierkv.eviction.base import Policy, PolicyNode, fingerprint
+from tierkv.eviction.base import Policy, PolicyNode
 from tierkv.eviction.policies import GDSF, _Ghosts
 
 _NEW, _REUSED = 0, 1
@@ -39,6 +46,13 @@ class Adaptive(GDSF):
         super().__init__(attention_tokens)
         self.ghosts = _Ghosts(ghost_entries)
         self.returned: set[int] = set()  # ids of nodes re-created while their ghost was remembered
+        # node id -> (its node's identity, the piece's offset in that node, that node's length in key
+        # elements, the node's ghost key); a split gives each half its offset (not a per_node_state copy)
+        self._pieces: dict[int, tuple[int, int, int, int]] = {}
+        # identities count inserts: the same in one tier and in tiers (node ids count splits too)
+        self._inserts = 0
+        # (identity, offset) -> ghost key of a removed tail piece, so the piece above it replaces it
+        self._tail_ghosts: dict[tuple[int, int], int] = {}
         self.new_weight = 1.0  # GDSF until ghosts say otherwise
         self.sharpness = sharpness  # new_weight = (rate ratio) ** sharpness: how fast it leaves GDSF
         # Everything is counted in tokens, never in nodes: splits cut nodes where each tier needs pages,
@@ -77,10 +91,37 @@ class Adaptive(GDSF):
         self.cost_per_slot(node)
         Policy.on_access(self, node)
 
+    def _piece(self, node: PolicyNode) -> tuple[int, int, int, int]:
+        """(identity, offset, length, ghost key) of ``node``; the root, or a node never seen inserted, is
+        whole and named by its id (negative: never an insert's count)."""
+        entry = self._pieces.get(node.id)
+        if entry is None:
+            identity = -node.id if node.parent is not None else 0
+            entry = (identity, 0, len(node), hash((identity, self._first(node))))
+        return entry
+
+    def _first(self, node: PolicyNode) -> tuple:
+        return tuple(node.key[:-(-8 // self.element_tokens)])  # the first elements covering 8 tokens
+
+    def on_split(self, top: PolicyNode, bottom: PolicyNode) -> None:
+        super().on_split(top, bottom)
+        identity, offset, length, key = self._pieces.get(bottom.id) or (
+            -bottom.id, 0, len(top) + len(bottom), hash((-bottom.id, self._first(top))))
+        self._pieces[top.id] = (identity, offset, length, key)
+        self._pieces[bottom.id] = (identity, offset + len(top), length, key)
+
     def on_insert(self, node: PolicyNode) -> None:
         super().on_insert(node)
         self._cached_tokens += len(node) * self.element_tokens
-        ghost = self.ghosts.pop(fingerprint(node, self.element_tokens))
+        parent_identity, parent_offset, parent_length, _ = self._piece(node.parent)
+        first = self._first(node)
+        offset = parent_offset + len(node.parent)
+        # under a piece that ends where its node does, a child; else the node grows that node's tail again
+        # (or forks it where a split left it): the ghost key of what left from there, and its own
+        key = hash((parent_identity, first) if offset >= parent_length else (parent_identity, offset, first))
+        self._inserts += 1
+        self._pieces[node.id] = (self._inserts, 0, len(node), key)
+        ghost = self.ghosts.pop(key)
         if ghost is None:
             return
         self.returned.add(node.id)
@@ -104,7 +145,7 @@ class Adaptive(GDSF):
             self._removed_tokens[cls] += (1.0 - decay) / (1.0 - self._decay_per_token)
             self._removed_total += num_tokens
             self._cached_tokens = max(0, self._cached_tokens - num_tokens)
-            self.ghosts.add(fingerprint(node, self.element_tokens), (cls, self._removed_total))
+            self._add_ghost(node, (cls, self._removed_total))
             self.returned.discard(node.id)
             self._learn()
         super().on_evict(node, removed)
@@ -118,3 +159,18 @@ class Adaptive(GDSF):
         new, reused = self.return_rates()
         # in steps of 1/1024: float sums in another order (a node removed in pieces) give the same weight
         self.new_weight = round(1024 * min(1.0, new / reused) ** self.sharpness) / 1024
+
+    def _add_ghost(self, node: PolicyNode, value: tuple[int, int]) -> None:
+        """Remember removed ``node`` as the piece of its node from its offset; the ghost of the tail below
+        it (removed before it, a leaf goes first) is replaced: nothing can grow back from there now."""
+        identity, offset, length, key = self._pieces.pop(node.id, None) or self._piece(node)
+        end = offset + len(node)
+        if end < length:
+            below = self._tail_ghosts.pop((identity, end), None)
+            if below is not None:
+                self.ghosts.pop(below)
+        if offset == 0:
+            self.ghosts.add(key, value)
+        else:
+            key = self._tail_ghosts[(identity, offset)] = hash((identity, offset, self._first(node)))
+            self.ghosts.add(key, value)

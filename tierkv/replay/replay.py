@@ -54,7 +54,7 @@ class ReplayConfig:
     l1_tokens: int
     l2_tokens: int | None = None
     page_size: int = 16
-    eviction_policy: str = "gdsf"
+    eviction_policy: str = CacheConfig.eviction_policy
     write_policy: str = "write_through"
     l3: str = "none"
     include_output: bool = False

@@ -58,7 +58,7 @@ def command(kind: str, trace: Path, args: argparse.Namespace, json_path: Path) -
         return [sys.executable, str(ROOT / "bench" / "page_lru_sim.py"), str(trace), "--total-tokens",
                 str(args.total_tokens), *sizes]
     cmd = [sys.executable, "-m", "tierkv", "replay", str(trace), "--l1-tokens", args.l1_tokens, "--l2-tokens",
-           args.l2_tokens, "--policy", args.policy, "--json", str(json_path), *sizes]
+           args.l2_tokens, *(["--policy", args.policy] if args.policy else []), "--json", str(json_path), *sizes]
     return cmd + (["--no-baselines", "--serial"] if kind == "replay" else [])
 
 
@@ -86,7 +86,8 @@ def main() -> None:
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--l1-tokens", default="500k")
     parser.add_argument("--l2-tokens", default="4M")
-    parser.add_argument("--policy", default="gdsf", help="the tiered replay's eviction policy")
+    parser.add_argument("--policy", default=None,
+                        help="the tiered replay's eviction policy (default: the replay's own, as a user runs it)")
     args = parser.parse_args()
     kinds = [k for k in args.kinds.split(",") if k]
     if set(kinds) - set(KINDS) or "lru" not in kinds:
@@ -109,7 +110,7 @@ def main() -> None:
                     run["hit_ratio"] = hit_ratio(kind, run.pop("stdout"), json_path)
                     runs[kind, s].append(run)
     print(f"trace {Path(args.trace).name} x {args.scales}, page {args.page_size}, L1 {args.l1_tokens} + L2 "
-          f"{args.l2_tokens} tokens ({args.policy}); {args.repeats} interleaved repeats, /usr/bin/time")
+          f"{args.l2_tokens} tokens ({args.policy or 'default policy'}); {args.repeats} interleaved repeats, /usr/bin/time")
     print(f"{'run':<14} {'scale':>5} {'hit ratio':>9} {'CPU s min':>9} {'CPU s med':>9} {'ratio min':>9} "
           f"{'ratio med':>9} {'peak RSS MiB':>12}")
     for s in scales:

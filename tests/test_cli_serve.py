@@ -168,26 +168,45 @@ def test_io_wait_timeout_zero_is_refused():
 
 
 # ---- 29.4: L3 hits in serve on a workload built for L3 -------------------------------------------------
-def _cycle_prompts(engine, rounds: int) -> list[int]:
+def _cycle_prompts(engine, rounds: int) -> list:
     rng = random.Random(0)
     prompts = [[rng.randrange(256) for _ in range(600)] for _ in range(6)]
-    hits = [engine.generate([p], 2)[0].storage_hit_tokens for _ in range(rounds) for p in prompts]
+    results = [engine.generate([p], 2)[0] for _ in range(rounds) for p in prompts]
     engine.check_integrity()
-    return hits
+    return results
 
 
 def test_serve_defaults_hit_l3_on_cycled_prompts_that_overflow_l1_and_l2(tmp_path):
-    """Six 600-token prompts cycled: L1 (1k) + L2 (2k) hold under a cycle, so every repeat must come from
-    L3 (recomputing costs 0.6 s at the fixed rate, far above a file read). With serve's old stop policy
+    """Six 600-token prompts cycled: L1 (1k) + L2 (2k) hold under a cycle, so under GDSF (no scan
+    resistance: each prompt is used once a cycle, the oldest goes) every repeat must come from L3
+    (recomputing costs 0.6 s at the fixed rate, far above a file read). With serve's old stop policy
     (best_effort) a request ran in the step its prefetch started, before the exists call returned: 0 L3
     hits, 0 gets, and backups then judged never read back."""
     engine = Engine("tiny-llama", config("--l3", f"file:{tmp_path}", "--l1-tokens", "1k", "--l2-tokens", "2k",
-                                         "--prefill-tokens-per-s", "1000"))
+                                         "--prefill-tokens-per-s", "1000", "--eviction-policy", "gdsf"))
     try:
-        hits = _cycle_prompts(engine, 3)
+        hits = [r.storage_hit_tokens for r in _cycle_prompts(engine, 3)]
         assert sum(hits[6:]) >= 12 * 512, hits  # nearly every repeat, not a lucky page
         assert engine.cache.storage.config.prefetch_stop_policy == "timeout"  # HiCache's default
         assert l3_counters(engine.cache)["prefetched_tokens"] == sum(hits)
+    finally:
+        engine.close()
+
+
+def test_serve_default_policy_keeps_part_of_a_cycle_in_l1_and_l2_and_reads_the_rest_from_l3(tmp_path):
+    """The same cycle under the default policy (adaptive): it learns that prompts evicted after one use come
+    back (ghosts) and keeps some in L1 and L2, so repeats hit there, and the others still come from L3.
+    Every repeat hits, whichever tier serves it."""
+    engine = Engine("tiny-llama", config("--l3", f"file:{tmp_path}", "--l1-tokens", "1k", "--l2-tokens", "2k",
+                                         "--prefill-tokens-per-s", "1000"))
+    try:
+        assert engine.cache.config.eviction_policy == "adaptive"
+        results = _cycle_prompts(engine, 3)
+        repeats = results[6:]
+        assert all(r.device_hit_tokens + r.host_hit_tokens + r.storage_hit_tokens >= 512 for r in repeats)
+        assert sum(r.device_hit_tokens + r.host_hit_tokens for r in repeats) > 0
+        assert sum(r.storage_hit_tokens for r in repeats) > 0
+        assert l3_counters(engine.cache)["prefetched_tokens"] == sum(r.storage_hit_tokens for r in results)
     finally:
         engine.close()
 
@@ -197,7 +216,7 @@ def test_with_a_measured_prefill_rate_the_counters_say_why_l3_was_not_read(tmp_p
     its counters (in the banner and the exit line) must say so."""
     engine = Engine("tiny-llama", config("--l3", f"file:{tmp_path}", "--l1-tokens", "1k", "--l2-tokens", "2k"))
     try:
-        hits = _cycle_prompts(engine, 3)
+        hits = [r.storage_hit_tokens for r in _cycle_prompts(engine, 3)]
         counters = l3_counters(engine.cache)
         skipped = counters["not_worth"] + counters["cut_after_exists"] + counters["lookups_skipped"]
         assert sum(hits[6:]) > 0 or skipped > 0, (hits, counters)

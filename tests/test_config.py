@@ -10,7 +10,7 @@ from tierkv.cache.hicache import HiRadixCache
 
 def test_defaults_are_valid():
     cfg = CacheConfig()
-    assert cfg.eviction_policy == "gdsf" and cfg.tier_mode == "exclusive" and cfg.write_policy == "write_through"
+    assert cfg.eviction_policy == "adaptive" and cfg.tier_mode == "exclusive" and cfg.write_policy == "write_through"
     assert cfg.write_threshold is None  # exclusive tiers copy to L2 on eviction; L3 backups follow write_policy
     assert CacheConfig(tier_mode="inclusive").write_threshold == 1
     assert CacheConfig(write_policy="write_through_selective", tier_mode="inclusive").write_threshold == 2

@@ -108,7 +108,7 @@ def test_serve_command_prints_a_summary_and_logs_each_request(tmp_path):
         summary = [proc.stdout.readline() for _ in range(4)]
         assert "L1 2,000 tokens" in summary[1] and "L2 8,000 tokens" in summary[1], summary
         assert "exclusive with 256 tokens of staging, write_through" in summary[1], summary
-        assert "eviction gdsf" in summary[1], summary
+        assert "eviction adaptive" in summary[1], summary
         assert "listening on http://127.0.0.1:" in summary[-1], summary
         port = int(summary[-1].rsplit(":", 1)[1])
         status, _, data = call(port, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 3})

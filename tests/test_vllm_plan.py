@@ -324,7 +324,7 @@ def test_frequency_aware_policies_see_each_use_of_an_l2_prefix(policy):
 def test_the_connectors_default_policy_is_the_caches():
     from tierkv.cache.config import CacheConfig
 
-    assert ConnectorConfig().eviction_policy == CacheConfig().eviction_policy == "gdsf"
+    assert ConnectorConfig().eviction_policy == CacheConfig().eviction_policy == "adaptive"
 
 
 @pytest.mark.parametrize("extra, field", [

@@ -34,7 +34,7 @@ class CacheConfig:
     """
 
     page_size: int = 1
-    eviction_policy: str = "gdsf"  # chosen by measurement: README, "Eviction policies"
+    eviction_policy: str = "adaptive"  # chosen by measurement: docs/policies.md, "Defaults by measurement"
     write_policy: str = "write_through"
     io_backend: str = "kernel"
     host_layout: str = "layer_first"

@@ -110,7 +110,8 @@ def main() -> None:
                     run["hit_ratio"] = hit_ratio(kind, run.pop("stdout"), json_path)
                     runs[kind, s].append(run)
     print(f"trace {Path(args.trace).name} x {args.scales}, page {args.page_size}, L1 {args.l1_tokens} + L2 "
-          f"{args.l2_tokens} tokens ({args.policy or 'default policy'}); {args.repeats} interleaved repeats, /usr/bin/time")
+          f"{args.l2_tokens} tokens ({args.policy or 'default policy'}); {args.repeats} interleaved repeats, "
+          "/usr/bin/time")
     print(f"{'run':<14} {'scale':>5} {'hit ratio':>9} {'CPU s min':>9} {'CPU s med':>9} {'ratio min':>9} "
           f"{'ratio med':>9} {'peak RSS MiB':>12}")
     for s in scales:

@@ -141,7 +141,7 @@ class Eviction:
         """:meth:`evict` under exclusive tiers: L2 makes room for all of this eviction's demotions at once,
         after them, ranking them with its own nodes, so what leaves the cache is what one tier of the total
         would drop. Evicting L2 for each demotion in turn, the earlier ones protected, kept a demoted node
-        ranking below an L2 node that the next demotion then evicted (adaptive's tiers fell 0.24 points
+        ranking below an L2 node that the next demotion then evicted (adaptive's tiers fell 0.23 points
         below one tier of their total). A demoted node first holds a stand-in host value, its device slots
         as ``-1 - slot``: splits cut it as they cut slots, and an L2 eviction of it drops the node from the
         cache. Those still holding one get L2 slots and one batch copy; a node that must stay (its L2-only

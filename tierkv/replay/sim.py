@@ -302,7 +302,7 @@ class PageSim:
         demoted nodes with its own (as the cache's Eviction._demote_exclusive): so L2 over its size until
         then. Evicting for each in turn, with the earlier ones protected, kept a demoted node that ranks
         below an L2 node the next demotion then evicted, where one tier of the total drops that node
-        (adaptive's exclusive tiers were 0.24 points below one tier; GDSF and LRU never rank them so)."""
+        (adaptive's exclusive tiers were 0.23 points below one tier; GDSF and LRU never rank them so)."""
         path = []
         n = node
         while n is not self.tree.root and n.host_value is None and (ancestors or not path):

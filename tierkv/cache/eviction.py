@@ -137,6 +137,19 @@ class Eviction:
         self.priority.on_evict(node, removed=removed)
         return slots
 
+    def _take_stand_ins(self, host_values: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Of ``host_values`` leaving L2, keep the real L2 slots; a demotion's stand-in (only while one
+        settles) gives its device slots to ``_dropped_stand_ins``, freed after the batch copy."""
+        if self._dropped_stand_ins is None:
+            return host_values
+        real = []
+        for value in host_values:
+            if _is_stand_in(value):
+                self._dropped_stand_ins.append(-1 - value)
+            else:
+                real.append(value)
+        return real
+
     def _demote_exclusive(self, num_tokens: int) -> int:
         """:meth:`evict` under exclusive tiers: L2 makes room for all of this eviction's demotions at once,
         after them, ranking them with its own nodes, so what leaves the cache is what one tier of the total
@@ -204,7 +217,7 @@ class Eviction:
         def on_split(top: TreeNode, bottom: TreeNode) -> None:  # a stand-in cut in two: both halves demoted
             if split_hook is not None:
                 split_hook(top, bottom)
-            if bottom.host_value is not None and int(bottom.host_value[0]) < 0:
+            if bottom.host_value is not None and _is_stand_in(bottom.host_value):
                 demoted.append(top)
 
         self.tree.split_hook = on_split
@@ -300,10 +313,8 @@ class Eviction:
 
     def _remove_with_host_subtree(self, node: TreeNode) -> None:
         """Delete ``node`` (in neither tier now) and its L2-only descendants, freeing their host slots."""
-        freed = drop_host_subtree(self.tree, node, self.priority)
-        if freed and self._dropped_stand_ins is not None:  # stand-ins of demoted descendants (admission)
-            self._dropped_stand_ins += [-1 - v for v in freed if int(v[0]) < 0]
-            freed = [v for v in freed if int(v[0]) >= 0]
+        # a demoted descendant's stand-in (admission refused this node) is no L2 slot
+        freed = self._take_stand_ins(drop_host_subtree(self.tree, node, self.priority))
         if freed:
             self.host_pool.free(torch.cat(freed))
             self.stats.evicted_host_tokens += sum(len(v) for v in freed)
@@ -390,11 +401,16 @@ class Eviction:
             if node.device_value is None:
                 self.tree.remove_leaf(node)
             on_evict(node, removed=node.device_value is None)
-        if self._dropped_stand_ins is not None:  # a demotion's stand-in is no L2 slot: its device slots
-            stand_ins = [v for v in evicted_slots if int(v[0]) < 0]
-            evicted_slots = [v for v in evicted_slots if int(v[0]) >= 0]
-            self._dropped_stand_ins += [-1 - v for v in stand_ins]
-            freed -= sum(len(v) for v in stand_ins)
+        real_slots = self._take_stand_ins(evicted_slots)
+        if len(real_slots) != len(evicted_slots):  # a stand-in frees no L2 slot
+            freed -= sum(len(v) for v in evicted_slots) - sum(len(v) for v in real_slots)
+            evicted_slots = real_slots
         self.host_pool.allocator.free_each(evicted_slots, whole_pages=True)  # no concatenation: see free_each
         self.stats.evicted_host_tokens += freed
         return freed
+
+
+def _is_stand_in(host_value: torch.Tensor) -> bool:
+    """A demoted node's stand-in host value (its device slots as ``-1 - slot``, see
+    :meth:`Eviction._demote_exclusive`), not L2 slots."""
+    return int(host_value[0]) < 0
